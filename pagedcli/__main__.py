@@ -1,0 +1,3 @@
+from pagedcli.cli import main
+
+main()

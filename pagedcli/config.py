@@ -1,0 +1,230 @@
+"""What the network looks like (ModelConfig, from config.json) and what the cache looks like
+(CacheGeometry): the one source of truth for every size the Python code and the CUDA kernels use."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagedcli.errors import RunError, UsageError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+DEFAULT_BLOCK_SIZE = 16  # tokens per block, as in tiny-vllm and vLLM
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)  # the kernels unroll over these
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        per_layer = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + 3 * h * i + 2 * h
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type")
+        if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise RunError(
+                f"{source}: architecture {', '.join(archs)} is not supported",
+                "pagedcli runs LlamaForCausalLM checkpoints",
+            )
+        if not archs and model_type != "llama":
+            raise RunError(
+                f"{source}: model_type {model_type!r} is not supported",
+                "pagedcli runs Llama-family checkpoints (model_type 'llama')",
+            )
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise RunError(f"{source}: hidden_act {act!r} is not supported", "Llama uses silu")
+        if d.get("attention_bias") or d.get("mlp_bias"):
+            raise RunError(f"{source}: attention_bias/mlp_bias are not supported", "Llama has no biases")
+        # transformers >= 5 writes RoPE settings as `rope_parameters` (theta and scaling together)
+        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+        rope_theta = d.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in ("llama3", "default"):
+            raise RunError(f"{source}: rope scaling type {rope_type!r} is not supported", "supported: llama3")
+        try:
+            hidden = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            cfg = cls(
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(rope_theta),
+                rope_scaling=rope if rope_type == "llama3" else None,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=_as_ids(d.get("eos_token_id")),
+                torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+                raw=d,
+            )
+        except KeyError as e:
+            raise RunError(f"{source}: required key {e.args[0]!r} is missing", "is this a Llama config.json?") from None
+        except (TypeError, ValueError) as e:
+            raise RunError(f"{source}: a value has the wrong type ({e})", "is this a Llama config.json?") from None
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise RunError(
+                f"{source}: num_attention_heads {cfg.num_heads} is not a multiple of "
+                f"num_key_value_heads {cfg.num_kv_heads}"
+            )
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: Path) -> "ModelConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise UsageError(f"{path} not found", "a model folder needs a config.json")
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RunError(f"{path} is not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise RunError(f"{path} is not a JSON object")
+        return cls.from_dict(d, source=str(path))
+
+
+def _as_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """The paged KV pool, tiny-vllm's layout: one pool of `num_blocks` physical blocks; a block holds
+    K for `block_size` tokens ([block_size][kv_heads][head_dim]) and then V at `v_offset` bytes.
+    Every layer takes its own blocks from the same pool."""
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    num_blocks: int
+    dtype: torch.dtype
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def v_offset(self) -> int:  # bytes from the start of a block to its V half
+        return self.block_size * self.kv_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.v_offset
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:  # all layers, K and V
+        return 2 * self.kv_dim * self.itemsize * self.num_layers
+
+    @property
+    def pool_shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Logical blocks a sequence of `num_tokens` occupies in one layer."""
+        return math.ceil(num_tokens / self.block_size)
+
+    def defines(self) -> dict[str, int]:
+        """The `-D` defines every CUDA kernel is compiled with."""
+        return {
+            "BLOCK_SIZE": self.block_size,
+            "NUM_KV_HEADS": self.num_kv_heads,
+            "HEAD_DIM": self.head_dim,
+            "KV_DIM": self.kv_dim,
+            "BLOCK_BYTES": self.block_bytes,
+            "V_OFFSET": self.v_offset,
+        }
+
+    @classmethod
+    def build(
+        cls,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
+        cache_bytes: int | None = None,
+    ) -> "CacheGeometry":
+        if block_size not in SUPPORTED_BLOCK_SIZES:
+            raise UsageError(
+                f"--block-size {block_size} is not supported",
+                f"choose one of {', '.join(map(str, SUPPORTED_BLOCK_SIZES))}",
+            )
+        geo = cls(block_size, config.num_kv_heads, config.head_dim, config.num_layers, 0, dtype)
+        if num_blocks is None:
+            if cache_bytes is None:
+                raise ValueError("give num_blocks or cache_bytes")
+            num_blocks = cache_bytes // geo.block_bytes
+        geo = cls(block_size, config.num_kv_heads, config.head_dim, config.num_layers, int(num_blocks), dtype)
+        if geo.num_blocks < config.num_layers:
+            raise UsageError(
+                f"a pool of {geo.num_blocks} blocks cannot hold one block per layer ({config.num_layers} layers)",
+                f"use --num-blocks {config.num_layers * 8} or more, or a larger --cache-size",
+            )
+        return geo
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MB', '1e9' -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise UsageError(f"--cache-size {text!r} is not a size", "write it like 2GiB, 512MiB or 100MB")
+    return int(value * units[unit])
