@@ -1,0 +1,89 @@
+"""The reference backend: plain torch, written as Hugging Face's LlamaForCausalLM computes.
+
+Attention gathers each sequence's K/V from its blocks (logical block -> physical block -> token
+offset) into a padded batch and runs scaled-dot-product attention with a causal mask. That gather
+is a read through the block table, done afresh in every layer; nothing is kept between steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedcli.batch import StepBatch
+from pagedcli.cache import KVCache
+from pagedcli.config import ModelConfig
+from pagedcli.rope import RotaryTable, apply_rope
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, cache: KVCache, config: ModelConfig):
+        self.cache = cache
+        self.block_size = cache.geometry.block_size
+        rope = RotaryTable(config, cache.max_model_len, cache.device)
+        self.cos, self.sin = rope.cos.to(cache.geometry.dtype), rope.sin.to(cache.geometry.dtype)
+        self._step: dict = {}  # per-step index tensors shared by all layers
+
+    # --- elementwise --------------------------------------------------------------------------
+    def add_rms_norm(self, x, residual, weight, eps):
+        """residual + x in x's dtype, then RMSNorm in float32, back to x's dtype before the weight
+        multiplies (transformers' order of roundings)."""
+        residual = x if residual is None else residual + x
+        r = residual.float()
+        r = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * r.to(x.dtype), residual
+
+    def silu_mul(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    # --- positions and the cache --------------------------------------------------------------
+    def prepare(self, batch: StepBatch) -> None:
+        """Index tensors for this step's RoPE, K/V writes, gathers and mask; built once, used by
+        every layer."""
+        dev = batch.token_ids.device
+        Lq, Lk = max(batch.num_new), max(batch.context_lens_host)
+        key_pos = torch.arange(Lk, device=dev)
+        ctx = batch.context_lens.long()
+        num_new = torch.tensor(batch.num_new, device=dev)
+        starts = torch.cumsum(num_new, 0) - num_new  # first token of each sequence in T
+        row = torch.arange(Lq, device=dev)
+        q_pos = (ctx - num_new)[:, None] + row[None, :]  # [B, Lq] positions of the queries
+        q_valid = row[None, :] < num_new[:, None]
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < ctx[:, None, None])
+        mask |= ~q_valid[:, :, None] & (key_pos == 0)  # padding rows see one key: no NaN
+        slots = batch.slots.long()
+        self._step = dict(
+            cos=self.cos[batch.positions], sin=self.sin[batch.positions],
+            token_slot=slots[batch.token_seq],
+            token_block=batch.positions // self.block_size,
+            token_offset=batch.positions % self.block_size,
+            key_block=(key_pos // self.block_size).clamp(max=self.cache.max_blocks_per_seq - 1),
+            key_offset=key_pos % self.block_size,
+            slots=slots,
+            mask=mask[:, None],  # [B, 1, Lq, Lk]
+            pad_index=(starts[:, None] + row[None, :]).clamp(max=batch.token_ids.numel() - 1),
+            token_row=torch.arange(batch.token_ids.numel(), device=dev) - starts[batch.token_seq],
+        )
+
+    def rope_write_kv(self, layer: int, q, k, v, batch: StepBatch):
+        s = self._step
+        q, k = apply_rope(q, s["cos"], s["sin"]), apply_rope(k, s["cos"], s["sin"])
+        physical = self.cache.device_table[s["token_slot"], layer, s["token_block"]].long()
+        self.cache.pool[physical, 0, s["token_offset"]] = k
+        self.cache.pool[physical, 1, s["token_offset"]] = v
+        return q
+
+    def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        s = self._step
+        table = self.cache.device_table[:, layer]
+        physical = table[s["slots"][:, None], s["key_block"][None, :]].long().clamp(min=0)  # [B, Lk]
+        k = self.cache.pool[physical, 0, s["key_offset"][None, :]]  # [B, Lk, kv_heads, head_dim]
+        v = self.cache.pool[physical, 1, s["key_offset"][None, :]]
+        q_pad = q[s["pad_index"]]  # [B, Lq, heads, head_dim]
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=s["mask"], enable_gqa=True
+        )  # [B, heads, Lq, head_dim]
+        return out.transpose(1, 2)[batch.token_seq, s["token_row"]]  # [T, heads, head_dim]
