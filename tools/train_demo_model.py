@@ -45,6 +45,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import platform
 import random
 import re
@@ -95,7 +96,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--eval-seconds", type=float, default=20.0, help="validate every N seconds")
+    p.add_argument("--dropout", type=float, default=0.1,
+                   help="residual dropout on attention/MLP outputs while training "
+                        "(forward hooks; the saved model has none)")
+    p.add_argument("--eval-seconds", type=float, default=None,
+                   help="validate every N seconds (default: 5 on CUDA, 30 on CPU)")
+    p.add_argument("--patience-seconds", type=float, default=120.0,
+                   help="stop early when the best val loss is this many seconds old (0: never)")
     p.add_argument("--eval-batch-size", type=int, default=64)
     p.add_argument("--log-seconds", type=float, default=10.0, help="print progress every N seconds")
     p.add_argument("--compile", action="store_true",
@@ -103,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.batch_size is None:
         args.batch_size = 64 if str(args.device).startswith("cuda") else 8
+    if args.eval_seconds is None:
+        args.eval_seconds = 5.0 if str(args.device).startswith("cuda") else 30.0
     return args
 
 
@@ -216,6 +225,26 @@ def build_config():
     )
 
 
+def add_residual_dropout(model, p: float) -> list:
+    """Dropout on each layer's attention and MLP output (training mode only).
+
+    LlamaForCausalLM has no residual dropout of its own; forward hooks add it
+    without changing the architecture or the saved weights. Returns the hook
+    handles (call .remove() on them to take it out again).
+    """
+    if p <= 0:
+        return []
+
+    def hook(module, inputs, output):
+        return F.dropout(output, p, training=True) if module.training else output
+
+    handles = []
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            handles.append(proj.register_forward_hook(hook))
+    return handles
+
+
 def make_optimizer(model, lr: float, weight_decay: float, device: str):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
@@ -262,10 +291,15 @@ def window_loss(model, windows: torch.Tensor, labels: torch.Tensor, reduction: s
 
 
 def sample_batch(train_ids: torch.Tensor, batch_size: int, gen: torch.Generator):
-    """Random windows: BOS followed by SEQ_LEN - 1 consecutive training tokens."""
+    """Random windows: BOS followed by SEQ_LEN - 1 consecutive training tokens.
+
+    `gen` lives on train_ids' device, so sampling never syncs with the host.
+    """
     span = SEQ_LEN - 1
-    starts = torch.randint(0, train_ids.numel() - span + 1, (batch_size,), generator=gen)
-    idx = starts.to(train_ids.device)[:, None] + torch.arange(span, device=train_ids.device)
+    dev = train_ids.device
+    starts = torch.randint(0, train_ids.numel() - span + 1, (batch_size,),
+                           generator=gen, device=dev)
+    idx = starts[:, None] + torch.arange(span, device=dev)
     body = train_ids[idx]
     bos = torch.full((batch_size, 1), BOS_ID, dtype=body.dtype, device=body.device)
     windows = torch.cat([bos, body], dim=1)
@@ -321,7 +355,8 @@ def train(model, train_ids, val_windows, val_labels, args) -> dict:
     device = args.device
     budget = args.minutes * 60.0
     opt = make_optimizer(model, args.lr, args.weight_decay, device)
-    gen = torch.Generator().manual_seed(args.seed + 1)
+    gen = torch.Generator(device=train_ids.device).manual_seed(args.seed + 1)
+    dropout_hooks = add_residual_dropout(model, args.dropout)
     fwd = try_compile(model, args.compile)
     compiled = fwd is not model
 
@@ -388,8 +423,9 @@ def train(model, train_ids, val_windows, val_labels, args) -> dict:
         if evaluated or now - last_log >= args.log_seconds:
             train_loss = (run_loss / max(1, run_n)).item()
             el = now - t0
+            best_txt = f"{best['val_loss']:.4f}@{best['step']}" if best["state"] else "-"
             log(f"step {step:6d}  lr {lr:.2e}  train {train_loss:.4f}  val {val_loss:.4f}  "
-                f"best {best['val_loss']:.4f}@{best['step']}  "
+                f"best {best_txt}  "
                 f"{step * tokens_per_step / max(el, 1e-9):,.0f} tok/s  {el:6.1f}s")
             run_loss.zero_()
             run_n = 0
@@ -398,7 +434,13 @@ def train(model, train_ids, val_windows, val_labels, args) -> dict:
                 stop_reason = "non-finite training loss"
                 log("training loss is not finite; stopping and keeping the best weights")
                 break
+        if (evaluated and args.patience_seconds > 0 and best["state"] is not None
+                and now - t0 - best["elapsed"] >= args.patience_seconds):
+            stop_reason = f"no val improvement for {args.patience_seconds:g}s"
+            break
 
+    for h in dropout_hooks:
+        h.remove()
     # Final evaluation of the last weights (they may be the best).
     if step > 0 and stop_reason != "non-finite training loss":
         val_loss = do_eval(time.perf_counter())
@@ -432,6 +474,7 @@ def save_model(model, best_state: dict, out: Path) -> None:
     except TypeError:  # a transformers that dropped the (always-on) flag
         model.save_pretrained(out)
     fix_config(out / "config.json")
+    os.chmod(out / "model.safetensors", 0o644)  # some transformers versions write it 0600
 
 
 def fix_config(path: Path) -> None:
@@ -514,9 +557,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     seed_everything(args.seed)
     device = args.device
-    if device.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")  # TF32 for the few fp32 matmuls on CUDA
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
 

@@ -1,0 +1,86 @@
+"""The engine: requests in, tokens out, one step at a time.
+
+    step():  scheduler.schedule()  -> which sequences run, prefill or decode
+             runner.run()          -> the forward pass over the paged cache: logits
+             sampler.sample()      -> one token per sequence
+             scheduler.update()    -> append, finish, give blocks back
+
+Each step returns a StepOutput saying what happened, which the CLI streams, the live view
+draws and the benchmark times.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedcli.cache import KVCache
+from pagedcli.runner import ModelRunner
+from pagedcli.sampler import sample
+from pagedcli.scheduler import Scheduler
+from pagedcli.sequence import SamplingParams, Sequence, Status
+from pagedcli.snapshot import CacheSnapshot, take_snapshot
+
+
+@dataclass
+class StepOutput:
+    is_prefill: bool
+    seqs: list[Sequence]  # the sequences that ran
+    tokens: list[int]  # the token each sampled (a stop token is sampled but not appended)
+    finished: list[Sequence] = field(default_factory=list)
+    num_tokens: int = 0  # tokens fed through the network
+    elapsed: float = 0.0  # seconds
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, cache: KVCache, max_slots: int, max_model_len: int, stop_ids):
+        self.runner = runner
+        self.cache = cache
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(cache, max_slots, max_model_len, set(stop_ids))
+        self.sequences: list[Sequence] = []
+        self.num_steps = 0
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
+        seq = Sequence(len(self.sequences), prompt_token_ids, params, prompt)
+        self.sequences.append(seq)
+        self.scheduler.add(seq)
+        return seq
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> StepOutput:
+        start = time.perf_counter()
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return StepOutput(is_prefill, [], [])
+        num_tokens = sum(len(s) - s.num_cached for s in seqs) if is_prefill else len(seqs)
+        logits = self.runner.run(seqs, is_prefill)
+        tokens = sample(logits, seqs)
+        now = time.perf_counter()
+        for seq in seqs:
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.token_times.append(now)
+        finished = self.scheduler.update(seqs, tokens)
+        self.num_steps += 1
+        return StepOutput(is_prefill, seqs, tokens, finished, num_tokens, now - start)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        """Run prompts to completion; returns their sequences in input order."""
+        seqs = [self.add_request(p, params) for p in prompts]
+        while self.has_unfinished:
+            self.step()
+        return seqs
+
+    def abort_all(self) -> None:
+        """Finish every unfinished request now (Ctrl-C): every block goes back."""
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            seq.finish_reason = seq.finish_reason or "abort"
+            self.scheduler.finish(seq)
+        self.scheduler.waiting.clear()
+
+    def snapshot(self) -> CacheSnapshot:
+        return take_snapshot(self)

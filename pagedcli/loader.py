@@ -1,0 +1,108 @@
+"""From command-line options to a ready Engine: pick the device and dtype, read the model, size
+the pool, choose the backend. The CLI, the benchmark and the tests all build engines here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pagedcli.backends import TorchBackend
+from pagedcli.cache import KVCache
+from pagedcli.config import DEFAULT_BLOCK_SIZE, CacheGeometry, parse_size
+from pagedcli.engine import Engine
+from pagedcli.errors import UsageError
+from pagedcli.llama import Llama
+from pagedcli.models import ModelSource, resolve_model
+from pagedcli.runner import ModelRunner
+from pagedcli.tokenizer import Tokenizer
+from pagedcli.weights import Weights, load_weights, random_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CACHE = {"cuda": "2GiB", "cpu": "256MiB"}  # 2 GiB on a GPU, as tiny-vllm
+
+
+@dataclass
+class EngineOptions:
+    model: str | None = None
+    device: str = "auto"  # auto, cpu, cuda
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    batch: int = 2  # concurrent slots, as tiny-vllm's BATCH_SIZE
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int | None = None
+    cache_size: str | None = None  # e.g. "2GiB"; default by device
+    max_model_len: int | None = None
+    eager: bool = False  # no CUDA graphs
+    shuffle_blocks: int | None = None  # hand blocks out in a shuffled order (tests, demos)
+    seed: int = 0  # random weights
+
+
+@dataclass
+class Loaded:
+    engine: Engine
+    tokenizer: Tokenizer | None
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    weights: Weights
+
+
+def cuda_status() -> tuple[bool, str]:
+    """Whether the CUDA path can run here, and if not, why."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU is visible to PyTorch"
+    try:
+        import cupy  # noqa: F401
+    except Exception:
+        return False, "CuPy is not installed (pip install \"pagedcli[cuda]\")"
+    return True, ""
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device {requested!r} is not known", "use auto, cpu or cuda")
+    if requested == "cpu":
+        return torch.device("cpu")
+    ok, why = cuda_status()
+    if requested == "cuda" and not ok:
+        raise UsageError(f"--device cuda: {why}", "use --device cpu, or install pagedcli[cuda] on a machine with an NVIDIA GPU")
+    return torch.device("cuda") if ok else torch.device("cpu")
+
+
+def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+    if requested == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if requested not in DTYPES:
+        raise UsageError(f"--dtype {requested!r} is not known", f"use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[requested]
+
+
+def load(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None) -> Loaded:
+    if opts.batch < 1:
+        raise UsageError(f"--batch {opts.batch}: needs at least one slot", "use --batch 1 or more")
+    device = pick_device(opts.device)
+    dtype = pick_dtype(opts.dtype, device)
+    source = resolve_model(opts.model, notice)
+    config = source.config
+    tokenizer = Tokenizer(source.folder) if source.has_tokenizer else None
+    if source.random:
+        weights = random_weights(config, dtype, device, opts.seed)
+    else:
+        weights = load_weights(source.folder, config, dtype, device)
+
+    cache_bytes = parse_size(opts.cache_size or DEFAULT_CACHE[device.type])
+    geometry = CacheGeometry.build(config, dtype, opts.block_size, opts.num_blocks, cache_bytes)
+    pool_len = (geometry.num_blocks // config.num_layers) * geometry.block_size
+    max_model_len = min(config.max_position_embeddings, pool_len, opts.max_model_len or pool_len)
+    cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks)
+    if device.type == "cuda":
+        from pagedcli.backends.cuda import CudaBackend
+
+        backend = CudaBackend(cache, config)
+    else:
+        backend = TorchBackend(cache, config)
+    model = Llama(config, weights, backend)
+    runner = ModelRunner(model, cache, use_graphs=device.type == "cuda" and not opts.eager)
+    engine = Engine(runner, cache, opts.batch, max_model_len, source.stop_ids)
+    return Loaded(engine, tokenizer, source, device, dtype, weights)

@@ -1,0 +1,127 @@
+"""What `--model` names, resolved to a config and a place to read weights and tokenizer from:
+
+- a local Hugging Face folder (config.json, model.safetensors or a sharded index, tokenizer.json, ...);
+- a Hub id such as meta-llama/Llama-3.2-1B-Instruct (the local cache first, then a download);
+- `demo`: the small Shakespeare model that ships inside the package;
+- `random:llama-3.2-1b` (or `random:<folder with config.json>`): random weights of real shapes,
+  for benchmarks without a download;
+- nothing: Llama-3.2-1B-Instruct when it is already in the local Hugging Face cache, else `demo`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from pagedcli.config import ModelConfig
+from pagedcli.errors import RunError, UsageError
+
+DATA = Path(__file__).parent / "data"
+DEMO_FOLDER = DATA / "demo"
+REFERENCE_MODEL = "meta-llama/Llama-3.2-1B-Instruct"
+RANDOM_PRESETS = {"llama-3.2-1b": DATA / "llama-3.2-1b.json"}
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
+
+
+@dataclass
+class ModelSource:
+    name: str  # what the user sees
+    config: ModelConfig
+    folder: Path | None  # weights and tokenizer; None for random weights
+    random: bool = False
+    generation_config: dict = field(default_factory=dict)
+
+    @property
+    def stop_ids(self) -> set[int]:
+        ids = set(self.config.eos_token_ids)
+        eos = self.generation_config.get("eos_token_id")
+        ids |= {eos} if isinstance(eos, int) else set(eos or [])
+        return ids
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.folder is not None and (self.folder / "tokenizer.json").is_file()
+
+
+def resolve_model(spec: str | None, notice: Callable[[str], None] = lambda _: None) -> ModelSource:
+    if spec is None:
+        folder = _cached_snapshot(REFERENCE_MODEL)
+        if folder is not None:
+            notice(f"Using {REFERENCE_MODEL} from the local Hugging Face cache.")
+            return _from_folder(folder, REFERENCE_MODEL)
+        notice(f"Using the built-in demo model (a tiny Llama trained on Shakespeare). For {REFERENCE_MODEL}: "
+               f"accept its licence on the Hub, run `hf auth login`, then pass --model {REFERENCE_MODEL}.")
+        spec = "demo"
+    if spec == "demo":
+        if not (DEMO_FOLDER / "config.json").is_file():
+            raise RunError(f"the built-in model is missing from {DEMO_FOLDER}", "reinstall pagedcli")
+        return _from_folder(DEMO_FOLDER, "demo")
+    if spec.startswith("random:"):
+        return _random(spec)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _from_folder(path, spec)
+    if path.exists():
+        raise UsageError(f"--model {spec}: is a file, not a model folder", "pass the folder that holds config.json")
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", spec) or spec.startswith((".", "/", "~")):
+        raise UsageError(f"--model {spec}: no such folder", "pass a model folder, a Hub id, or `demo`")
+    return _from_folder(_download(spec), spec)
+
+
+def _from_folder(folder: Path, name: str) -> ModelSource:
+    folder = Path(folder)
+    config = ModelConfig.from_file(folder / "config.json")
+    gen_path = folder / "generation_config.json"
+    try:
+        gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunError(f"{gen_path} is not valid JSON ({e})") from None
+    return ModelSource(name, config, folder, generation_config=gen)
+
+
+def _random(spec: str) -> ModelSource:
+    what = spec.removeprefix("random:")
+    if what in RANDOM_PRESETS:
+        config_path = RANDOM_PRESETS[what]
+    else:
+        config_path = Path(what).expanduser()
+        config_path = config_path / "config.json" if config_path.is_dir() else config_path
+        if not config_path.is_file():
+            presets = ", ".join(f"random:{p}" for p in RANDOM_PRESETS)
+            raise UsageError(f"--model {spec}: no such preset or config file",
+                             f"use {presets} or random:<folder with config.json>")
+    return ModelSource(spec, ModelConfig.from_file(config_path), None, random=True)
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except Exception:  # not cached, or a broken cache entry: not an error for a default choice
+        return None
+    return folder if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")) else None
+
+
+def _download(repo_id: str) -> Path:
+    cached = _cached_snapshot(repo_id)
+    if cached is not None:
+        return cached
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except GatedRepoError:
+        raise UsageError(f"--model {repo_id}: the repository is gated",
+                         f"accept its licence on the Hub, run `hf auth login`, or pass a local folder") from None
+    except RepositoryNotFoundError:
+        raise UsageError(f"--model {repo_id}: no such folder here, and no such repository on the Hub "
+                         f"(or it is private)", "pass a model folder, a Hub id, or `demo`") from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RunError(f"--model {repo_id}: not in the local Hugging Face cache and the Hub cannot be reached "
+                       f"({first})", "connect once to download it, or pass a local folder") from None

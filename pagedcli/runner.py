@@ -1,0 +1,117 @@
+"""ModelRunner: turns the scheduler's sequences into a StepBatch and runs the network.
+
+On a GPU with our CUDA backend, decode steps replay CUDA graphs captured per batch-size bucket:
+the step's inputs are copied into the graph's static tensors (one host-to-device copy), the graph
+replays every kernel of the forward pass at once, and the logits of the real rows come out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedcli.batch import StepBatch
+from pagedcli.cache import KVCache
+from pagedcli.llama import Llama
+from pagedcli.sequence import Sequence
+
+
+def graph_buckets(max_slots: int) -> list[int]:
+    """Batch sizes a decode graph is captured for (nano-vllm's choice): 1, 2, 4, 8, then 16 apart."""
+    small = [b for b in (1, 2, 4, 8) if b < max_slots]
+    return small + list(range(16, max_slots, 16)) + [max_slots]
+
+
+class ModelRunner:
+    def __init__(self, model: Llama, cache: KVCache, use_graphs: bool = False):
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        self.graphs = DecodeGraphs(model, cache) if use_graphs else None
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        """Logits for each sequence's next token, [len(seqs), vocab] float32."""
+        self.cache.sync_device_table()
+        slots = [s.slot for s in seqs]
+        if is_prefill:
+            new_tokens = [s.token_ids[s.num_cached:] for s in seqs]
+            num_cached = [s.num_cached for s in seqs]
+        else:
+            new_tokens = [[s.last_token] for s in seqs]
+            num_cached = [len(s) - 1 for s in seqs]
+        if self.graphs is not None and not is_prefill:
+            return self.graphs.run(slots, [t[0] for t in new_tokens], num_cached)
+        batch = StepBatch.build(is_prefill, slots, new_tokens, num_cached, self.device)
+        self.model.backend.prepare(batch)
+        return self.model.forward(batch)
+
+
+class DecodeGraphs:
+    """One CUDA graph per batch-size bucket, captured on first use. Rows past the real batch are
+    padding: position -1 (no K/V written) and context length 0 (attention does nothing)."""
+
+    def __init__(self, model: Llama, cache: KVCache):
+        self.model, self.cache = model, cache
+        self.buckets = graph_buckets(cache.max_slots)
+        n = self.buckets[-1]
+        dev = cache.device
+        # inputs, staged as one int64 tensor [4, n]: token, position, slot, context length
+        self.host = torch.zeros((4, n), dtype=torch.int64).pin_memory()
+        self.host_np = self.host.numpy()  # numpy writes into pinned memory cost least per step
+        self.staged = torch.zeros((4, n), dtype=torch.int64, device=dev)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _batch(self, n: int) -> StepBatch:
+        """The static StepBatch of bucket n; its tensors are filled from `staged` inside the graph."""
+        dev = self.cache.device
+        rows = torch.arange(n, device=dev)
+        return StepBatch(
+            is_prefill=False,
+            token_ids=torch.zeros(n, dtype=torch.int64, device=dev),
+            positions=torch.zeros(n, dtype=torch.int64, device=dev),
+            token_seq=rows,
+            slots=torch.zeros(n, dtype=torch.int32, device=dev),
+            context_lens=torch.zeros(n, dtype=torch.int32, device=dev),
+            last_index=rows.clone(),
+            num_new=[1] * n,
+            context_lens_host=[1] * n,
+        )
+
+    def _forward(self, batch: StepBatch, n: int) -> torch.Tensor:
+        batch.token_ids.copy_(self.staged[0, :n])
+        batch.positions.copy_(self.staged[1, :n])
+        batch.slots.copy_(self.staged[2, :n])
+        batch.context_lens.copy_(self.staged[3, :n])
+        self.model.backend.prepare(batch)
+        return self.model.forward(batch)
+
+    def _capture(self, n: int):
+        batch = self._batch(n)
+        self.staged[1, :n] = -1  # capture with padding rows only: nothing is written to the pool
+        self.staged[3, :n] = 0
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up outside the graph (allocator, lazy inits)
+            self._forward(batch, n)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(batch, n)
+        torch.cuda.synchronize()
+        return graph, logits
+
+    def run(self, slots: list[int], tokens: list[int], num_cached: list[int]) -> torch.Tensor:
+        b = len(slots)
+        n = next(size for size in self.buckets if size >= b)
+        if n not in self.captured:
+            self.captured[n] = self._capture(n)
+        graph, logits = self.captured[n]
+        h = self.host_np
+        h[0, :b] = tokens
+        h[1, :b] = num_cached  # the new token's position = tokens already cached
+        h[2, :b] = slots
+        h[3, :b] = h[1, :b] + 1
+        h[0, b:n], h[1, b:n], h[2, b:n], h[3, b:n] = 0, -1, 0, 0
+        self.staged[:, :n].copy_(self.host[:, :n], non_blocking=True)
+        graph.replay()
+        return logits[:b]

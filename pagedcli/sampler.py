@@ -1,0 +1,41 @@
+"""Next-token choice: greedy, or temperature with top-k / top-p, seeded per request.
+
+Greedy rows share one argmax. Sampled rows each draw with their own generator, seeded from the
+request's seed, so a request's samples do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedcli.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """logits: [B, vocab] float32, row b for seqs[b]."""
+    tokens = logits.argmax(dim=-1)
+    sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
+    for b in sampled:
+        tokens[b] = _draw(logits[b], seqs[b])
+    return tokens.tolist()
+
+
+def _draw(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    if seq.generator is None:
+        seq.generator = torch.Generator(device=logits.device)
+        if p.seed is not None:
+            seq.generator.manual_seed(p.seed)
+        else:
+            seq.generator.seed()
+    logits = logits / p.temperature
+    if p.top_k > 0:
+        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=seq.generator)[0]

@@ -1,0 +1,67 @@
+"""A request as the engine tracks it: its tokens, its slot, how much of it is in the cache."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    max_tokens: int = 256
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None):
+        self.id = seq_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.status = Status.WAITING
+        self.slot: int | None = None
+        self.num_cached = 0  # tokens whose K/V are in the cache (all layers)
+        self.finish_reason: str | None = None  # "stop", "length" or "error"
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None  # made on the logits' device at first sampling
+        # timing, for bench and the live view
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.token_times: list[float] = []
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.id}, status={self.status.value}, slot={self.slot}, len={len(self)})"

@@ -1,0 +1,123 @@
+"""Text <-> token ids with the model's own tokenizer.json, its chat template rendered the way
+transformers renders it (jinja2, sandboxed), and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from pagedcli.errors import RunError, UsageError
+
+
+class Tokenizer:
+    def __init__(self, folder: Path):
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise UsageError(f"no tokenizer.json in {folder}", "the model folder needs the tokenizer its checkpoint came with")
+        try:
+            self.tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a bad file
+            raise RunError(f"{path} could not be read ({e})") from None
+        config = _read_json(folder / "tokenizer_config.json")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.add_bos = bool(config.get("add_bos_token", False))
+        self.chat_template = config.get("chat_template") or _read_template(folder)
+        if isinstance(self.chat_template, list):  # several named templates: take the default one
+            named = {t.get("name"): t.get("template") for t in self.chat_template}
+            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        self.vocab_size = self.tok.get_vocab_size()
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    def token_id(self, text: str | None) -> int | None:
+        return self.tok.token_to_id(text) if text else None
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """`chat`: wrap the prompt as one user message in the model's chat template; otherwise feed
+        it as is, with BOS where the tokenizer's post-processor (or add_bos_token) puts one."""
+        if chat:
+            return self.tok.encode(self.render_chat(prompt), add_special_tokens=False).ids
+        ids = self.tok.encode(prompt).ids
+        bos = self.token_id(self.bos_token)
+        if self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def render_chat(self, prompt: str) -> str:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=[{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as e:
+            raise RunError(f"the model's chat template failed: {e}", "use --raw to feed the prompt as is") from None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class StreamDecoder:
+    """The text of generated tokens, piece by piece, never splitting a multi-byte character
+    (vLLM's prefix/read offsets: only a short window is decoded each time). The last prompt tokens
+    seed the window, so the first piece keeps its leading space."""
+
+    CONTEXT = 5  # prompt tokens decoded as context
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] = ()):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-self.CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            piece = text[len(prefix):]
+            self.text += piece
+            return piece
+        return ""
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunError(f"{path} is not valid JSON ({e})") from None
+
+
+def _read_template(folder: Path) -> str | None:
+    """transformers >= 4.43 may keep the template beside tokenizer_config.json."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    return _read_json(folder / "chat_template.json").get("chat_template")
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
+        return value.get("content")
+    return value
