@@ -95,7 +95,7 @@ class Scheduler:
                 self.cache.grow(seq.slot, len(seq))
                 scheduled.append(seq)
         self.running = scheduled
-        return scheduled
+        return list(scheduled)  # a copy: finishing sequences edits self.running
 
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)

@@ -87,6 +87,13 @@ class StreamDecoder:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self.num_seen = 0  # output tokens taken in
+
+    def catch_up(self, output_ids: list[int]) -> str:
+        """Push the output tokens not seen yet; returns the new text."""
+        new = "".join(self.push(t) for t in output_ids[self.num_seen:])
+        self.num_seen = len(output_ids)
+        return new
 
     def push(self, token: int) -> str:
         self.ids.append(token)

@@ -1,0 +1,150 @@
+"""The command line: options, messages and exit codes only; the work happens elsewhere.
+
+Exit codes: 0 done, 1 a failure while running, 2 a usage mistake, 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from pagedcli.errors import PagedCliError, RunError, UsageError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Local Llama text generation through a paged KV cache you can watch.",
+)
+err = Console(stderr=True, highlight=False)
+
+
+
+@app.callback()
+def _group() -> None:
+    """Local Llama text generation through a paged KV cache you can watch."""
+
+
+# --- options shared by every command that runs a model ------------------------------------------
+Model = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="Model folder, Hub id, `demo`, or `random:llama-3.2-1b`. "
+    "Default: Llama-3.2-1B-Instruct if cached, else the built-in demo model.")]
+Device = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
+Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")]
+Batch = Annotated[int, typer.Option("--batch", "-b", help="Concurrent sequences (slots).")]
+BlockSize = Annotated[int, typer.Option(help="Tokens per KV block.")]
+NumBlocks = Annotated[Optional[int], typer.Option(help="Physical blocks in the pool (overrides --cache-size).")]
+CacheSize = Annotated[Optional[str], typer.Option(help="Pool size, e.g. 2GiB. Default: 2GiB on CUDA, 256MiB on CPU.")]
+MaxModelLen = Annotated[Optional[int], typer.Option(help="Longest sequence, prompt included. Default: the model's, "
+                                                    "capped by what the pool holds.")]
+Eager = Annotated[bool, typer.Option(help="No CUDA graphs (slower; for debugging).")]
+
+
+def friendly_errors(fn):
+    """A user's mistake or a failed run ends with one line on stderr and its exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PagedCliError as e:
+            fail(e)
+        except KeyboardInterrupt:
+            sys.stdout.flush()
+            err.print("\n[yellow]interrupted[/yellow]")
+            raise typer.Exit(130)
+        except MemoryError:
+            fail(RunError("out of memory", "use a smaller --cache-size or --batch"))
+        except Exception as e:
+            if type(e).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError
+                fail(RunError("out of GPU memory", "use a smaller --cache-size or --batch"))
+            raise
+
+    return wrapper
+
+
+def fail(e: PagedCliError):
+    err.print(f"[bold red]error:[/bold red] {e.message}" + (f" [dim]({e.hint})[/dim]" if e.hint else ""),
+              markup=True, soft_wrap=True)
+    raise typer.Exit(e.exit_code)
+
+
+def notice(text: str) -> None:
+    err.print(f"[dim]{text}[/dim]", soft_wrap=True)
+
+
+def engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager, **extra):
+    from pagedcli.loader import EngineOptions
+
+    return EngineOptions(model=model, device=device, dtype=dtype, batch=batch, block_size=block_size,
+                         num_blocks=num_blocks, cache_size=cache_size, max_model_len=max_model_len, eager=eager,
+                         **extra)
+
+
+@app.command()
+@friendly_errors
+def generate(
+    prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts; several run together.")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option(help="A UTF-8 file with one prompt per line.")] = None,
+    chat: Annotated[Optional[bool], typer.Option(
+        "--chat/--raw", help="Wrap prompts in the model's chat template (default when it has one) or feed them as is.")] = None,
+    max_tokens: Annotated[int, typer.Option(help="New tokens per prompt, at most.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Sample from the k likeliest tokens (0: off).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Sample from the smallest set holding this probability (1: off).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (prompt i uses seed + i).")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Keep going past the model's stop tokens.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per prompt on stdout, nothing else.")] = False,
+    model: Model = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    batch: Batch = 2,
+    block_size: BlockSize = 16,
+    num_blocks: NumBlocks = None,
+    cache_size: CacheSize = None,
+    max_model_len: MaxModelLen = None,
+    eager: Eager = False,
+):
+    """Generate text for one or more prompts, streamed as it comes."""
+    from pagedcli import generate as gen
+    from pagedcli.loader import load
+    from pagedcli.output import JsonPrinter, TextPrinter
+    from pagedcli.sequence import SamplingParams
+
+    params = SamplingParams(temperature, top_k, top_p, max_tokens, ignore_eos, seed)
+    gen.check_sampling(params)
+    texts = gen.read_prompts(prompts or [], prompt_file)
+    loaded = load(engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager),
+                  notice)
+    if loaded.tokenizer is None:
+        raise UsageError(f"--model {loaded.source.name} has no tokenizer", "generate needs a model folder with tokenizer.json")
+    use_chat = loaded.tokenizer.has_chat_template if chat is None else chat
+    if use_chat and not loaded.tokenizer.has_chat_template:
+        raise UsageError(f"--chat: model {loaded.source.name} has no chat template", "use --raw")
+    engine = loaded.engine
+    seqs = gen.add_requests(engine, loaded.tokenizer, texts, params, use_chat)
+    failed = [s for s in seqs if s.error]
+    for s in failed:
+        err.print(f"[bold red]error:[/bold red] prompt {s.id + 1}: {s.error}", soft_wrap=True)
+    printer = (JsonPrinter(loaded.tokenizer, seqs) if json_output
+               else TextPrinter(loaded.tokenizer, seqs, echo_prompt=not use_chat))
+    start = time.perf_counter()
+    gen.run(engine, printer, seqs)
+    if not json_output:
+        notice(gen.summary(seqs, time.perf_counter() - start, engine))
+    if failed:
+        raise typer.Exit(2)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

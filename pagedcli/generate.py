@@ -1,0 +1,83 @@
+"""`pagedcli generate`: prompts in, answers streamed out, through the engine's step loop."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pagedcli.engine import Engine
+from pagedcli.errors import UsageError
+from pagedcli.output import JsonPrinter, TextPrinter
+from pagedcli.sequence import SamplingParams, Sequence
+
+
+def read_prompts(prompts: list[str], prompt_file: Path | None) -> list[str]:
+    """Arguments first, then the file's non-empty lines."""
+    prompts = list(prompts)
+    if prompt_file is not None:
+        try:
+            text = Path(prompt_file).read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            raise UsageError(f"--prompt-file {prompt_file}: no such file") from None
+        except IsADirectoryError:
+            raise UsageError(f"--prompt-file {prompt_file}: is a folder", "give a text file, one prompt per line") from None
+        except PermissionError:
+            raise UsageError(f"--prompt-file {prompt_file}: cannot be read (permission denied)") from None
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--prompt-file {prompt_file}: not UTF-8 text (byte {e.start})",
+                             "save it as UTF-8, one prompt per line") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise UsageError("no prompt given", 'pass one, e.g. pagedcli generate "ROMEO:", or use --prompt-file')
+    return prompts
+
+
+def check_sampling(params: SamplingParams) -> None:
+    if params.temperature < 0:
+        raise UsageError(f"--temperature {params.temperature}: must be 0 (greedy) or more")
+    if not 0 < params.top_p <= 1:
+        raise UsageError(f"--top-p {params.top_p}: must be in (0, 1]", "1 turns it off")
+    if params.top_k < 0:
+        raise UsageError(f"--top-k {params.top_k}: must be 0 (off) or more")
+    if params.max_tokens < 1:
+        raise UsageError(f"--max-tokens {params.max_tokens}: must be at least 1")
+
+
+def add_requests(engine: Engine, tokenizer, prompts: list[str], params: SamplingParams, chat: bool) -> list[Sequence]:
+    """One request per prompt; request i samples with seed + i, so its answer does not depend on
+    which other prompts share the batch."""
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        seed = None if params.seed is None else params.seed + i
+        p = SamplingParams(params.temperature, params.top_k, params.top_p, params.max_tokens, params.ignore_eos, seed)
+        seqs.append(engine.add_request(tokenizer.encode(prompt, chat=chat), p, prompt))
+    return seqs
+
+
+def run(engine: Engine, printer: TextPrinter | JsonPrinter, seqs: list[Sequence], on_step=None) -> None:
+    """Step until every request is done, feeding new tokens to the printer. Ctrl-C stops the
+    engine (every block goes back) and leaves what was printed on the screen."""
+    try:
+        while engine.has_unfinished:
+            out = engine.step()
+            for seq in out.seqs:
+                printer.update(seq)
+            printer.flush()
+            if on_step is not None:
+                on_step(out)
+    except KeyboardInterrupt:
+        engine.abort_all()
+        for seq in seqs:
+            printer.update(seq)
+        printer.flush()
+        raise
+    printer.flush()
+
+
+def summary(seqs: list[Sequence], elapsed: float, engine: Engine) -> str:
+    n = sum(len(s.output_token_ids) for s in seqs)
+    rate = n / elapsed if elapsed > 0 else 0.0
+    parts = [f"{n} tokens in {elapsed:.2f} s ({rate:.1f} tokens/s)", f"{len(seqs)} prompt{'s' * (len(seqs) != 1)}"]
+    if engine.scheduler.num_preemptions:
+        parts.append(f"{engine.scheduler.num_preemptions} preemptions")
+    return ", ".join(parts)

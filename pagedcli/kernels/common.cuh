@@ -1,0 +1,138 @@
+// common.cuh: the element type and the helpers every pagedcli kernel shares.
+//
+// The Python side (pagedcli/backends/cuda.py) pastes this file into each .cu source before
+// compiling it with NVRTC (CuPy's RawModule), so a change here changes the source text, and
+// CuPy's on-disk kernel cache (keyed by the source text) can never serve a stale build.
+//
+// No CUDA header is included: NVRTC builds these sources with only its built-in declarations
+// (vector types, intrinsics, math functions). bf16 and fp16 conversions are therefore written
+// here: bf16 with plain bit manipulation, fp16 with the PTX `cvt` instruction.
+//
+// Exactly one of DTYPE_BF16, DTYPE_F16, DTYPE_F32 must be defined: the model's (and the KV pool's)
+// element type. `scalar_t` is how one element is stored; all arithmetic is in float.
+#pragma once
+
+#if defined(DTYPE_BF16) + defined(DTYPE_F16) + defined(DTYPE_F32) != 1
+#error "define exactly one of DTYPE_BF16, DTYPE_F16, DTYPE_F32 (the model's element type)"
+#endif
+
+#define WARP_SIZE 32
+#define FULL_MASK 0xffffffffu
+
+#if defined(DTYPE_F32)
+typedef float scalar_t;
+#else
+typedef unsigned short scalar_t;  // the raw 16 bits of a bf16 or fp16 number
+#endif
+
+// Elements in one 16-byte vector (uint4): the widest load a thread can issue in one instruction.
+#define VEC_BYTES ((int)sizeof(uint4))
+#define VEC ((int)(sizeof(uint4) / sizeof(scalar_t)))
+
+// --- scalar conversions ---------------------------------------------------------------------
+
+__device__ __forceinline__ float to_float(scalar_t x) {
+#if defined(DTYPE_F32)
+    return x;
+#elif defined(DTYPE_BF16)
+    return __uint_as_float(((unsigned int)x) << 16);  // bf16 is the top half of a float
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+#endif
+}
+
+// float -> element type, rounding to nearest, ties to even (what torch does).
+__device__ __forceinline__ scalar_t from_float(float f) {
+#if defined(DTYPE_F32)
+    return f;
+#elif defined(DTYPE_BF16)
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep it a (quiet) NaN
+        return (scalar_t)((u >> 16) | 0x0040u);
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);  // round half to even on the 16 bits dropped
+    return (scalar_t)(u >> 16);
+#else
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#endif
+}
+
+// Round a float to the element type and back: where torch, computing in the model dtype, stores
+// an intermediate result, we round it the same way so that bf16 results agree bit for bit.
+__device__ __forceinline__ float round_to_dtype(float f) { return to_float(from_float(f)); }
+
+// --- 16-byte vectors ------------------------------------------------------------------------
+
+__device__ __forceinline__ void unpack_vec(const uint4& raw, float (&out)[VEC]) {
+    const unsigned int w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#if defined(DTYPE_F32)
+        out[i] = __uint_as_float(w[i]);
+#elif defined(DTYPE_BF16)
+        out[2 * i] = __uint_as_float(w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+#else
+        out[2 * i] = to_float((scalar_t)(w[i] & 0xffffu));
+        out[2 * i + 1] = to_float((scalar_t)(w[i] >> 16));
+#endif
+    }
+}
+
+__device__ __forceinline__ uint4 pack_vec(const float (&in)[VEC]) {
+    unsigned int w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#if defined(DTYPE_F32)
+        w[i] = __float_as_uint(in[i]);
+#else
+        w[i] = (unsigned int)from_float(in[2 * i]) | ((unsigned int)from_float(in[2 * i + 1]) << 16);
+#endif
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// N consecutive elements as floats: one 16-byte load when N == VEC (the caller guarantees the
+// alignment), else N scalar loads.
+template <int N>
+__device__ __forceinline__ void load_floats(const scalar_t* __restrict__ p, float (&out)[N]) {
+    if constexpr (N == VEC) {
+        unpack_vec(*reinterpret_cast<const uint4*>(p), out);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) out[i] = to_float(p[i]);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void store_floats(scalar_t* __restrict__ p, const float (&in)[N]) {
+    if constexpr (N == VEC) {
+        *reinterpret_cast<uint4*>(p) = pack_vec(in);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) p[i] = from_float(in[i]);
+    }
+}
+
+// --- reductions -----------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) x += __shfl_xor_sync(FULL_MASK, x, off);
+    return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(FULL_MASK, x, off));
+    return x;
+}
+
+__device__ __forceinline__ float neg_infinity() { return __int_as_float(0xff800000); }
+
+// Smallest power of two >= n (n >= 1), for compile-time lane counts.
+__host__ __device__ constexpr int next_pow2(int n) { return n <= 1 ? 1 : 2 * next_pow2((n + 1) / 2); }

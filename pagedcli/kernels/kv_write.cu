@@ -1,0 +1,112 @@
+// kv_write.cu: rotary embedding on q and k, fused with the write of k and v into the paged pool.
+//
+// One CTA per new token t (T tokens in the step: a whole prompt per sequence at prefill, one token
+// per sequence at decode). Token t belongs to sequence b = token_seq[t] and sits at position
+// p = positions[t]; its K and V go to physical block table[slots[b]][layer][p / BLOCK_SIZE],
+// row p % BLOCK_SIZE. A block is [2][BLOCK_SIZE][NUM_KV_HEADS][HEAD_DIM]: K rows, then V rows
+// at V_OFFSET bytes.
+//
+// RoPE pairs element i with i + HEAD_DIM/2 ("rotate half", as Hugging Face Llama), so each thread
+// takes one pair and produces both outputs. The rounding order is the reference's in the model
+// dtype (pagedcli/rope.py: x * cos + rotate_half(x) * sin): each product rounded to the dtype, then
+// their sum rounded. The products of two bf16/fp16 numbers are exact in float, so the results match
+// torch bit for bit; __fmul_rn/__fadd_rn keep the compiler from fusing them into an FMA (which
+// would change the fp32 results).
+//
+// Tokens whose position is negative (padding rows of a CUDA-graph bucket) write nothing to the
+// pool; their rotated q is zeros, so that what follows stays finite.
+
+#include "common.cuh"
+
+#if !defined(BLOCK_SIZE) || !defined(NUM_KV_HEADS) || !defined(HEAD_DIM) || !defined(KV_DIM)
+#error "kv_write.cu needs -DBLOCK_SIZE -DNUM_KV_HEADS -DHEAD_DIM -DKV_DIM (CacheGeometry.defines())"
+#endif
+#if !defined(BLOCK_BYTES) || !defined(V_OFFSET)
+#error "kv_write.cu needs -DBLOCK_BYTES -DV_OFFSET (CacheGeometry.defines())"
+#endif
+#if !defined(NUM_HEADS)
+#error "kv_write.cu needs -DNUM_HEADS (the model's query heads)"
+#endif
+
+static_assert(KV_DIM == NUM_KV_HEADS * HEAD_DIM, "KV_DIM must be NUM_KV_HEADS * HEAD_DIM");
+static_assert(V_OFFSET == BLOCK_SIZE * KV_DIM * (int)sizeof(scalar_t), "V_OFFSET does not match the dtype");
+static_assert(BLOCK_BYTES == 2 * V_OFFSET, "BLOCK_BYTES must be K + V");
+static_assert(HEAD_DIM % 2 == 0, "rotary embedding needs an even head_dim");
+
+#define HALF_DIM (HEAD_DIM / 2)
+
+// out1 = x1*cos1 - x2*sin1, out2 = x2*cos2 + x1*sin2, with the reference's roundings.
+__device__ __forceinline__ void rotate_pair(float x1, float x2, float c1, float c2, float s1, float s2,
+                                            float& out1, float& out2) {
+    const float a1 = round_to_dtype(__fmul_rn(x1, c1));
+    const float b1 = round_to_dtype(__fmul_rn(x2, s1));  // rotate_half gives -x2: -(x2*s1), exactly
+    const float a2 = round_to_dtype(__fmul_rn(x2, c2));
+    const float b2 = round_to_dtype(__fmul_rn(x1, s2));
+    out1 = round_to_dtype(__fsub_rn(a1, b1));
+    out2 = round_to_dtype(__fadd_rn(a2, b2));
+}
+
+// q, k, v: [T, heads, HEAD_DIM] with the heads of a token contiguous and `*_stride` elements from
+// one token to the next (they are column slices of the fused qkv projection).
+// q_out: [T, NUM_HEADS, HEAD_DIM], contiguous.
+// table: the block table of this layer: table[slot * table_slot_stride + logical_block].
+extern "C" __global__ void rope_write_kv(
+    const scalar_t* __restrict__ q, const scalar_t* __restrict__ k, const scalar_t* __restrict__ v,
+    long long q_stride, long long k_stride, long long v_stride,
+    scalar_t* __restrict__ q_out, unsigned char* __restrict__ pool,
+    const int* __restrict__ table, long long table_slot_stride, int max_blocks,
+    const long long* __restrict__ positions, const long long* __restrict__ token_seq,
+    const int* __restrict__ slots,
+    const scalar_t* __restrict__ cos_table, const scalar_t* __restrict__ sin_table, int max_positions) {
+    const long long t = blockIdx.x;
+    const long long pos = positions[t];
+    scalar_t* __restrict__ q_dst = q_out + t * (NUM_HEADS * HEAD_DIM);
+
+    if (pos < 0 || pos >= max_positions) {  // padding row (or no rotary row for it): no K/V write
+        for (int i = threadIdx.x; i < NUM_HEADS * HEAD_DIM; i += blockDim.x) q_dst[i] = from_float(0.0f);
+        return;
+    }
+
+    // Where this token's K/V row goes. An unassigned block (-1) is never written.
+    const int logical_block = (int)(pos / BLOCK_SIZE);
+    const int row = (int)(pos % BLOCK_SIZE);
+    const int slot = slots[token_seq[t]];
+    const int physical = logical_block < max_blocks ? table[slot * table_slot_stride + logical_block] : -1;
+    unsigned char* const row_base =
+        physical >= 0 ? pool + (size_t)physical * BLOCK_BYTES + (size_t)row * KV_DIM * sizeof(scalar_t)
+                      : nullptr;
+    scalar_t* const k_dst = reinterpret_cast<scalar_t*>(row_base);
+    scalar_t* const v_dst = reinterpret_cast<scalar_t*>(row_base + V_OFFSET);
+
+    const scalar_t* __restrict__ cos_row = cos_table + pos * HEAD_DIM;
+    const scalar_t* __restrict__ sin_row = sin_table + pos * HEAD_DIM;
+
+    // Rotary pairs of every q head, then of every k head: consecutive threads take consecutive
+    // pairs, so the loads and stores of a warp are contiguous.
+    for (int i = threadIdx.x; i < (NUM_HEADS + NUM_KV_HEADS) * HALF_DIM; i += blockDim.x) {
+        const int head = i / HALF_DIM;
+        const int j = i % HALF_DIM;
+        const float c1 = to_float(cos_row[j]), c2 = to_float(cos_row[j + HALF_DIM]);
+        const float s1 = to_float(sin_row[j]), s2 = to_float(sin_row[j + HALF_DIM]);
+        const scalar_t* src;
+        scalar_t* dst;
+        if (head < NUM_HEADS) {
+            src = q + t * q_stride + head * HEAD_DIM;
+            dst = q_dst + head * HEAD_DIM;
+        } else {
+            if (physical < 0) continue;
+            src = k + t * k_stride + (head - NUM_HEADS) * HEAD_DIM;
+            dst = k_dst + (head - NUM_HEADS) * HEAD_DIM;
+        }
+        float out1, out2;
+        rotate_pair(to_float(src[j]), to_float(src[j + HALF_DIM]), c1, c2, s1, s2, out1, out2);
+        dst[j] = from_float(out1);
+        dst[j + HALF_DIM] = from_float(out2);
+    }
+
+    // V is copied as it is.
+    if (physical >= 0) {
+        const scalar_t* __restrict__ v_src = v + t * v_stride;
+        for (int i = threadIdx.x; i < KV_DIM; i += blockDim.x) v_dst[i] = v_src[i];
+    }
+}

@@ -1,0 +1,94 @@
+"""How answers reach the terminal: streamed text, labelled when there are several prompts, or one
+JSON object per prompt. Requests finish in any order; output always comes in input order."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TextIO
+
+from pagedcli.sequence import Sequence
+from pagedcli.tokenizer import StreamDecoder, Tokenizer
+
+
+class TextPrinter:
+    """Streams the answer of the earliest unfinished prompt as it is generated; answers of later
+    prompts are held back until every earlier one is printed, so they never interleave."""
+
+    def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], echo_prompt: bool, out: TextIO = sys.stdout):
+        self.seqs = seqs
+        self.out = out
+        self.echo = echo_prompt
+        self.labelled = len(seqs) > 1
+        self.decoders = {s.id: StreamDecoder(tokenizer, s.prompt_token_ids) for s in seqs}
+        self.pending = {s.id: "" for s in seqs}  # text not yet printed
+        self.current = 0  # index into seqs of the answer being streamed
+        self.started = False
+        self._advance()
+
+    def update(self, seq: Sequence) -> None:
+        """Take in the tokens `seq` gained since the last call."""
+        self.pending[seq.id] += self.decoders[seq.id].catch_up(seq.output_token_ids)
+
+    def text(self, seq: Sequence) -> str:
+        return self.decoders[seq.id].text
+
+    def flush(self) -> None:
+        """Print what can be printed now: the current answer's new text, then every following
+        answer that is already finished."""
+        self._advance()
+        self.out.flush()
+
+    def _advance(self) -> None:
+        while self.current < len(self.seqs):
+            seq = self.seqs[self.current]
+            if not self.started:
+                self._header(seq)
+                self.started = True
+            self.out.write(self.pending[seq.id])
+            self.pending[seq.id] = ""
+            if not seq.is_finished:
+                return
+            self.out.write("\n")
+            self.current += 1
+            self.started = False
+
+    def _header(self, seq: Sequence) -> None:
+        if self.labelled:
+            self.out.write(f"{'' if self.current == 0 else chr(10)}[{seq.id + 1}] {seq.prompt!r}\n")
+        if self.echo and seq.prompt is not None:
+            self.out.write(seq.prompt)
+
+
+class JsonPrinter:
+    """One JSON object per prompt, one per line, in input order, on stdout and nothing else there."""
+
+    def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], out: TextIO = sys.stdout):
+        self.seqs = seqs
+        self.out = out
+        self.decoders = {s.id: StreamDecoder(tokenizer, s.prompt_token_ids) for s in seqs}
+        self.current = 0
+
+    def update(self, seq: Sequence) -> None:
+        self.decoders[seq.id].catch_up(seq.output_token_ids)
+
+    def text(self, seq: Sequence) -> str:
+        return self.decoders[seq.id].text
+
+    def flush(self) -> None:
+        while self.current < len(self.seqs) and self.seqs[self.current].is_finished:
+            self.out.write(json.dumps(self.record(self.seqs[self.current]), ensure_ascii=False) + "\n")
+            self.current += 1
+        self.out.flush()
+
+    def record(self, seq: Sequence) -> dict:
+        r = {
+            "prompt": seq.prompt,
+            "prompt_token_ids": seq.prompt_token_ids,
+            "token_ids": seq.output_token_ids,
+            "text": self.text(seq),
+            "finish_reason": seq.finish_reason,
+        }
+        if seq.error:
+            r["error"] = seq.error
+        return r

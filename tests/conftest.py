@@ -1,0 +1,68 @@
+"""Shared fixtures: the real assets in ../shared, tiny random Llama checkpoints written by
+transformers (the oracle), and an engine factory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_dir() -> Path | None:
+    for candidate in (os.environ.get("PAGEDCLI_SHARED"), REPO.parent / "shared", REPO / "shared"):
+        if candidate and (Path(candidate) / "models" / "stories260K").is_dir():
+            return Path(candidate)
+    return None
+
+
+@pytest.fixture(scope="session")
+def shared() -> Path:
+    path = shared_dir()
+    if path is None:
+        pytest.skip("../shared (test assets) not found; set PAGEDCLI_SHARED")
+    return path
+
+
+@pytest.fixture(scope="session")
+def stories(shared) -> Path:
+    return shared / "models" / "stories260K"
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(1)  # tiny models: threads only add overhead on a 2-core runner
+
+
+def hf_checkpoint(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A random LlamaForCausalLM saved by transformers (safetensors + config.json)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+               rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+               initializer_range=0.15)  # sharper than the default 0.02: no near-ties between top tokens
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    with torch.no_grad():  # default init leaves norms at 1; vary them so a misplaced norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def make_engine():
+    from pagedcli.loader import EngineOptions, load
+
+    def make(model, **opts):
+        opts.setdefault("device", "cpu")
+        opts.setdefault("shuffle_blocks", 1234)
+        return load(EngineOptions(model=str(model), **opts))
+
+    return make

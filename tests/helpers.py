@@ -1,0 +1,62 @@
+"""Test helpers: the transformers oracle and block-accounting checks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+
+def hf_model(folder, dtype=torch.float32, device="cpu"):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], steps: int, device="cpu"):
+    """Greedy tokens and each step's logits, recomputing the whole sequence every step: the
+    simplest possible reference, with no cache of any kind."""
+    seq, tokens, logits = list(prompt), [], []
+    for _ in range(steps):
+        out = model(torch.tensor([seq], device=device)).logits[0, -1].float()
+        logits.append(out)
+        tokens.append(int(out.argmax()))
+        seq.append(tokens[-1])
+    return tokens, logits
+
+
+def record_logits(engine):
+    """Wrap the runner so each step's logits are kept per sequence id: {id: [logits, ...]}."""
+    seen: dict[int, list[torch.Tensor]] = {}
+    run = engine.runner.run
+
+    def recording(seqs, is_prefill):
+        logits = run(seqs, is_prefill)
+        for seq, row in zip(seqs, logits):
+            seen.setdefault(seq.id, []).append(row.clone())
+        return logits
+
+    engine.runner.run = recording
+    return seen
+
+
+def check_block_accounting(engine) -> None:
+    """Every block is free or owned by exactly one (slot, layer, logical block); the table never
+    points at a free block; free + owned = total."""
+    cache = engine.cache
+    free = cache.allocator.free
+    assert len(set(free)) == len(free), "a block is in the free list twice"
+    owned = []
+    for slot in range(cache.max_slots):
+        n = cache.num_blocks_of_slot[slot]
+        owned += cache.table[slot, :, :n].ravel().tolist()
+        assert (cache.table[slot, :, n:] == -1).all(), "table entries past the slot's blocks"
+    counts = Counter(owned)
+    assert all(c == 1 for c in counts.values()), f"blocks owned twice: {[b for b, c in counts.items() if c > 1]}"
+    assert not set(owned) & set(free), "the table points at a free block"
+    assert len(owned) + len(free) == cache.geometry.num_blocks
+    running_slots = {s.slot for s in engine.scheduler.running}
+    for slot in range(cache.max_slots):
+        if slot not in running_slots:
+            assert cache.num_blocks_of_slot[slot] == 0, f"slot {slot} holds blocks but runs nothing"
