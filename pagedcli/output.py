@@ -15,9 +15,9 @@ class TextPrinter:
     """Streams the answer of the earliest unfinished prompt as it is generated; answers of later
     prompts are held back until every earlier one is printed, so they never interleave."""
 
-    def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], echo_prompt: bool, out: TextIO = sys.stdout):
+    def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], echo_prompt: bool, out: TextIO | None = None):
         self.seqs = seqs
-        self.out = out
+        self.out = out or sys.stdout
         self.echo = echo_prompt
         self.labelled = len(seqs) > 1
         self.decoders = {s.id: StreamDecoder(tokenizer, s.prompt_token_ids) for s in seqs}
@@ -63,9 +63,9 @@ class TextPrinter:
 class JsonPrinter:
     """One JSON object per prompt, one per line, in input order, on stdout and nothing else there."""
 
-    def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], out: TextIO = sys.stdout):
+    def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], out: TextIO | None = None):
         self.seqs = seqs
-        self.out = out
+        self.out = out or sys.stdout
         self.decoders = {s.id: StreamDecoder(tokenizer, s.prompt_token_ids) for s in seqs}
         self.current = 0
 

@@ -531,9 +531,17 @@ def reload_and_sample(out: Path, device: str, val_windows, val_labels, eval_bs: 
     # The bf16 weights' validation loss (what an inference engine should reproduce).
     # On CPU bf16 matmuls are slow, so only do this on an accelerator.
     if device.startswith("cuda"):
-        # No autocast needed: the weights themselves are bf16 now.
+        # No autocast ("cpu" turns it off): the weights themselves are bf16 now.
         result["val_loss_bf16"] = evaluate(model, val_windows, val_labels, eval_bs, "cpu")
     return result
+
+
+def write_json(path: Path, obj) -> None:
+    """Indented JSON, but with lists of numbers kept on one line."""
+    text = json.dumps(obj, indent=2, ensure_ascii=False)
+    text = re.sub(r"\[\s+([-\d.,\s]+?)\s+\]",
+                  lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+    path.write_text(text + "\n")
 
 
 def device_name(device: str) -> str:
@@ -623,6 +631,7 @@ def main(argv=None) -> int:
         "total_minutes": round((time.perf_counter() - t_start) / 60.0, 3),
         "best_step": stats["best_step"],
         "best_at_minutes": round(stats["best_elapsed_s"] / 60.0, 3),
+        "val_loss_bf16_reloaded": sample.pop("val_loss_bf16", None),
         "last_val_loss": stats["last_val_loss"],
         "stop_reason": stats["stop_reason"],
         "torch_compile": stats["compiled"],
@@ -646,7 +655,7 @@ def main(argv=None) -> int:
         },
         "sample": sample,
     }
-    (out / "training.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    write_json(out / "training.json", report)
     log(f"done: best val loss {best_val:.4f} nats/token (ppl {report['val_perplexity']:.2f}); "
         f"total {report['total_minutes']:.2f} min")
     return exit_code

@@ -1,0 +1,114 @@
+// elementwise.cu: the two fused elementwise steps of a Llama layer.
+//
+// add_rms_norm: new_residual = residual + x, normed = weight * RMSNorm(new_residual).
+// silu_mul:     out = silu(gate) * up, gate and up being the two halves of the last dimension.
+//
+// At batch 1 a decode step is a few GEMMs and many tiny elementwise ops; fusing each group into one
+// kernel is what keeps the step near the weights' read time. Each kernel rounds where the torch
+// reference (pagedcli/backends/torch.py), computing in the model dtype, rounds:
+//   add_rms_norm: the sum rounded to the dtype; sum of squares in fp32 over the rounded residual;
+//                 the normalised value rounded, then multiplied by the weight and rounded again.
+//   silu_mul:     silu(gate) = gate / (1 + exp(-gate)) rounded, then times up, rounded.
+// __fmul_rn/__fadd_rn keep the compiler from fusing products and sums into FMAs where torch
+// computes them separately.
+//
+// Each kernel comes in two widths: V = VEC (16-byte loads; rows must be a whole number of vectors
+// and 16-byte aligned, which the Python side checks) and V = 1 (any shape).
+
+#include "common.cuh"
+
+#define RMS_MAX_WARPS (1024 / WARP_SIZE)
+
+// residual + x for V elements from index i, rounded to the dtype (just x when residual is null).
+template <int V>
+__device__ __forceinline__ void new_residual(const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
+                                             size_t i, float (&r)[V]) {
+    load_floats<V>(x + i, r);
+    if (residual != nullptr) {
+        float res[V];
+        load_floats<V>(residual + i, res);
+#pragma unroll
+        for (int j = 0; j < V; ++j) r[j] = round_to_dtype(__fadd_rn(res[j], r[j]));
+    }
+}
+
+// One CTA per row. x, residual, out, residual_out: [rows, hidden] contiguous; weight: [hidden].
+// residual == nullptr (the first layer): the residual stream starts as x itself, which the caller
+// returns as the new residual; residual_out is then unused.
+template <int V>
+__device__ __forceinline__ void add_rms_norm_impl(const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
+                                                  const scalar_t* __restrict__ weight, scalar_t* __restrict__ out,
+                                                  scalar_t* __restrict__ residual_out, int hidden, float eps) {
+    __shared__ float warp_sums[RMS_MAX_WARPS];
+    const size_t base = (size_t)blockIdx.x * hidden;
+
+    // Pass 1: new residual (rounded to the dtype) and its sum of squares in fp32.
+    float sum_sq = 0.0f;
+    for (int i = threadIdx.x * V; i < hidden; i += blockDim.x * V) {
+        float r[V];
+        new_residual<V>(x, residual, base + i, r);
+        if (residual != nullptr) store_floats<V>(residual_out + base + i, r);
+#pragma unroll
+        for (int j = 0; j < V; ++j) sum_sq = fmaf(r[j], r[j], sum_sq);
+    }
+    sum_sq = warp_sum(sum_sq);
+    if (threadIdx.x % WARP_SIZE == 0) warp_sums[threadIdx.x / WARP_SIZE] = sum_sq;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x / WARP_SIZE); ++w) total += warp_sums[w];
+    const float inv_rms = rsqrtf(__fadd_rn(total / (float)hidden, eps));
+
+    // Pass 2: recompute the residual from the inputs (bit for bit the same; re-reading our own
+    // output instead would need the inputs declared as possibly aliased).
+    for (int i = threadIdx.x * V; i < hidden; i += blockDim.x * V) {
+        float r[V], w[V];
+        new_residual<V>(x, residual, base + i, r);
+        load_floats<V>(weight + i, w);
+#pragma unroll
+        for (int j = 0; j < V; ++j) r[j] = __fmul_rn(w[j], round_to_dtype(__fmul_rn(r[j], inv_rms)));
+        store_floats<V>(out + base + i, r);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_vec(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual, const scalar_t* __restrict__ weight,
+    scalar_t* __restrict__ out, scalar_t* __restrict__ residual_out, int hidden, float eps) {
+    add_rms_norm_impl<VEC>(x, residual, weight, out, residual_out, hidden, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_scalar(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual, const scalar_t* __restrict__ weight,
+    scalar_t* __restrict__ out, scalar_t* __restrict__ residual_out, int hidden, float eps) {
+    add_rms_norm_impl<1>(x, residual, weight, out, residual_out, hidden, eps);
+}
+
+// gate_up: [rows, 2 * inter] contiguous; out: [rows, inter]. Grid-stride over groups of V outputs.
+template <int V>
+__device__ __forceinline__ void silu_mul_impl(const scalar_t* __restrict__ gate_up, scalar_t* __restrict__ out,
+                                              int inter, long long total) {
+    const long long stride = (long long)gridDim.x * blockDim.x * V;
+    for (long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * V; i < total; i += stride) {
+        const long long row = i / inter;
+        const long long col = i % inter;
+        const scalar_t* __restrict__ g_src = gate_up + row * 2 * inter + col;
+        float g[V], u[V];
+        load_floats<V>(g_src, g);
+        load_floats<V>(g_src + inter, u);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float silu = round_to_dtype(__fdiv_rn(g[j], __fadd_rn(1.0f, expf(-g[j]))));
+            g[j] = __fmul_rn(silu, u[j]);
+        }
+        store_floats<V>(out + i, g);
+    }
+}
+
+extern "C" __global__ void silu_mul_vec(const scalar_t* __restrict__ gate_up, scalar_t* __restrict__ out, int inter,
+                                        long long total) {
+    silu_mul_impl<VEC>(gate_up, out, inter, total);
+}
+
+extern "C" __global__ void silu_mul_scalar(const scalar_t* __restrict__ gate_up, scalar_t* __restrict__ out,
+                                           int inter, long long total) {
+    silu_mul_impl<1>(gate_up, out, inter, total);
+}

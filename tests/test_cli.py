@@ -1,0 +1,96 @@
+"""The command line as a user runs it: output, JSON contract, exit codes, messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from pagedcli.cli import app
+
+STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
+
+
+def run(*args):
+    result = CliRunner().invoke(app, ["generate", *args])
+    if result.exit_code == 1 and result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_the_readme_story_command(stories):
+    """The issue's acceptance command, run as a real process through `python -m pagedcli`."""
+    out = subprocess.run([sys.executable, "-m", "pagedcli", "generate", "--model", str(stories), "--raw",
+                          "--temperature", "0", "--max-tokens", "60", "Once upon a time"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(STORY)
+    assert "tokens/s" in out.stderr
+
+
+def test_json_is_one_object_per_prompt_in_input_order(stories, tmp_path):
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("Tom and his dog\n\nThe sun\n", encoding="utf-8")
+    code, stdout, _ = run("--model", str(stories), "--json", "--max-tokens", "12", "--batch", "2",
+                          "Once upon a time", "--prompt-file", str(prompt_file))
+    assert code == 0
+    records = [json.loads(line) for line in stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["Once upon a time", "Tom and his dog", "The sun"]
+    for r in records:
+        assert set(r) == {"prompt", "prompt_token_ids", "token_ids", "text", "finish_reason"}
+        assert r["prompt_token_ids"][0] == 1 and len(r["token_ids"]) <= 12
+        assert r["finish_reason"] in ("stop", "length")
+    assert records[0]["text"].startswith(", there was a little girl named Lily")
+
+
+def test_several_prompts_are_labelled_and_not_interleaved(stories):
+    code, stdout, _ = run("--model", str(stories), "--max-tokens", "8", "Once upon a time", "Tom and his dog")
+    assert code == 0
+    first, second = stdout.index("[1] 'Once upon a time'"), stdout.index("[2] 'Tom and his dog'")
+    assert first < second
+    assert "Once upon a time, there was" in stdout[first:second]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "-1", "x"], "--temperature -1.0"),
+    (["--top-p", "0", "x"], "--top-p 0.0"),
+    (["--top-p", "1.5", "x"], "--top-p 1.5"),
+    (["--top-k", "-2", "x"], "--top-k -2"),
+    (["--max-tokens", "0", "x"], "--max-tokens 0"),
+    ([], "no prompt given"),
+])
+def test_bad_sampling_options_are_usage_errors(stories, args, message):
+    code, stdout, stderr = run("--model", str(stories), *args)
+    assert code == 2 and message in stderr and "Traceback" not in stderr and stdout == ""
+
+
+def test_a_failed_prompt_does_not_stop_the_others(stories):
+    code, stdout, stderr = run("--model", str(stories), "--json", "--max-tokens", "5", "--max-model-len", "20",
+                               "Once upon a time", "a " * 40, "The cat")
+    records = [json.loads(line) for line in stdout.splitlines()]
+    assert code == 2 and "prompt 2" in stderr
+    assert [r["finish_reason"] for r in records] == ["length", "error", "length"]
+
+
+def test_non_utf8_prompt_file(stories, tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café\n".encode("latin-1"))
+    code, _, stderr = run("--model", str(stories), "--prompt-file", str(bad))
+    assert code == 2 and "not UTF-8" in stderr
+
+
+def test_missing_model_folder(tmp_path):
+    code, _, stderr = run("--model", str(tmp_path / "missing"), "hi")
+    assert code == 2 and "no such folder" in stderr and "Traceback" not in stderr
+
+
+def test_cuda_without_a_gpu_is_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, _, stderr = run("--device", "cuda", "--model", "demo", "hi")
+    assert code == 2 and "--device cuda" in stderr and len(stderr.strip().splitlines()) == 1

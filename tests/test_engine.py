@@ -1,0 +1,116 @@
+"""Continuous batching, stopping, sampling and the block bookkeeping of the engine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import hf_checkpoint
+from helpers import check_block_accounting
+from pagedcli.sequence import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return hf_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def test_finished_slot_is_refilled_at_once(tiny, make_engine):
+    """Batch 2, five prompts of different lengths: never more than two running; the step after a
+    sequence finishes admits the next prompt into its slot."""
+    loaded = make_engine(tiny, batch=2)
+    engine = loaded.engine
+    lengths = [3, 9, 4, 20, 6]  # max_tokens differ so sequences end at different steps
+    seqs = [engine.add_request([5 + i] * 7, SamplingParams(max_tokens=n, ignore_eos=True)) for i, n in enumerate(lengths)]
+    refills = 0
+    while engine.has_unfinished:
+        slot_of = {s.id: s.slot for s in engine.scheduler.running}
+        out = engine.step()
+        assert len(engine.scheduler.running) <= 2
+        check_block_accounting(engine)
+        if out.finished and engine.scheduler.waiting:
+            freed = {slot_of[s.id] for s in out.finished}
+            nxt = engine.step()
+            assert nxt.is_prefill and {s.slot for s in nxt.seqs} <= freed
+            refills += 1
+            check_block_accounting(engine)
+    assert refills >= 2
+    assert [len(s.output_token_ids) for s in seqs] == lengths
+    assert all(s.finish_reason == "length" for s in seqs)
+    assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+
+
+def test_sequences_of_different_lengths_decode_in_one_pass(tiny, make_engine):
+    loaded = make_engine(tiny, batch=3)
+    engine = loaded.engine
+    for n in (1, 17, 33):
+        engine.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()  # prefill of all three
+    out = engine.step()
+    assert not out.is_prefill and len(out.seqs) == 3
+
+
+def test_stop_token_ends_a_sequence_and_is_not_returned(tiny, make_engine):
+    loaded = make_engine(tiny, batch=1)
+    engine = loaded.engine
+    first = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))[0].output_token_ids
+    engine.scheduler.stop_ids = {first[2]}
+    seq = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=6))[0]
+    assert seq.finish_reason == "stop"
+    assert seq.output_token_ids == first[: first.index(first[2])]
+
+
+def test_never_past_the_maximum_length(tiny, make_engine):
+    loaded = make_engine(tiny, batch=1, max_model_len=40)
+    seq = loaded.engine.generate([list(range(3, 33))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert len(seq) == 40 and seq.finish_reason == "length"
+
+
+def test_prompt_longer_than_the_model_fails_alone(tiny, make_engine):
+    loaded = make_engine(tiny, batch=2, max_model_len=32)
+    engine = loaded.engine
+    seqs = engine.generate([[5] * 10, [5] * 32, [6] * 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert seqs[1].finish_reason == "error" and "32 tokens" in seqs[1].error
+    assert [len(s.output_token_ids) for s in (seqs[0], seqs[2])] == [4, 4]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny, make_engine):
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=12, ignore_eos=True, seed=7)
+    alone = make_engine(tiny, batch=1).engine.generate([[4, 5, 6]], params)[0].output_token_ids
+    engine = make_engine(tiny, batch=3).engine
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=99)
+    a = engine.add_request([9, 9], other)
+    b = engine.add_request([4, 5, 6], params)
+    while engine.has_unfinished:
+        engine.step()
+    assert b.output_token_ids == alone
+    assert a.output_token_ids != alone
+
+
+def test_sampling_limits(tiny, make_engine):
+    engine = make_engine(tiny, batch=1).engine
+    greedy = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_token_ids
+    top1 = SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True, seed=1)
+    assert engine.generate([[4, 5, 6]], top1)[0].output_token_ids == greedy
+    narrow = SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=10, ignore_eos=True, seed=1)
+    assert engine.generate([[4, 5, 6]], narrow)[0].output_token_ids == greedy
+    hot = [engine.generate([[4, 5, 6]], SamplingParams(temperature=5.0, max_tokens=10, ignore_eos=True, seed=s))[0]
+           .output_token_ids for s in range(3)]
+    assert len({tuple(h) for h in hot}) > 1
+
+
+def test_random_interleavings_keep_blocks_consistent(tiny, make_engine):
+    """Many requests of random lengths through a small pool: the accounting holds at every step
+    and every block comes back."""
+    rng = random.Random(0)
+    loaded = make_engine(tiny, batch=4, num_blocks=2 * 12)
+    engine = loaded.engine
+    for i in range(12):
+        engine.add_request([rng.randrange(3, 200) for _ in range(rng.randrange(1, 40))],
+                           SamplingParams(max_tokens=rng.randrange(1, 30), ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+        check_block_accounting(engine)
+    assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+    assert all(s.finish_reason == "length" for s in engine.sequences)

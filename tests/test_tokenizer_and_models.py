@@ -1,0 +1,115 @@
+"""Tokenizer, chat template, stop ids, config parsing and weight loading."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import hf_checkpoint
+from pagedcli.config import ModelConfig
+from pagedcli.errors import RunError, UsageError
+from pagedcli.models import resolve_model
+from pagedcli.tokenizer import StreamDecoder, Tokenizer
+from pagedcli.weights import load_weights
+
+
+@pytest.fixture(scope="module")
+def llama3(shared):
+    return Tokenizer(shared / "tokenizers" / "llama3")
+
+
+def test_llama3_chat_template_renders_like_transformers(llama3):
+    assert llama3.encode("What is 2+2?", chat=True) == [
+        128000, 128006, 882, 128007, 271, 3923, 374, 220, 17, 10, 17, 30, 128009, 128006, 78191, 128007, 271]
+    assert [len(llama3.encode(p, chat=True)) for p in ["What is 2+2?", "Name a color.", "Say hello.",
+                                                        "Capital of France?"]] == [17, 14, 13, 14]
+    assert llama3.decode([791, 4320, 374, 220, 19]) == "The answer is 4"
+
+
+def test_raw_prompt_gets_bos_from_the_post_processor(llama3, stories):
+    assert llama3.encode("Hello")[0] == 128000
+    assert Tokenizer(stories).encode("Once upon a time") == [1, 403, 407, 261, 378]
+
+
+def test_chat_template_matches_transformers_apply_chat_template(shared):
+    from transformers import PreTrainedTokenizerFast
+
+    folder = shared / "tokenizers" / "llama3"
+    hf = PreTrainedTokenizerFast.from_pretrained(folder)
+    for prompt in ["  padded  ", "line one\nline two", "Größe? 日本"]:
+        ref = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
+        assert Tokenizer(folder).encode(prompt, chat=True) == list(ref)
+
+
+def test_stream_decoder_never_splits_characters(llama3):
+    text = "naïve café 日本語 — ok 🙂"
+    ids = llama3.encode(text)[1:]
+    dec = StreamDecoder(llama3)
+    pieces = [dec.push(i) for i in ids]
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_ids_from_generation_config_list_or_int(tmp_path):
+    folder = hf_checkpoint(tmp_path, eos_token_id=2)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5, 9]}))
+    assert resolve_model(str(folder)).stop_ids == {2, 5, 9}
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert resolve_model(str(folder)).stop_ids == {2, 7}
+
+
+def test_config_reads_both_rope_formats():
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16,
+                num_hidden_layers=1, num_attention_heads=2)
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    old = ModelConfig.from_dict(base | {"rope_theta": 500000.0, "rope_scaling": scaling})
+    new = ModelConfig.from_dict(base | {"rope_parameters": scaling | {"rope_theta": 500000.0}})
+    assert old.rope_theta == new.rope_theta == 500000.0
+    assert old.rope_scaling == new.rope_scaling == scaling
+    assert old.num_kv_heads == 2 and old.head_dim == 4
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(RunError, match="MistralForCausalLM"):
+        ModelConfig.from_dict({"architectures": ["MistralForCausalLM"], "model_type": "mistral"})
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    single = hf_checkpoint(tmp_path / "single")
+    sharded = tmp_path / "sharded"
+    LlamaForCausalLM.from_pretrained(single).save_pretrained(sharded, max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    config = ModelConfig.from_file(single / "config.json")
+    a = load_weights(single, config, torch.float32, "cpu")
+    b = load_weights(sharded, config, torch.float32, "cpu")
+    assert torch.equal(a.layers[1].qkv, b.layers[1].qkv) and torch.equal(a.lm_head, b.lm_head)
+    assert a.lm_head is a.embed  # tied: one tensor
+
+
+def test_random_preset_has_the_real_llama_shapes(shared):
+    src = resolve_model("random:llama-3.2-1b")
+    real = ModelConfig.from_file(shared / "configs" / "Llama-3.2-1B-Instruct" / "config.json")
+    assert src.config.num_parameters == real.num_parameters == 1_235_814_400
+    assert src.random and src.folder is None
+
+
+def test_a_missing_folder_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="no such folder"):
+        resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(UsageError):
+        resolve_model("random:no-such-preset")
+
+
+def test_wrong_tensor_shape_is_named(tmp_path):
+    folder = hf_checkpoint(tmp_path / "a")
+    other = hf_checkpoint(tmp_path / "b", intermediate_size=96)
+    shutil.copy(other / "model.safetensors", folder / "model.safetensors")
+    config = ModelConfig.from_file(folder / "config.json")
+    with pytest.raises(RunError, match=r"mlp\.(gate|up|down)_proj\.weight has shape"):
+        load_weights(folder, config, torch.float32, "cpu")
