@@ -6,6 +6,7 @@ Exit codes: 0 done, 1 a failure while running, 2 a usage mistake, 130 interrupte
 from __future__ import annotations
 
 import functools
+import json
 import sys
 import time
 from pathlib import Path
@@ -140,6 +141,100 @@ def generate(
         notice(gen.summary(seqs, time.perf_counter() - start, engine))
     if failed:
         raise typer.Exit(2)
+
+
+@app.command()
+@friendly_errors
+def bench(
+    batch: Annotated[str, typer.Option("--batch", "-b", help="Slots: one value or a list for a sweep, e.g. 1,8,64,256.")] = "2",
+    num_prompts: Annotated[Optional[int], typer.Option(help="Requests per run (default: one per slot).")] = None,
+    input_len: Annotated[str, typer.Option(help="Prompt tokens: 128, or a range 100:1024 drawn with --seed.")] = "128",
+    output_len: Annotated[str, typer.Option(help="New tokens: 256, or a range.")] = "256",
+    seed: Annotated[int, typer.Option(help="Seed for random prompts and lengths.")] = 0,
+    ignore_eos: Annotated[bool, typer.Option(help="Generate exactly the asked lengths.")] = True,
+    prompt_file: Annotated[Optional[Path], typer.Option(help="Real prompts, one per line, instead of random ids.")] = None,
+    compare: Annotated[Optional[str], typer.Option(help="`hf`: also time transformers' generate, same model and prompts.")] = None,
+    kernel: Annotated[bool, typer.Option("--kernel", help="Time the decode attention kernel alone (CUDA).")] = False,
+    bandwidth: Annotated[Optional[float], typer.Option(help="Device bandwidth in GB/s (default: measured once, cached).")] = None,
+    plot_file: Annotated[Optional[Path], typer.Option("--plot", help="Save tokens/s and step time against batch as PNG.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per batch size on stdout.")] = False,
+    model: Model = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    block_size: BlockSize = 16,
+    num_blocks: NumBlocks = None,
+    cache_size: CacheSize = None,
+    max_model_len: MaxModelLen = None,
+    eager: Eager = False,
+):
+    """Measure speed, memory and bandwidth against the hardware's roofline."""
+    from pagedcli import bench as b
+    from pagedcli.bench_view import Progress, results_table
+    from pagedcli.loader import load_model
+
+    batches = _int_list(batch, "--batch")
+    if compare not in (None, "hf"):
+        raise UsageError(f"--compare {compare!r} is not known", "use --compare hf")
+    workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file)
+    b.parse_len(input_len, "--input-len"), b.parse_len(output_len, "--output-len")
+    opts = engine_options(model, device, dtype, max(batches), block_size, num_blocks, cache_size, max_model_len, eager)
+    loaded = load_model(opts, notice)
+    if kernel:
+        _kernel_bench(loaded, json_output)
+        return
+    gbps = bandwidth or b.measure_bandwidth(loaded.device)
+    results = []
+    with Progress(enabled=not json_output and err.is_terminal, console=err) as progress:
+        for n in batches:
+            task = progress.task(f"batch {n}")
+            results.append(b.run_batch(loaded, opts, n, workload, gbps, progress=task))
+            if compare == "hf":
+                from pagedcli.bench_hf import hf_generate, hf_model
+
+                requests = b.make_requests(workload, results[-1]["num_prompts"], loaded.source.config.vocab_size,
+                                           loaded.source.stop_ids, loaded.tokenizer)
+                hf = hf_generate(hf_model(loaded), requests, n, loaded.device, ignore_eos)
+                results[-1]["hf_output_tokens_per_s"] = hf["output_tokens_per_s"]
+                results[-1]["speedup_vs_hf"] = results[-1]["output_tokens_per_s"] / hf["output_tokens_per_s"]
+            if json_output:
+                print(json.dumps(results[-1]), flush=True)
+    if not json_output:
+        Console().print(results_table(results))
+    if plot_file is not None:
+        b.plot(results, plot_file)
+        notice(f"plot saved to {plot_file}")
+
+
+def _kernel_bench(loaded, json_output: bool) -> None:
+    if loaded.device.type != "cuda":
+        raise UsageError("--kernel times our CUDA kernel", "run it on a machine with an NVIDIA GPU and CuPy")
+    from pagedcli.bench_view import kernel_table
+    from pagedcli.kernel_bench import bench_decode_kernel
+
+    c = loaded.source.config
+    rows = bench_decode_kernel([1, 8, 64], [512, 4096], head_dim=c.head_dim, num_heads=c.num_heads,
+                               num_kv_heads=c.num_kv_heads, dtype=loaded.dtype)
+    if json_output:
+        for r in rows:
+            print(json.dumps(r), flush=True)
+    else:
+        Console().print(kernel_table(rows, measure_bandwidth_gbps(loaded.device)))
+
+
+def measure_bandwidth_gbps(device) -> float:
+    from pagedcli.bench import measure_bandwidth
+
+    return measure_bandwidth(device)
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{name} {text!r} is not a number or a list of numbers", "e.g. 1,8,64") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{name} {text!r}: needs numbers of at least 1")
+    return values
 
 
 def main() -> None:

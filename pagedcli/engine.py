@@ -30,6 +30,8 @@ class StepOutput:
     finished: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0  # tokens fed through the network
     elapsed: float = 0.0  # seconds
+    used_blocks: int = 0  # blocks in use during the step (before finished sequences give theirs back)
+    num_running: int = 0  # sequences holding a slot during the step
 
 
 class Engine:
@@ -57,6 +59,8 @@ class Engine:
         if not seqs:
             return StepOutput(is_prefill, [], [])
         num_tokens = sum(len(s) - s.num_cached for s in seqs) if is_prefill else len(seqs)
+        used_blocks = self.cache.geometry.num_blocks - self.cache.num_free_blocks
+        num_running = len(self.scheduler.running)
         logits = self.runner.run(seqs, is_prefill)
         tokens = sample(logits, seqs)
         now = time.perf_counter()
@@ -66,7 +70,7 @@ class Engine:
             seq.token_times.append(now)
         finished = self.scheduler.update(seqs, tokens)
         self.num_steps += 1
-        return StepOutput(is_prefill, seqs, tokens, finished, num_tokens, now - start)
+        return StepOutput(is_prefill, seqs, tokens, finished, num_tokens, now - start, used_blocks, num_running)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         """Run prompts to completion; returns their sequences in input order."""

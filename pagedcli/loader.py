@@ -78,21 +78,36 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     return DTYPES[requested]
 
 
-def load(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None) -> Loaded:
-    if opts.batch < 1:
-        raise UsageError(f"--batch {opts.batch}: needs at least one slot", "use --batch 1 or more")
+@dataclass
+class Model:
+    """What loading reads once: the model's source, tokenizer and weights on their device."""
+
+    source: ModelSource
+    tokenizer: Tokenizer | None
+    weights: Weights
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None) -> Model:
     device = pick_device(opts.device)
     dtype = pick_dtype(opts.dtype, device)
     source = resolve_model(opts.model, notice)
-    config = source.config
     tokenizer = Tokenizer(source.folder) if source.has_tokenizer else None
     if source.random:
-        weights = random_weights(config, dtype, device, opts.seed)
+        weights = random_weights(source.config, dtype, device, opts.seed)
     else:
-        weights = load_weights(source.folder, config, dtype, device)
+        weights = load_weights(source.folder, source.config, dtype, device)
+    return Model(source, tokenizer, weights, device, dtype)
 
+
+def build_engine(model: Model, opts: EngineOptions) -> Engine:
+    """A fresh cache, backend and engine around already loaded weights."""
+    if opts.batch < 1:
+        raise UsageError(f"--batch {opts.batch}: needs at least one slot", "use --batch 1 or more")
+    config, device = model.source.config, model.device
     cache_bytes = parse_size(opts.cache_size or DEFAULT_CACHE[device.type])
-    geometry = CacheGeometry.build(config, dtype, opts.block_size, opts.num_blocks, cache_bytes)
+    geometry = CacheGeometry.build(config, model.dtype, opts.block_size, opts.num_blocks, cache_bytes)
     pool_len = (geometry.num_blocks // config.num_layers) * geometry.block_size
     max_model_len = min(config.max_position_embeddings, pool_len, opts.max_model_len or pool_len)
     cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks)
@@ -102,7 +117,14 @@ def load(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None) ->
         backend = CudaBackend(cache, config)
     else:
         backend = TorchBackend(cache, config)
-    model = Llama(config, weights, backend)
-    runner = ModelRunner(model, cache, use_graphs=device.type == "cuda" and not opts.eager)
-    engine = Engine(runner, cache, opts.batch, max_model_len, source.stop_ids)
-    return Loaded(engine, tokenizer, source, device, dtype, weights)
+    llama = Llama(config, model.weights, backend)
+    runner = ModelRunner(llama, cache, use_graphs=device.type == "cuda" and not opts.eager)
+    return Engine(runner, cache, opts.batch, max_model_len, model.source.stop_ids)
+
+
+def load(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None) -> Loaded:
+    if opts.batch < 1:
+        raise UsageError(f"--batch {opts.batch}: needs at least one slot", "use --batch 1 or more")
+    model = load_model(opts, notice)
+    engine = build_engine(model, opts)
+    return Loaded(engine, model.tokenizer, model.source, model.device, model.dtype, model.weights)

@@ -11,8 +11,11 @@ What it does
        4 query heads / 2 KV heads of size 64, tied embeddings) on random
        256-token windows (BOS + 255 tokens) for a wall-clock budget, with AdamW,
        linear warm-up and a cosine decay driven by the elapsed fraction of the
-       budget. It evaluates the validation loss every ``--eval-seconds`` and keeps
-       the weights with the best one (tiny Shakespeare overfits quickly).
+       budget, bf16 autocast on CUDA and a little residual dropout (training
+       only, via forward hooks). It evaluates the validation loss on the whole
+       held-out text every ``--eval-seconds``, keeps the weights with the best
+       one (tiny Shakespeare overfits quickly) and stops early once the best is
+       ``--patience-seconds`` old.
     4. Writes a normal Hugging Face folder to ``--out``: config.json,
        model.safetensors (bf16), generation_config.json, tokenizer.json,
        tokenizer_config.json and training.json (metrics, hyper-parameters and a
@@ -372,7 +375,7 @@ def train(model, train_ids, val_windows, val_labels, args) -> dict:
 
     def do_eval(now: float) -> float:
         v = evaluate(model, val_windows, val_labels, args.eval_batch_size, device)
-        if v < best["val_loss"]:
+        if v < best["val_loss"] or best["state"] is None:  # NaN never compares smaller
             best.update(val_loss=v, step=step, elapsed=now - t0,
                         state={k: t.detach().float().cpu().clone()
                                for k, t in model.state_dict().items()})
@@ -619,7 +622,7 @@ def main(argv=None) -> int:
         "fp32 weights, bf16 autocast" if device.startswith("cuda") else "fp32"))
     best_val = stats["best_val_loss"]
     report = {
-        "val_loss": best_val,
+        "val_loss": best_val if math.isfinite(best_val) else None,
         "val_perplexity": math.exp(best_val) if math.isfinite(best_val) else None,
         "val_tokens": len(val_list),
         "val_chars": len(val_text),
@@ -632,7 +635,7 @@ def main(argv=None) -> int:
         "best_step": stats["best_step"],
         "best_at_minutes": round(stats["best_elapsed_s"] / 60.0, 3),
         "val_loss_bf16_reloaded": sample.pop("val_loss_bf16", None),
-        "last_val_loss": stats["last_val_loss"],
+        "last_val_loss": stats["last_val_loss"] if math.isfinite(stats["last_val_loss"]) else None,
         "stop_reason": stats["stop_reason"],
         "torch_compile": stats["compiled"],
         "device": device,
@@ -656,8 +659,11 @@ def main(argv=None) -> int:
         "sample": sample,
     }
     write_json(out / "training.json", report)
-    log(f"done: best val loss {best_val:.4f} nats/token (ppl {report['val_perplexity']:.2f}); "
+    log(f"done: best val loss {best_val:.4f} nats/token (ppl {math.exp(min(best_val, 700)):.2f}); "
         f"total {report['total_minutes']:.2f} min")
+    if not math.isfinite(best_val):
+        log("ERROR: the validation loss is not finite; the saved model is unusable")
+        exit_code = 1
     return exit_code
 
 

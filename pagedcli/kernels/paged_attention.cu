@@ -71,8 +71,21 @@ constexpr int SCORE_STRIDE = PARTITION_SIZE + ROWS_PER_WARP;
 constexpr int SCORE_FLOATS = HEADS_PER_CTA * SCORE_STRIDE;
 constexpr int ACC_FLOATS = NUM_WARPS * HEADS_PER_CTA * HEAD_DIM;
 constexpr int SMEM_FLOATS = SCORE_FLOATS > ACC_FLOATS ? SCORE_FLOATS : ACC_FLOATS;
-static_assert(SMEM_FLOATS * 4 + BLOCKS_PER_CHUNK * 4 + 2 * NUM_WARPS * HEADS_PER_CTA * 4 <= 48 * 1024,
+static_assert(SMEM_FLOATS * 4 + BLOCKS_PER_CHUNK * 4 + (2 * NUM_WARPS + 1) * HEADS_PER_CTA * 4 <= 48 * 1024,
               "shared memory over 48 KiB: use a smaller PARTITION_SIZE or HEADS_PER_CTA");
+
+// Output elements (HEADS_PER_CTA x HEAD_DIM) each thread keeps across the chunks of its split.
+constexpr int OWNED = (HEADS_PER_CTA * HEAD_DIM + ATTN_THREADS - 1) / ATTN_THREADS;
+
+// A 16-byte load the compiler may not hoist out of the chunk loop (asm volatile): reloading q per
+// chunk (an L1 hit) keeps it out of the registers during the V pass.
+__device__ __forceinline__ uint4 load_vec_keep_in_loop(const scalar_t* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
 
 // Byte offset of token row `row` of a block, head `kv_head`, 16-byte vector `vec`.
 __device__ __forceinline__ size_t row_offset(int row, int kv_head, int vec) {
@@ -104,6 +117,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention_decod
     __shared__ int chunk_blocks[BLOCKS_PER_CHUNK];
     __shared__ float warp_max_buf[NUM_WARPS][HEADS_PER_CTA];
     __shared__ float warp_sum_buf[NUM_WARPS][HEADS_PER_CTA];
+    __shared__ float head_correction[HEADS_PER_CTA];
     float* const scores = smem;
 
     const int tid = threadIdx.x;
@@ -113,85 +127,90 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention_decod
     const int row_in_step = tid / ROW_LANES;           // which token of a load step
     const bool lane_active = lane_in_row < ROW_VECS;   // idle when the row is not a power of two
 
-    // This lane's slice of each query head, as float, scaled so that q.k comes out in log2 units.
-    float qf[HEADS_PER_CTA][VEC];
-#pragma unroll
-    for (int h = 0; h < HEADS_PER_CTA; ++h) {
-        if (lane_active) {
-            load_floats<VEC>(q + ((size_t)seq * NUM_HEADS + head0 + h) * HEAD_DIM + lane_in_row * VEC, qf[h]);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) qf[h][j] *= scale_log2;
-        } else {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) qf[h][j] = 0.0f;
-        }
-    }
-
-    // Running softmax state (identical in every thread) and this lane's share of the output.
-    float run_max[HEADS_PER_CTA], run_sum[HEADS_PER_CTA], acc[HEADS_PER_CTA][VEC];
+    // Running softmax state per head (identical in every thread) and, for the HEADS_PER_CTA x
+    // HEAD_DIM outputs, the unnormalised sums over this CTA's chunks: thread tid owns elements
+    // tid, tid + ATTN_THREADS, ...
+    float run_max[HEADS_PER_CTA], run_sum[HEADS_PER_CTA], owned[OWNED];
 #pragma unroll
     for (int h = 0; h < HEADS_PER_CTA; ++h) {
         run_max[h] = neg_infinity();
         run_sum[h] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[h][j] = 0.0f;
     }
+#pragma unroll
+    for (int k = 0; k < OWNED; ++k) owned[k] = 0.0f;
 
     const int* __restrict__ seq_table = table + slots[seq] * table_slot_stride;
     const unsigned char* __restrict__ k_base = pool + row_offset(0, kv_head, lane_in_row);
     const unsigned char* __restrict__ v_base = k_base + V_OFFSET;
+    const scalar_t* __restrict__ q_base = q + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM + lane_in_row * VEC;
 
     for (int chunk = split; chunk < num_chunks; chunk += num_splits) {
         const int chunk_start = chunk * PARTITION_SIZE;
         const int n = min(PARTITION_SIZE, context - chunk_start);  // tokens in this chunk
 
-        __syncthreads();  // the previous chunk is done with chunk_blocks and scores
+        __syncthreads();  // the previous chunk is done with chunk_blocks and smem
         for (int i = tid; i < (n + BLOCK_SIZE - 1) / BLOCK_SIZE; i += ATTN_THREADS) {
             chunk_blocks[i] = max(seq_table[chunk_start / BLOCK_SIZE + i], 0);  // -1 would be a bug; stay in bounds
         }
         __syncthreads();
 
-        // 1. K pass: scores[h][t] = q_h . k_t (log2 units).
-        for (int t0 = 0; t0 < n; t0 += ROWS_PER_STEP * UNROLL) {
-            uint4 raw[UNROLL];
+        // 1. K pass: scores[h][t] = q_h . k_t (log2 units). q lives in registers during this pass
+        //    only: this lane's 16-byte slice of each head, pre-scaled by scale_log2.
+        {
+            float qf[HEADS_PER_CTA][VEC];
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int t = t0 + u * ROWS_PER_STEP + row_in_step;
-                raw[u] = make_uint4(0u, 0u, 0u, 0u);
-                if (t < n && lane_active) {
-                    const size_t block = (size_t)chunk_blocks[t / BLOCK_SIZE];
-                    raw[u] = *reinterpret_cast<const uint4*>(
-                        k_base + block * BLOCK_BYTES + (size_t)(t % BLOCK_SIZE) * KV_DIM * sizeof(scalar_t));
+            for (int h = 0; h < HEADS_PER_CTA; ++h) {
+                if (lane_active) {
+                    unpack_vec(load_vec_keep_in_loop(q_base + h * HEAD_DIM), qf[h]);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) qf[h][j] *= scale_log2;
+                } else {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) qf[h][j] = 0.0f;
                 }
             }
+            for (int t0 = 0; t0 < n; t0 += ROWS_PER_STEP * UNROLL) {
+                uint4 raw[UNROLL];
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                float kf[VEC];
-                unpack_vec(raw[u], kf);
-                float dot[HEADS_PER_CTA];
-#pragma unroll
-                for (int h = 0; h < HEADS_PER_CTA; ++h) {
-                    dot[h] = 0.0f;
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) dot[h] = fmaf(qf[h][j], kf[j], dot[h]);
+                for (int u = 0; u < UNROLL; ++u) {
+                    const int t = t0 + u * ROWS_PER_STEP + row_in_step;
+                    raw[u] = make_uint4(0u, 0u, 0u, 0u);
+                    if (t < n && lane_active) {
+                        const size_t block = (size_t)chunk_blocks[t / BLOCK_SIZE];
+                        raw[u] = *reinterpret_cast<const uint4*>(
+                            k_base + block * BLOCK_BYTES + (size_t)(t % BLOCK_SIZE) * KV_DIM * sizeof(scalar_t));
+                    }
                 }
 #pragma unroll
-                for (int off = ROW_LANES / 2; off > 0; off >>= 1) {
-#pragma unroll
-                    for (int h = 0; h < HEADS_PER_CTA; ++h) dot[h] += __shfl_xor_sync(FULL_MASK, dot[h], off);
-                }
-                const int t = t0 + u * ROWS_PER_STEP + row_in_step;
-                if (t < n) {
+                for (int u = 0; u < UNROLL; ++u) {
+                    float kf[VEC];
+                    unpack_vec(raw[u], kf);
+                    float dot[HEADS_PER_CTA];
 #pragma unroll
                     for (int h = 0; h < HEADS_PER_CTA; ++h) {
-                        if (lane_in_row == h % ROW_LANES) scores[h * SCORE_STRIDE + t] = dot[h];
+                        dot[h] = 0.0f;
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) dot[h] = fmaf(qf[h][j], kf[j], dot[h]);
+                    }
+#pragma unroll
+                    for (int off = ROW_LANES / 2; off > 0; off >>= 1) {
+#pragma unroll
+                        for (int h = 0; h < HEADS_PER_CTA; ++h) dot[h] += __shfl_xor_sync(FULL_MASK, dot[h], off);
+                    }
+                    const int t = t0 + u * ROWS_PER_STEP + row_in_step;
+                    if (t < n) {
+#pragma unroll
+                        for (int h = 0; h < HEADS_PER_CTA; ++h) {
+                            if (lane_in_row == h % ROW_LANES) scores[h * SCORE_STRIDE + t] = dot[h];
+                        }
                     }
                 }
             }
         }
         __syncthreads();
 
-        // 2. Softmax over the chunk, merged with the earlier chunks.
+        // 2. Softmax over the chunk, merged with the earlier chunks: probabilities relative to the
+        //    new running max replace the scores; the earlier sums are rescaled by `correction`.
         float new_max[HEADS_PER_CTA];
 #pragma unroll
         for (int h = 0; h < HEADS_PER_CTA; ++h) {
@@ -222,14 +241,19 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention_decod
             float s = 0.0f;
 #pragma unroll
             for (int w = 0; w < NUM_WARPS; ++w) s += warp_sum_buf[w][h];
-            const float correction = exp2f(run_max[h] - new_max[h]);  // 0 for the first chunk
+            const float correction = exp2f(run_max[h] - new_max[h]);  // 0 for the CTA's first chunk
             run_sum[h] = run_sum[h] * correction + s;
             run_max[h] = new_max[h];
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) acc[h][j] *= correction;
+            if (tid == h) head_correction[h] = correction;  // read after the next barrier
         }
 
-        // 3. V pass: acc[h] += p[h][t] * v_t.
+        // 3. V pass: acc[h] = sum over the chunk's rows of this lane group of p[h][t] * v_t.
+        float acc[HEADS_PER_CTA][VEC];
+#pragma unroll
+        for (int h = 0; h < HEADS_PER_CTA; ++h) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[h][j] = 0.0f;
+        }
         for (int t0 = 0; t0 < n; t0 += ROWS_PER_STEP * UNROLL) {
             uint4 raw[UNROLL];
 #pragma unroll
@@ -257,37 +281,50 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention_decod
                 }
             }
         }
-    }
 
-    // Sum the rows' partial outputs: first across the row groups of a warp (shuffles), then across
-    // warps (shared memory, reusing the score buffer once every warp is done with it).
+        // Sum acc over the row groups: across the groups of a warp with shuffles, then across warps
+        // in shared memory (reusing the score buffer once every warp is done with it), into `owned`.
 #pragma unroll
-    for (int off = ROW_LANES; off < WARP_SIZE; off <<= 1) {
+        for (int off = ROW_LANES; off < WARP_SIZE; off <<= 1) {
 #pragma unroll
-        for (int h = 0; h < HEADS_PER_CTA; ++h) {
+            for (int h = 0; h < HEADS_PER_CTA; ++h) {
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) acc[h][j] += __shfl_xor_sync(FULL_MASK, acc[h][j], off);
+                for (int j = 0; j < VEC; ++j) acc[h][j] += __shfl_xor_sync(FULL_MASK, acc[h][j], off);
+            }
+        }
+        __syncthreads();
+        float* const warp_acc = smem;  // [NUM_WARPS][HEADS_PER_CTA][HEAD_DIM]
+        if (lane < ROW_LANES && lane_active) {
+#pragma unroll
+            for (int h = 0; h < HEADS_PER_CTA; ++h) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    warp_acc[(warp * HEADS_PER_CTA + h) * HEAD_DIM + lane * VEC + j] = acc[h][j];
+                }
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < OWNED; ++k) {
+            const int i = tid + k * ATTN_THREADS;
+            if (i < HEADS_PER_CTA * HEAD_DIM) {
+                float s = 0.0f;
+#pragma unroll
+                for (int w = 0; w < NUM_WARPS; ++w) s += warp_acc[w * HEADS_PER_CTA * HEAD_DIM + i];
+                owned[k] = owned[k] * head_correction[i / HEAD_DIM] + s;
+            }
         }
     }
-    __syncthreads();
-    float* const warp_acc = smem;  // [NUM_WARPS][HEADS_PER_CTA][HEAD_DIM]
-    if (lane < ROW_LANES && lane_active) {
-#pragma unroll
-        for (int h = 0; h < HEADS_PER_CTA; ++h) {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) warp_acc[(warp * HEADS_PER_CTA + h) * HEAD_DIM + lane * VEC + j] = acc[h][j];
-        }
-    }
-    __syncthreads();
 
+    // This split's unnormalised output, max and sum, for the reduce kernel.
     const size_t out_row0 = ((size_t)seq * NUM_HEADS + head0) * num_splits + split;  // (seq, head0, split)
-    for (int i = tid; i < HEADS_PER_CTA * HEAD_DIM; i += ATTN_THREADS) {
-        const int h = i / HEAD_DIM;
-        const int d = i % HEAD_DIM;
-        float s = 0.0f;
 #pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) s += warp_acc[(w * HEADS_PER_CTA + h) * HEAD_DIM + d];
-        partial_out[(out_row0 + (size_t)h * num_splits) * HEAD_DIM + d] = s;
+    for (int k = 0; k < OWNED; ++k) {
+        const int i = tid + k * ATTN_THREADS;
+        if (i < HEADS_PER_CTA * HEAD_DIM) {
+            const int h = i / HEAD_DIM;
+            partial_out[(out_row0 + (size_t)h * num_splits) * HEAD_DIM + i % HEAD_DIM] = owned[k];
+        }
     }
 #pragma unroll
     for (int h = 0; h < HEADS_PER_CTA; ++h) {

@@ -1,0 +1,311 @@
+"""The CUDA backend: our own kernels (pagedcli/kernels/*.cu), compiled at run time by CuPy.
+
+What runs where:
+- `rope_write_kv`  -> kv_write.cu: RoPE on q and k fused with the K/V write into the paged pool
+                      (prefill and decode alike);
+- `attend`         -> paged_attention.cu at decode (split-KV decode kernel + reduce); prefill keeps
+                      the inherited torch gather + SDPA, which also reads through the block table;
+- `add_rms_norm`, `silu_mul` -> elementwise.cu.
+
+Kernels are compiled once per geometry (the `-D` defines from `CacheGeometry.defines()`, plus the
+head count and the dtype) and cached in-process; CuPy also caches the binaries on disk. Every
+launch goes on torch's current stream, with raw device pointers of torch tensors (no copies).
+
+The decode path is safe to capture in a CUDA graph: no host-device sync, no decision taken on
+tensor contents, grids that depend only on the batch size and `cache.max_model_len`, and scratch
+buffers allocated once per batch size. Compilation happens in `__init__`, never during capture.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from importlib import resources
+
+import numpy as np
+import torch
+
+from pagedcli.backends.torch import TorchBackend
+from pagedcli.batch import StepBatch
+from pagedcli.cache import KVCache
+from pagedcli.config import ModelConfig
+from pagedcli.errors import RunError
+
+# Tuning constants. The .cu files receive them as -D defines, so each is written here only.
+PARTITION_SIZE = 512  # tokens per split-KV chunk of the decode kernel (a multiple of every block size)
+ATTN_THREADS = 128  # threads of a decode CTA
+REDUCE_WARPS = 4  # (sequence, head) pairs merged by one CTA of the reduce kernel
+MAX_HEADS_PER_CTA = 8  # query heads one decode CTA serves (q and the accumulators live in registers)
+SPLIT_CTAS_PER_SM = 32  # cap on decode CTAs (per SM) when choosing the number of splits
+KV_WRITE_THREADS = 128
+SILU_THREADS = 256
+VEC_BYTES = 16  # the kernels' vector width (uint4)
+COMPILE_OPTIONS = ("-std=c++17",)  # no fast math: expf/rsqrtf/division keep their accuracy
+
+_DTYPE_DEFINES = {torch.bfloat16: "DTYPE_BF16", torch.float16: "DTYPE_F16", torch.float32: "DTYPE_F32"}
+_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
+
+
+def cuda_available() -> tuple[bool, str]:
+    """Whether torch sees a CUDA GPU and CuPy can use it; the string says why not, in one line."""
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return False, f"this torch ({torch.__version__}) is a CPU-only build"
+        return False, "torch sees no CUDA GPU"
+    try:
+        import cupy
+    except ImportError as e:
+        return False, f"CuPy is not installed ({e}); install cupy-cuda13x or cupy-cuda12x to match your CUDA"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return False, "CuPy sees no CUDA GPU"
+    except Exception as e:  # CuPy raises its own CUDA errors (driver too old, no device...)
+        return False, f"CuPy cannot use the GPU ({type(e).__name__}: {e})"
+    return True, ""
+
+
+def kernel_source(name: str) -> str:
+    """The text of pagedcli/kernels/<name>, with each `#include "x.cuh"` replaced by that file: NVRTC
+    then needs no include path, and CuPy's disk cache (keyed by the source text) sees header edits."""
+    folder = resources.files("pagedcli") / "kernels"
+    seen: set[str] = set()
+
+    def expand(file: str) -> str:
+        if file in seen:  # every header has #pragma once; pasting it once is enough
+            return ""
+        seen.add(file)
+        text = (folder / file).read_text(encoding="utf-8")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(name)
+
+
+def heads_per_cta(gqa: int) -> int:
+    """Query heads a decode CTA serves: the largest divisor of the GQA group <= MAX_HEADS_PER_CTA."""
+    return max(d for d in range(1, min(gqa, MAX_HEADS_PER_CTA) + 1) if gqa % d == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(name: str, defines: tuple[tuple[str, object], ...], kernels: tuple[str, ...], device: int) -> dict:
+    """Compile kernels/<name> with `defines` (NVRTC through CuPy), load it on `device`, and return
+    {kernel name: cupy.RawKernel}. Cached: one build per file, geometry, dtype and device."""
+    import cupy
+
+    options = COMPILE_OPTIONS + tuple(f"-D{k}" if v is None else f"-D{k}={v}" for k, v in defines)
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=kernel_source(name), options=options)
+        try:
+            # get_function compiles and loads the module now, so that nothing compiles later
+            # (for instance during CUDA-graph capture, where it would fail)
+            return {k: module.get_function(k) for k in kernels}
+        except cupy.cuda.compiler.CompileException as e:
+            raise RunError(f"compiling {name} failed: {e}", "this is a bug in pagedcli's kernels") from None
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % VEC_BYTES == 0 for t in tensors)
+
+
+class CudaBackend(TorchBackend):
+    name = "cuda"
+
+    def __init__(self, cache: KVCache, config: ModelConfig):
+        ok, why = cuda_available()
+        if not ok:
+            raise RunError(f"the CUDA backend cannot run: {why}", "use the torch backend instead")
+        if cache.device.type != "cuda":
+            raise RunError(f"the CUDA backend needs the KV cache on a CUDA device, not {cache.device}")
+        geo = cache.geometry
+        if geo.dtype not in _DTYPE_DEFINES:
+            raise RunError(f"the CUDA kernels do not support dtype {geo.dtype}", "use bfloat16, float16 or float32")
+        row_bytes = geo.head_dim * geo.itemsize
+        if row_bytes % VEC_BYTES or row_bytes > 32 * VEC_BYTES or geo.head_dim % 2:
+            raise RunError(
+                f"head_dim {geo.head_dim} in {geo.dtype} is not supported by the CUDA kernels",
+                f"a head's row must be a multiple of {VEC_BYTES} bytes and at most {32 * VEC_BYTES}; "
+                "use the torch backend",
+            )
+        super().__init__(cache, config)
+        import cupy
+
+        self.device_index = cache.device.index if cache.device.index is not None else torch.cuda.current_device()
+        self.dtype = geo.dtype
+        self.num_heads = config.num_heads
+        self.head_dim = geo.head_dim
+        self.vec = VEC_BYTES // geo.itemsize  # elements in a 16-byte vector
+        self.heads_per_cta = heads_per_cta(config.num_heads // config.num_kv_heads)
+        self.scale_log2 = np.float32(math.log2(math.e) / math.sqrt(geo.head_dim))
+        self.max_context = cache.max_blocks_per_seq * geo.block_size  # the block table's width in tokens
+        self.num_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
+
+        dtype = ((_DTYPE_DEFINES[geo.dtype], None),)
+        model = tuple(sorted(geo.defines().items())) + (("NUM_HEADS", config.num_heads),) + dtype
+        attention = model + (
+            ("HEADS_PER_CTA", self.heads_per_cta),
+            ("PARTITION_SIZE", PARTITION_SIZE),
+            ("ATTN_THREADS", ATTN_THREADS),
+            ("REDUCE_WARPS", REDUCE_WARPS),
+        )
+        d = self.device_index
+        self.kernels = {
+            **_compile("kv_write.cu", model, ("rope_write_kv",), d),
+            **_compile("paged_attention.cu", attention, ("paged_attention_decode", "paged_attention_reduce"), d),
+            **_compile("elementwise.cu", dtype,
+                       ("add_rms_norm_vec", "add_rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"), d),
+        }
+        self._cupy_device = cupy.cuda.Device(d)
+        self._streams: dict[int, object] = {}  # torch stream handle -> cupy.cuda.ExternalStream
+        self._scratch: dict[int, tuple] = {}  # batch size -> (splits, partial out, partial max, partial sum)
+
+    # --- launching ----------------------------------------------------------------------------
+    def _launch(self, kernel: str, grid: tuple, block: tuple, args: tuple) -> None:
+        """Launch on torch's current stream (the capture stream while a CUDA graph is captured)."""
+        import cupy
+
+        handle = torch.cuda.current_stream(self.device_index).cuda_stream
+        stream = self._streams.get(handle)
+        if stream is None:
+            stream = self._streams[handle] = cupy.cuda.ExternalStream(handle, self.device_index)
+        with self._cupy_device, stream:
+            self.kernels[kernel](grid, block, args)
+
+    def num_splits(self, batch_size: int) -> int:
+        """Splits of the decode kernel for a batch size: enough to fill the GPU at small batches,
+        never more than the longest context has chunks. Depends on nothing else, so one CUDA graph
+        per batch size serves every context length."""
+        chunks = math.ceil(self.cache.max_model_len / PARTITION_SIZE)
+        ctas_per_split = batch_size * (self.num_heads // self.heads_per_cta)
+        return max(1, min(chunks, SPLIT_CTAS_PER_SM * self.num_sms // ctas_per_split))
+
+    def _scratch_for(self, batch_size: int) -> tuple:
+        """Split-KV scratch for a batch size, allocated once and reused by every layer and step."""
+        s = self._scratch.get(batch_size)
+        if s is None:
+            splits = self.num_splits(batch_size)
+            f32 = dict(dtype=torch.float32, device=self.cache.device)
+            s = self._scratch[batch_size] = (
+                splits,
+                torch.empty((batch_size, self.num_heads, splits, self.head_dim), **f32),
+                torch.empty((batch_size, self.num_heads, splits), **f32),
+                torch.empty((batch_size, self.num_heads, splits), **f32),
+            )
+        return s
+
+    def _layer_table(self, layer: int) -> tuple[np.uint64, np.int64, np.int32]:
+        """This layer's block table as the kernels index it: table[slot * slot_stride + block]."""
+        t = self.cache.device_table  # [slots, layers, blocks] int32, contiguous
+        base = t.data_ptr() + layer * t.stride(1) * t.element_size()
+        return np.uint64(base), np.int64(t.stride(0)), np.int32(t.shape[2])
+
+    # --- the backend interface ----------------------------------------------------------------
+    def prepare(self, batch: StepBatch) -> None:
+        if batch.is_prefill:
+            super().prepare(batch)  # the inherited prefill attention needs the torch index tensors
+        else:
+            self._step = {}  # decode needs nothing from the host: the batch tensors go to the kernels
+            self._scratch_for(batch.slots.shape[0])
+
+    def rope_write_kv(self, layer: int, q, k, v, batch: StepBatch):
+        T = q.shape[0]
+        kv_heads = self.cache.geometry.num_kv_heads
+        if q.shape[1:] != (self.num_heads, self.head_dim) or k.shape[1:] != (kv_heads, self.head_dim) \
+                or v.shape != k.shape or k.shape[0] != T:
+            raise ValueError(f"rope_write_kv: unexpected shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        q, k, v = (self._heads_rows(x) for x in (q, k, v))
+        q_out = torch.empty((T, self.num_heads, self.head_dim), dtype=self.dtype, device=q.device)
+        if T == 0:
+            return q_out
+        table, slot_stride, max_blocks = self._layer_table(layer)
+        positions = batch.positions if batch.positions.dtype == torch.int64 else batch.positions.long()
+        token_seq = batch.token_seq if batch.token_seq.dtype == torch.int64 else batch.token_seq.long()
+        slots = batch.slots if batch.slots.dtype == torch.int32 else batch.slots.int()
+        self._launch("rope_write_kv", (T,), (KV_WRITE_THREADS,), (
+            _ptr(q), _ptr(k), _ptr(v), np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0)),
+            _ptr(q_out), _ptr(self.cache.pool), table, slot_stride, max_blocks,
+            _ptr(positions), _ptr(token_seq), _ptr(slots),
+            _ptr(self.cos), _ptr(self.sin), np.int32(self.cos.shape[0]),
+        ))
+        return q_out
+
+    def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        if batch.is_prefill:
+            return super().attend(layer, q, batch)
+        B = batch.slots.shape[0]
+        if q.shape[0] != B:
+            raise ValueError(f"decode attend: {q.shape[0]} queries for {B} sequences")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        if B == 0:
+            return out
+        splits, part_out, part_max, part_sum = self._scratch_for(B)
+        table, slot_stride, _ = self._layer_table(layer)
+        context_lens = batch.context_lens if batch.context_lens.dtype == torch.int32 else batch.context_lens.int()
+        slots = batch.slots if batch.slots.dtype == torch.int32 else batch.slots.int()
+        self._launch("paged_attention_decode", (splits, self.num_heads // self.heads_per_cta, B), (ATTN_THREADS,), (
+            _ptr(q), _ptr(self.cache.pool), table, slot_stride, _ptr(slots), _ptr(context_lens),
+            np.int32(self.max_context), _ptr(part_out), _ptr(part_max), _ptr(part_sum), self.scale_log2,
+        ))
+        self._launch("paged_attention_reduce", (math.ceil(B * self.num_heads / REDUCE_WARPS),),
+                     (REDUCE_WARPS * 32,), (
+            _ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(context_lens),
+            np.int32(self.max_context), np.int32(B), np.int32(splits),
+        ))
+        return out
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if not self._fusable(x, weight) or (residual is not None and not self._same(residual, x)):
+            return super().add_rms_norm(x, residual, weight, eps)
+        hidden = x.shape[-1]
+        rows = x.numel() // hidden if hidden else 0
+        if rows == 0 or hidden != weight.numel():
+            return super().add_rms_norm(x, residual, weight, eps)
+        x, weight = x.contiguous(), weight.contiguous()
+        residual = residual.contiguous() if residual is not None else None
+        out = torch.empty_like(x)
+        new_residual = torch.empty_like(x) if residual is not None else x
+        tensors = (x, weight, out) + ((residual, new_residual) if residual is not None else ())
+        vec = self.vec if hidden % self.vec == 0 and _aligned(*tensors) else 1
+        threads = min(1024, max(32, -(-hidden // vec // 32) * 32))
+        self._launch(f"add_rms_norm_{'vec' if vec > 1 else 'scalar'}", (rows,), (threads,), (
+            _ptr(x), _ptr(residual), _ptr(weight), _ptr(out),
+            _ptr(new_residual if residual is not None else None), np.int32(hidden), np.float32(eps),
+        ))
+        return out, new_residual
+
+    def silu_mul(self, gate_up):
+        if not self._fusable(gate_up) or gate_up.shape[-1] % 2:
+            return super().silu_mul(gate_up)
+        gate_up = gate_up.contiguous()
+        inter = gate_up.shape[-1] // 2
+        out = torch.empty(gate_up.shape[:-1] + (inter,), dtype=gate_up.dtype, device=gate_up.device)
+        total = out.numel()
+        if total == 0:
+            return out
+        vec = self.vec if inter % self.vec == 0 and _aligned(gate_up, out) else 1
+        blocks = max(1, min(-(-total // (vec * SILU_THREADS)), 16 * self.num_sms))
+        self._launch(f"silu_mul_{'vec' if vec > 1 else 'scalar'}", (blocks,), (SILU_THREADS,), (
+            _ptr(gate_up), _ptr(out), np.int32(inter), np.int64(total),
+        ))
+        return out
+
+    # --- helpers --------------------------------------------------------------------------------
+    def _fusable(self, *tensors: torch.Tensor) -> bool:
+        """Tensors our elementwise kernels take: the model dtype, on our GPU (else: torch fallback)."""
+        return all(t.dtype == self.dtype and t.device == self.cache.device for t in tensors)
+
+    def _same(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+    def _heads_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, heads, head_dim] with heads contiguous within a token (any token stride): the layout
+        kv_write.cu reads. Column slices of the fused qkv output already are; others are copied."""
+        if x.dtype != self.dtype:
+            raise ValueError(f"expected {self.dtype}, got {x.dtype}")
+        if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.shape[2] != self.head_dim:
+            x = x.contiguous()
+        return x

@@ -1,0 +1,238 @@
+"""`pagedcli bench`: how fast, how much memory, and how close to the hardware's limit.
+
+A decode step must at least read every weight once and every cached K/V byte of the batch once,
+so its floor is (weight bytes + KV bytes read) / memory bandwidth: the roofline each figure is
+held against (as gpt-fast reports GB/s beside tokens/s).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from pagedcli.engine import Engine
+from pagedcli.errors import UsageError
+from pagedcli.loader import EngineOptions, Model, build_engine
+from pagedcli.sequence import SamplingParams
+
+BANDWIDTH_CACHE = Path.home() / ".cache" / "pagedcli" / "bandwidth.json"
+
+
+# --- the workload --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    num_prompts: int | None = None  # default: one per slot
+    input_len: str = "128"  # "128" or a range "100:1024"
+    output_len: str = "256"
+    seed: int = 0
+    ignore_eos: bool = True
+    prompt_file: Path | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def parse_len(text: str, name: str) -> tuple[int, int]:
+    """'128' -> (128, 128); '100:1024' -> (100, 1024)."""
+    try:
+        lo, _, hi = text.partition(":")
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise UsageError(f"{name} {text!r} is not a length", "write 128 or a range like 100:1024") from None
+    if not 1 <= lo <= hi:
+        raise UsageError(f"{name} {text!r}: needs 1 <= low <= high")
+    return lo, hi
+
+
+def make_requests(w: Workload, n: int, vocab_size: int, avoid: set[int], tokenizer=None) -> list[Request]:
+    """Random token ids (as vLLM's and nano-vllm's benchmarks), or the lines of --prompt-file."""
+    rng = random.Random(w.seed)
+    out_lo, out_hi = parse_len(w.output_len, "--output-len")
+    if w.prompt_file is not None:
+        from pagedcli.generate import read_prompts
+
+        if tokenizer is None:
+            raise UsageError("--prompt-file needs a model with a tokenizer")
+        lines = read_prompts([], w.prompt_file)
+        prompts = [tokenizer.encode(lines[i % len(lines)]) for i in range(n)]
+    else:
+        in_lo, in_hi = parse_len(w.input_len, "--input-len")
+        allowed = [t for t in range(vocab_size) if t not in avoid]
+        prompts = [[rng.choice(allowed) for _ in range(rng.randint(in_lo, in_hi))] for _ in range(n)]
+    return [Request(p, rng.randint(out_lo, out_hi)) for p in prompts]
+
+
+# --- the arithmetic ------------------------------------------------------------------------------
+def decode_weight_bytes(model: Model) -> int:
+    """Weight bytes one decode step reads: everything, except that an untied embedding table is
+    only looked up (a few rows), not read whole."""
+    w = model.weights
+    embed = w.embed.numel() * w.embed.element_size()
+    return w.nbytes - (0 if w.lm_head is w.embed else embed)
+
+
+def decode_step_bytes(weight_bytes: int, kv_bytes_per_token: int, context_lens: list[int]) -> int:
+    """Least bytes a decode step moves: the weights once, plus each sequence's K/V (all layers)."""
+    return weight_bytes + kv_bytes_per_token * sum(context_lens)
+
+
+def summarize(values_s: list[float]) -> dict:
+    if not values_s:
+        return {"mean": None, "p50": None, "p99": None}
+    ms = sorted(v * 1e3 for v in values_s)
+    p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
+    return {"mean": statistics.fmean(ms), "p50": statistics.median(ms), "p99": p99}
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Device memory bandwidth in GB/s from a large copy (bytes read + bytes written), measured
+    once per device and kept in ~/.cache/pagedcli."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{torch.get_num_threads()}t"
+    try:
+        cached = json.loads(BANDWIDTH_CACHE.read_text())
+    except (OSError, json.JSONDecodeError):
+        cached = {}
+    if name in cached:
+        return float(cached[name])
+    nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(12):
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        if i >= 2:  # warm-up
+            times.append(time.perf_counter() - t)
+    gbps = 2 * nbytes / statistics.median(times) / 1e9
+    cached[name] = gbps
+    try:
+        BANDWIDTH_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        BANDWIDTH_CACHE.write_text(json.dumps(cached, indent=1))
+    except OSError:
+        pass
+    return gbps
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- one run -------------------------------------------------------------------------------------
+def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwidth_gbps: float,
+              progress=None) -> dict:
+    """Build an engine with `batch` slots, warm it up, run the workload, return the figures."""
+    engine = build_engine(model, replace(opts, batch=batch))
+    config = model.source.config
+    n = w.num_prompts or batch
+    requests = make_requests(w, n, config.vocab_size, model.source.stop_ids | {config.bos_token_id or -1},
+                             model.tokenizer)
+    _warm_up(engine, requests[:batch])
+    device = model.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    weight_bytes = decode_weight_bytes(model)
+    kv_per_token = engine.cache.geometry.kv_bytes_per_token
+
+    _sync(device)
+    start = time.perf_counter()
+    seqs = [engine.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=w.ignore_eos))
+            for r in requests]
+    for s in seqs:
+        s.arrival_time = start
+    prefill_s = decode_s = 0.0
+    prefill_tokens = decode_tokens = 0
+    decode_steps, decode_bytes, peak_blocks, peak_running = 0, 0, 0, 0
+    while engine.has_unfinished:
+        out = engine.step()
+        peak_blocks = max(peak_blocks, out.used_blocks)
+        peak_running = max(peak_running, out.num_running)
+        if out.is_prefill:
+            prefill_s += out.elapsed
+            prefill_tokens += out.num_tokens
+        else:
+            decode_s += out.elapsed
+            decode_tokens += len(out.seqs)
+            decode_steps += 1
+            decode_bytes += decode_step_bytes(weight_bytes, kv_per_token, [s.num_cached for s in out.seqs])
+        if progress is not None:
+            progress(sum(s.is_finished for s in seqs), n)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+
+    geo = engine.cache.geometry
+    output_tokens = sum(len(s.output_token_ids) for s in seqs)
+    itl = [b - a for s in seqs for a, b in zip(s.token_times, s.token_times[1:])]
+    step_ms = decode_s / decode_steps * 1e3 if decode_steps else None
+    roofline_ms = decode_bytes / decode_steps / (bandwidth_gbps * 1e9) * 1e3 if decode_steps else None
+    return {
+        "batch": batch,
+        "num_prompts": n,
+        "input_len": w.input_len if w.prompt_file is None else "file",
+        "output_len": w.output_len,
+        "elapsed_s": elapsed,
+        "requests_per_s": n / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else None,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
+        "ttft_ms": summarize([s.first_token_time - s.arrival_time for s in seqs if s.first_token_time]),
+        "itl_ms": summarize(itl),
+        "decode_step_ms": step_ms,
+        "roofline_step_ms": roofline_ms,
+        "achieved_gb_per_s": decode_bytes / decode_s / 1e9 if decode_s else None,
+        "roofline_fraction": roofline_ms / step_ms if step_ms else None,
+        "bandwidth_gb_per_s": bandwidth_gbps,
+        "kv_blocks_total": geo.num_blocks,
+        "kv_blocks_peak": peak_blocks,
+        "kv_bytes_peak": peak_blocks * geo.block_bytes,
+        "kv_bytes_contiguous": peak_running * engine.max_model_len * geo.kv_bytes_per_token,
+        "preemptions": engine.scheduler.num_preemptions,
+        "gpu_memory_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "model": model.source.name,
+    }
+
+
+def _warm_up(engine: Engine, requests: list) -> None:
+    """Graphs captured, kernels compiled, allocator and cuBLAS warm: none of it in the timing."""
+    engine.runner.capture_graphs()
+    engine.generate([r.prompt_token_ids for r in requests], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.sequences.clear()
+    engine.num_steps = 0
+    engine.scheduler.num_preemptions = 0
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """tokens/s and decode step time against batch size, beside the roofline step time."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib", 'pip install "pagedcli[plot]"') from None
+    batches = [r["batch"] for r in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(batches, [r["decode_tokens_per_s"] for r in results], "o-", label="decode")
+    left.plot(batches, [r["output_tokens_per_s"] for r in results], "s--", label="end to end")
+    left.set(xscale="log", xlabel="batch", ylabel="tokens/s", title="throughput")
+    left.legend()
+    right.plot(batches, [r["decode_step_ms"] for r in results], "o-", label="measured")
+    right.plot(batches, [r["roofline_step_ms"] for r in results], "k:", label="roofline (bytes / bandwidth)")
+    right.set(xscale="log", xlabel="batch", ylabel="ms per decode step", title="step time")
+    right.legend()
+    fig.suptitle(f"{results[0]['model']} on {results[0]['device']} ({results[0]['dtype']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

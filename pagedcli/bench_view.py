@@ -1,0 +1,82 @@
+"""How `bench` looks on a terminal: a progress bar while it runs, a table at the end."""
+
+from __future__ import annotations
+
+from rich import progress as rp
+from rich.console import Group
+from rich.table import Table
+
+
+class Progress:
+    """A Rich progress bar per batch size (on stderr, only on a terminal)."""
+
+    def __init__(self, enabled: bool, console):
+        self.bar = rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn(),
+                               rp.TimeElapsedColumn(), console=console, transient=True) if enabled else None
+
+    def __enter__(self):
+        if self.bar:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar:
+            self.bar.__exit__(*exc)
+
+    def task(self, description: str):
+        if not self.bar:
+            return None
+        task = self.bar.add_task(description, total=None)
+        return lambda done, total: self.bar.update(task, completed=done, total=total)
+
+
+def _f(value, fmt="{:,.1f}"):
+    return "-" if value is None else fmt.format(value)
+
+
+def _bytes(n):
+    if n is None:
+        return "-"
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def results_table(results: list[dict]) -> Group:
+    """Two tables: speed against the roofline, and what the paged cache held."""
+    r0 = results[0]
+    speed = Table(title=f"{r0['model']} on {r0['device']} ({r0['dtype']}): prompts of {r0['input_len']} tokens, "
+                        f"{r0['output_len']} new; memory bandwidth {r0['bandwidth_gb_per_s']:,.0f} GB/s",
+                  title_justify="left")
+    hf = any("hf_output_tokens_per_s" in r for r in results)
+    for col in ["batch", "tokens/s", "decode tok/s", "step ms", "roofline ms", "of roofline", "GB/s",
+                "TTFT p50 ms", "ITL p50 ms"] + (["HF tok/s", "vs HF"] if hf else []):
+        speed.add_column(col, justify="right")
+    memory = Table(title="KV cache", title_justify="left")
+    for col in ("batch", "blocks peak / total", "KV peak", "contiguous would hold", "saved", "preemptions",
+                "GPU memory peak"):
+        memory.add_column(col, justify="right")
+    for r in results:
+        fraction = r["roofline_fraction"]
+        row = [str(r["batch"]), _f(r["output_tokens_per_s"]), _f(r["decode_tokens_per_s"]),
+               _f(r["decode_step_ms"], "{:.3f}"), _f(r["roofline_step_ms"], "{:.3f}"),
+               "-" if fraction is None else f"{100 * fraction:.0f}%", _f(r["achieved_gb_per_s"], "{:,.0f}"),
+               _f(r["ttft_ms"]["p50"], "{:.2f}"), _f(r["itl_ms"]["p50"], "{:.3f}")]
+        if hf:
+            row += [_f(r.get("hf_output_tokens_per_s")), _f(r.get("speedup_vs_hf"), "{:.1f}x")]
+        speed.add_row(*row)
+        contiguous = r["kv_bytes_contiguous"]
+        saved = f"{100 * (1 - r['kv_bytes_peak'] / contiguous):.0f}%" if contiguous else "-"
+        memory.add_row(str(r["batch"]), f"{r['kv_blocks_peak']:,} / {r['kv_blocks_total']:,}", _bytes(r["kv_bytes_peak"]),
+                       _bytes(contiguous), saved, str(r["preemptions"]), _bytes(r["gpu_memory_peak_bytes"]))
+    return Group(speed, memory)
+
+
+def kernel_table(rows: list[dict], bandwidth_gbps: float) -> Table:
+    t = Table(title=f"decode attention alone; bandwidth {bandwidth_gbps:,.0f} GB/s")
+    for col in ("batch", "context", "paged ms", "paged GB/s", "of bandwidth", "SDPA contiguous ms", "SDPA GB/s",
+                "max |diff|"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r["batch"]), str(r["context"]), _f(r["paged_ms"], "{:.4f}"), _f(r["paged_gb_per_s"], "{:,.0f}"),
+                  f"{100 * r['paged_gb_per_s'] / bandwidth_gbps:.0f}%", _f(r["sdpa_ms"], "{:.4f}"),
+                  _f(r["sdpa_gb_per_s"], "{:,.0f}"), _f(r["max_abs_diff"], "{:.2e}"))
+    return t
