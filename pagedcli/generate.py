@@ -66,10 +66,10 @@ def run(engine: Engine, printer: TextPrinter | JsonPrinter, seqs: list[Sequence]
             if on_step is not None:
                 on_step(out)
     except KeyboardInterrupt:
-        engine.abort_all()
         for seq in seqs:
             printer.update(seq)
-        printer.flush()
+        printer.interrupt()
+        engine.abort_all()
         raise
     printer.flush()
 

@@ -39,6 +39,12 @@ class TextPrinter:
         self._advance()
         self.out.flush()
 
+    def interrupt(self) -> None:
+        """Ctrl-C: end the answer being streamed where it stopped; print no later ones."""
+        if self.current < len(self.seqs):
+            self.out.write(self.pending[self.seqs[self.current].id] + "\n")
+        self.out.flush()
+
     def _advance(self) -> None:
         while self.current < len(self.seqs):
             seq = self.seqs[self.current]
@@ -79,6 +85,10 @@ class JsonPrinter:
         while self.current < len(self.seqs) and self.seqs[self.current].is_finished:
             self.out.write(json.dumps(self.record(self.seqs[self.current]), ensure_ascii=False) + "\n")
             self.current += 1
+        self.out.flush()
+
+    def interrupt(self) -> None:
+        """Ctrl-C: what finished is printed already; unfinished requests print nothing."""
         self.out.flush()
 
     def record(self, seq: Sequence) -> dict:

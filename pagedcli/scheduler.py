@@ -41,13 +41,13 @@ class Scheduler:
     def why_unrunnable(self, prompt_len: int) -> str | None:
         if prompt_len == 0:
             return "the prompt is empty"
-        if prompt_len + 1 > self.max_model_len:
-            return (f"the prompt has {prompt_len} tokens; with one new token that passes the maximum length "
-                    f"of {self.max_model_len} tokens")
-        need = self.cache.geometry.blocks_for(prompt_len + 1) * self.cache.geometry.num_layers
-        if need > self.cache.geometry.num_blocks:
-            return (f"the prompt needs {need} blocks with one new token; the whole pool has "
-                    f"{self.cache.geometry.num_blocks} (use a larger --cache-size)")
+        geo = self.cache.geometry
+        pool_tokens = (geo.num_blocks // geo.num_layers) * geo.block_size  # one sequence alone in the pool
+        if prompt_len + 1 > min(self.max_model_len, pool_tokens):
+            limit = min(self.max_model_len, pool_tokens)
+            why = ("the whole pool holds", "use a larger --cache-size or --num-blocks") if pool_tokens <= limit else (
+                "the maximum length is", "shorten the prompt")
+            return f"the prompt has {prompt_len} tokens; with one new token that is more than {why[0]} {limit} ({why[1]})"
         return None
 
     @property

@@ -1,0 +1,371 @@
+"""The CUDA backend's kernels against the torch reference backend, on the same cache (the same pool
+tensor and block table), on a GPU.
+
+Pools hold random numbers (never zeros) and blocks are handed out in shuffled order, so a kernel
+that ignores the block table, the layer or the slot cannot pass. Outputs are poisoned with NaN
+before the kernels run (through the caching allocator, and the split-KV scratch directly), so an
+element a kernel forgets to write shows up.
+
+Tolerances:
+- RoPE + K/V write, add_rms_norm's residual, silu_mul: the kernels round exactly where torch rounds,
+  and the products/sums involved are exact in fp32 before that rounding, so we expect identical
+  bits. We allow one unit in the last place (a different but correct rounding of an fp32 result,
+  e.g. expf implementations) and require >= 99.9 % of the elements to be bit-identical.
+- add_rms_norm's normed output: the fp32 sum of squares is accumulated in another order than torch's
+  and rsqrtf may differ by an ulp, which can move the rounded normalised value by one bf16 ulp, and
+  the weight multiply by one more: 2 ulps (relative 2^-6 in bf16) and >= 99 % identical.
+- decode attention: ours accumulates in fp32 and rounds once, so against an fp64 reference it is
+  within half an ulp of the output dtype plus fp32 noise: |diff| <= 2^-8 |ref| + 1e-4 max|ref| (bf16,
+  fp16), 1e-5 relative (fp32). The torch reference (SDPA in bf16) itself rounds scores and
+  probabilities to bf16 (relative errors ~2^-8 per term), so against it we only ask
+  max |diff| <= 2e-2 max |ref|.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from pagedcli.backends.cuda import cuda_available
+
+_OK, _WHY = cuda_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"needs CUDA and CuPy: {_WHY}")]
+
+if _OK:  # these import cupy lazily, but keep CPU-only collection free of GPU work
+    import pagedcli.backends.cuda as cuda_backend
+    from pagedcli.backends.cuda import CudaBackend
+    from pagedcli.backends.torch import TorchBackend
+    from pagedcli.batch import StepBatch
+    from pagedcli.cache import KVCache
+    from pagedcli.config import CacheGeometry, ModelConfig
+
+DEVICE = "cuda"
+LENGTHS = (1, 15, 16, 17, 1000, 4097)
+
+# (num_heads, num_kv_heads, head_dim, block_size, dtype): GQA ratios 4, 8, 1, 2, 8, 4
+GEOMETRIES = {
+    "llama1b": (32, 8, 64, 16, torch.bfloat16),  # Llama-3.2-1B: GQA 4
+    "gqa8-d128-b32": (32, 4, 128, 32, torch.bfloat16),
+    "mha-d64": (8, 8, 64, 16, torch.bfloat16),  # GQA 1
+    "stories-fp32": (8, 4, 8, 16, torch.float32),  # stories260K: head_dim 8 in fp32
+    "d8-bf16-b32": (8, 1, 8, 32, torch.bfloat16),  # a 16-byte row: one lane per token
+    "fp16": (16, 4, 64, 16, torch.float16),
+}
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}
+
+
+def make_config(num_heads, num_kv_heads, head_dim, dtype, num_layers=2, max_len=8192) -> "ModelConfig":
+    return ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": num_heads * head_dim, "intermediate_size": 3 * num_heads * head_dim,
+        "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim, "vocab_size": 64, "max_position_embeddings": max_len,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }, source="test")
+
+
+class Setup:
+    """A cache on the GPU with random contents, sequences of the given lengths in shuffled blocks,
+    and both backends over it."""
+
+    def __init__(self, geometry: str, lengths, max_model_len=8192, seed=0, spare_slots=0):
+        num_heads, num_kv_heads, head_dim, block_size, dtype = GEOMETRIES[geometry]
+        self.dtype = dtype
+        self.config = make_config(num_heads, num_kv_heads, head_dim, dtype, max_len=max_model_len)
+        blocks = sum(math.ceil(n / block_size) for n in lengths) * self.config.num_layers + 64
+        geo = CacheGeometry.build(self.config, dtype, block_size, num_blocks=blocks)
+        num_slots = len(lengths) + spare_slots
+        self.cache = KVCache(geo, num_slots, max_model_len, device=DEVICE, shuffle_seed=seed)
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        self.cache.pool.copy_(torch.randn(self.cache.pool.shape, generator=gen, device=DEVICE, dtype=dtype))
+        # slots in a scrambled order, so that sequence b is not slot b
+        self.slots = random.Random(seed).sample(range(num_slots), len(lengths))
+        for slot, n in zip(self.slots, lengths):
+            self.cache.grow(slot, n)
+        self.cache.sync_device_table()
+        self.ref = TorchBackend(self.cache, self.config)
+        self.cuda = CudaBackend(self.cache, self.config)
+        self.gen = gen
+
+    def randn(self, *shape, scale=1.0):
+        return torch.randn(shape, generator=self.gen, device=DEVICE, dtype=torch.float32).mul_(scale).to(self.dtype)
+
+    def decode_batch(self, lengths, slots=None):
+        """Each sequence has lengths[b] - 1 tokens cached and feeds one more."""
+        slots = self.slots[: len(lengths)] if slots is None else slots
+        return StepBatch.build(False, slots, [[1]] * len(lengths), [n - 1 for n in lengths], torch.device(DEVICE))
+
+    def qkv(self, T):
+        """q, k, v as llama.py makes them: column slices of one fused projection output."""
+        c = self.config
+        qkv = self.randn(T, c.q_dim + 2 * c.kv_dim)
+        q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        return (q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
+                v.view(T, c.num_kv_heads, c.head_dim))
+
+
+def poison_allocator(*shapes, dtype):
+    """Make the caching allocator's next blocks of these sizes hold NaN: allocate, fill, free."""
+    tensors = [torch.full(s, float("nan"), dtype=dtype, device=DEVICE) for s in shapes]
+    del tensors
+
+
+def poison_scratch(backend):
+    for _, *buffers in backend._scratch.values():
+        for b in buffers:
+            b.fill_(float("nan"))
+
+
+def assert_ulp_close(actual, expected, ulps=1.0, min_identical=0.999):
+    """Within `ulps` units in the last place of the dtype (relative), and mostly bit-identical."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    a, e = actual.float(), expected.float()
+    assert torch.isfinite(a).all(), "non-finite values"
+    tol = ulps * ULP[actual.dtype] * e.abs() + 1e-30
+    bad = (a - e).abs() > tol
+    assert not bad.any(), f"{int(bad.sum())} elements off by more than {ulps} ulp; worst {(a - e).abs().max().item()}"
+    identical = (a == e).float().mean().item()
+    assert identical >= min_identical, f"only {identical:.4%} bit-identical"
+
+
+def reference_attention_fp64(setup, layer, q, lengths, slots):
+    """Decode attention in float64, reading the pool through the host block table."""
+    geo = setup.cache.geometry
+    gqa = setup.config.num_heads // setup.config.num_kv_heads
+    out = []
+    for b, (n, slot) in enumerate(zip(lengths, slots)):
+        blocks = torch.as_tensor(setup.cache.table[slot, layer, : math.ceil(n / geo.block_size)], device=DEVICE).long()
+        kv = setup.cache.pool[blocks].double()  # [blocks, 2, block_size, kv_heads, D]
+        k = kv[:, 0].reshape(-1, geo.num_kv_heads, geo.head_dim)[:n].repeat_interleave(gqa, dim=1)
+        v = kv[:, 1].reshape(-1, geo.num_kv_heads, geo.head_dim)[:n].repeat_interleave(gqa, dim=1)
+        s = torch.einsum("hd,thd->ht", q[b].double(), k) / math.sqrt(geo.head_dim)
+        out.append(torch.einsum("ht,thd->hd", s.softmax(-1), v))
+    return torch.stack(out)
+
+
+def assert_attention_close(out, ref64, ref_torch):
+    assert torch.isfinite(out).all()
+    o, r = out.double(), ref64
+    if out.dtype == torch.float32:
+        bound = 1e-5 * r.abs() + 1e-5 * r.abs().max()
+    else:
+        bound = 2.0**-8 * r.abs() + 1e-4 * r.abs().max()
+    worst = ((o - r).abs() - bound).max().item()
+    assert worst <= 0, f"off the fp64 reference by {worst} beyond the bound"
+    loose = (out.float() - ref_torch.float()).abs().max().item()
+    assert loose <= 2e-2 * ref_torch.float().abs().max().item(), f"off the torch reference by {loose}"
+
+
+# --- (a) RoPE + K/V write --------------------------------------------------------------------
+
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_rope_write_kv_matches_reference(geometry, phase):
+    prompt = [1, 15, 16, 17, 100]
+    s = Setup(geometry, [n + 20 for n in prompt] + [60], seed=1)
+    if phase == "prefill":  # whole prompts, plus one sequence continuing a cached prefix of 20 tokens
+        new = prompt + [13]
+        cached = [0] * len(prompt) + [20]
+        batch = StepBatch.build(True, s.slots, [[1] * n for n in new], cached, torch.device(DEVICE))
+    else:
+        batch = s.decode_batch([n + 20 for n in prompt] + [60])
+    T = batch.token_ids.numel()
+    q, k, v = s.qkv(T)
+    layer = 1
+    before = s.cache.pool.clone()
+
+    s.ref.prepare(batch)
+    q_ref = s.ref.rope_write_kv(layer, q, k, v, batch)
+    pool_ref = s.cache.pool.clone()
+
+    s.cache.pool.copy_(before)
+    poison_allocator(q_ref.shape, dtype=s.dtype)
+    s.cuda.prepare(batch)
+    q_cuda = s.cuda.rope_write_kv(layer, q, k, v, batch)
+    torch.cuda.synchronize()
+
+    assert_ulp_close(q_cuda, q_ref)
+    changed = (s.cache.pool != before).flatten(2).any(-1)  # [blocks, 2]: which K/V halves we wrote
+    assert changed.any()
+    assert_ulp_close(s.cache.pool, pool_ref)  # the written rows, and nothing else touched
+    assert torch.equal(s.cache.pool[:, 1], pool_ref[:, 1]), "V is a plain copy"
+
+
+# --- (b) decode attention ----------------------------------------------------------------------
+
+def _decode_case(geometry, lengths, max_model_len, seed, layer=1):
+    s = Setup(geometry, lengths, max_model_len=max_model_len, seed=seed)
+    batch = s.decode_batch(lengths)
+    q = s.randn(len(lengths), s.config.num_heads, s.config.head_dim, scale=2.0)
+    s.ref.prepare(batch)
+    ref_torch = s.ref.attend(layer, q, batch)
+    s.cuda.prepare(batch)
+    poison_scratch(s.cuda)
+    poison_allocator(q.shape, dtype=s.dtype)
+    out = s.cuda.attend(layer, q, batch)
+    torch.cuda.synchronize()
+    ref64 = reference_attention_fp64(s, layer, q, lengths, s.slots)
+    assert_attention_close(out, ref64, ref_torch)
+    return s
+
+
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+def test_decode_attend_mixed_lengths(geometry):
+    _decode_case(geometry, list(LENGTHS), max_model_len=4200, seed=2)
+
+
+@pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32", "stories-fp32"])
+def test_decode_attend_batch_64(geometry):
+    lengths = random.Random(3).choices(LENGTHS, k=64)
+    # max_model_len 8192: 16 chunks of 512, more than the splits at batch 64, so CTAs loop over chunks
+    s = _decode_case(geometry, lengths, max_model_len=8192, seed=3)
+    if geometry == "llama1b":  # 8 head groups x 64 sequences: the split cap is reached
+        assert s.cuda.num_splits(64) < math.ceil(8192 / cuda_backend.PARTITION_SIZE)
+
+
+@pytest.mark.parametrize("geometry", ["llama1b", "mha-d64"])
+def test_decode_attend_single_long_sequence(geometry):
+    _decode_case(geometry, [4097], max_model_len=4097, seed=4)
+
+
+def test_decode_attend_one_split_merges_all_chunks(monkeypatch):
+    """One CTA per (sequence, head group) walks every chunk and merges them (online softmax)."""
+    monkeypatch.setattr(cuda_backend, "SPLIT_CTAS_PER_SM", 0)
+    s = _decode_case("llama1b", [4097, 1000, 1, 513], max_model_len=8192, seed=5)
+    assert s.cuda.num_splits(4) == 1
+
+
+# --- (c) elementwise ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("geometry", ["llama1b", "stories-fp32", "fp16"])
+@pytest.mark.parametrize("hidden", [2048, 64, 100, 8192])
+@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("first_layer", [True, False])
+def test_add_rms_norm(geometry, hidden, rows, first_layer):
+    s = Setup(geometry, [16], seed=6)
+    x = s.randn(rows, hidden, scale=3.0)
+    residual = None if first_layer else s.randn(rows, hidden, scale=3.0)
+    weight = s.randn(hidden, scale=0.5) + 1
+    normed_ref, res_ref = s.ref.add_rms_norm(x, residual, weight, 1e-5)
+    poison_allocator((rows, hidden), (rows, hidden), dtype=s.dtype)
+    normed, res = s.cuda.add_rms_norm(x, residual, weight, 1e-5)
+    torch.cuda.synchronize()
+    if first_layer:
+        assert res is x
+    else:
+        assert torch.equal(res, res_ref)  # one rounding of an exact sum: identical bits
+    if s.dtype == torch.float32:  # an ulp of difference in the statistics shows in most outputs
+        assert_ulp_close(normed, normed_ref, ulps=8.0, min_identical=0.0)
+    else:
+        assert_ulp_close(normed, normed_ref, ulps=2.0, min_identical=0.99)
+
+
+@pytest.mark.parametrize("geometry", ["llama1b", "stories-fp32", "fp16"])
+@pytest.mark.parametrize("inter", [8192, 172, 5])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_silu_mul(geometry, inter, rows):
+    s = Setup(geometry, [16], seed=7)
+    gate_up = s.randn(rows, 2 * inter, scale=4.0)
+    ref = s.ref.silu_mul(gate_up)
+    poison_allocator(ref.shape, dtype=s.dtype)
+    out = s.cuda.silu_mul(gate_up)
+    torch.cuda.synchronize()
+    if s.dtype == torch.float32:  # no rounding to hide an expf that differs by an ulp
+        assert_ulp_close(out, ref, ulps=4.0, min_identical=0.5)
+    else:
+        assert_ulp_close(out, ref)
+
+
+# --- (d) a decode step in a CUDA graph -----------------------------------------------------------
+
+def test_decode_step_in_cuda_graph_replays_with_new_contents():
+    B, layer = 8, 1
+    first = [1, 15, 16, 17, 1000, 4097, 300, 64]
+    later = [2, 16, 17, 18, 900, 4000, 301, 65]  # positions move, including across block borders
+    s = Setup("llama1b", [4100] * B, max_model_len=4200, seed=8)  # every slot holds 4100 tokens' blocks
+    c = s.config
+    batch = s.decode_batch(first)
+    hidden = c.hidden_size
+    x, resid = s.randn(B, hidden), s.randn(B, hidden)
+    weight = s.randn(hidden, scale=0.5) + 1
+    q_in, k_in, v_in = s.qkv(B)
+    gate_up = s.randn(B, 2 * c.intermediate_size)
+
+    def step():
+        be = s.cuda
+        be.prepare(batch)
+        h, r = be.add_rms_norm(x, resid, weight, 1e-5)
+        q = be.rope_write_kv(layer, q_in, k_in, v_in, batch)
+        return h, r, q, be.attend(layer, q, batch), be.silu_mul(gate_up)
+
+    side = torch.cuda.Stream()  # warm up on a side stream, as torch.cuda.graph's docs advise
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+
+    # new contents, same tensors: other lengths, positions and a permutation of the slots
+    new_slots = list(reversed(s.slots))
+    fresh = s.decode_batch(later, slots=new_slots)
+    for name in ("token_ids", "positions", "token_seq", "slots", "context_lens", "last_index"):
+        getattr(batch, name).copy_(getattr(fresh, name))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [t.clone() for t in captured]
+
+    eager = step()  # the same inputs, eagerly (writes the same K/V again)
+    torch.cuda.synchronize()
+    for a, b in zip(replayed, eager):
+        assert torch.equal(a, b)
+
+    s.ref.prepare(fresh)
+    q_ref = s.ref.rope_write_kv(layer, q_in, k_in, v_in, fresh)
+    out_ref = s.ref.attend(layer, q_ref, fresh)
+    assert_ulp_close(replayed[2], q_ref)
+    ref64 = reference_attention_fp64(s, layer, q_ref, later, new_slots)
+    assert_attention_close(replayed[3], ref64, out_ref)
+
+
+# --- (e) padding rows --------------------------------------------------------------------------
+
+def test_padding_rows_write_nothing_and_stay_finite():
+    layer = 0
+    lengths = [100, 17, 4097, 33]
+    s = Setup("llama1b", lengths, seed=9)
+    padded = s.decode_batch(lengths)
+    pad = [1, 3]
+    padded.positions[pad] = -1
+    padded.context_lens[pad] = 0
+    padded.slots[pad] = padded.slots[0]  # a live slot: nothing of it may be touched
+    q, k, v = s.qkv(len(lengths))
+    before = s.cache.pool.clone()
+
+    s.cuda.prepare(padded)
+    poison_scratch(s.cuda)
+    q_rot = s.cuda.rope_write_kv(layer, q, k, v, padded)
+    out = s.cuda.attend(layer, q_rot, padded)
+    torch.cuda.synchronize()
+    assert torch.isfinite(q_rot).all() and torch.isfinite(out).all()
+    assert not q_rot[pad].any() and not out[pad].any()  # zeros
+    after_padded = s.cache.pool.clone()
+
+    # the same step without the padding rows writes exactly the same bytes
+    real = [0, 2]
+    s.cache.pool.copy_(before)
+    batch = s.decode_batch([lengths[i] for i in real], slots=[s.slots[i] for i in real])
+    s.cuda.prepare(batch)
+    q_real = s.cuda.rope_write_kv(layer, q[real], k[real], v[real], batch)
+    out_real = s.cuda.attend(layer, q_real, batch)
+    torch.cuda.synchronize()
+    assert torch.equal(s.cache.pool, after_padded)
+    assert torch.equal(q_rot[real], q_real)
+    torch.testing.assert_close(out[real].float(), out_real.float(), rtol=2.0**-7, atol=1e-3)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One full round on a GPU machine, in one command: install, (optionally) train the built-in
+# model, run the GPU tests and the benchmarks. Results land in $OUT.
+#
+#   tools/prepare_gpu_assets.sh          # here: copy ../shared assets into .gpu/ (git-ignored)
+#   TRAIN=1 tools/gpu_round.sh           # there (the device tool carries .gpu/)
+set -uo pipefail
+OUT=${OUT:-/tmp/pagedcli-out}
+mkdir -p "$OUT"
+export PAGEDCLI_SHARED=$PWD/.gpu/shared PYTHONUNBUFFERED=1
+log() { echo "=== $* ($(date +%T))"; }
+
+log install
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
+
+if [ "${TRAIN:-0}" = 1 ]; then
+  log "train the demo model (background, ${TRAIN_MINUTES:-4} min)"
+  (python3 tools/train_demo_model.py --data .gpu/shared/data/tinyshakespeare.txt --out /tmp/demo \
+     --minutes "${TRAIN_MINUTES:-4}" >"$OUT/train.log" 2>&1; echo "train exit $?" >>"$OUT/train.log") &
+  TRAIN_PID=$!
+fi
+
+log "GPU tests"
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+
+if [ -n "${TRAIN_PID:-}" ]; then
+  log "wait for training"
+  wait "$TRAIN_PID"
+  tail -5 "$OUT/train.log"
+  tar czf "$OUT/demo.tgz" -C /tmp demo
+fi
+
+if [ "${BENCH:-1}" = 1 ]; then
+  log "bench: random Llama-3.2-1B shapes, 128-token prompts, 256 new tokens"
+  timeout 240 pagedcli bench --model random:llama-3.2-1b --batch "${BATCHES:-1,64,256}" --input-len 128 \
+    --output-len 256 --json >"$OUT/bench.jsonl" 2>"$OUT/bench.err"
+  cat "$OUT/bench.jsonl"; tail -3 "$OUT/bench.err"
+  log "bench --kernel"
+  timeout 120 pagedcli bench --model random:llama-3.2-1b --kernel 2>&1 | tee "$OUT/kernel.txt"
+  log "bench --compare hf (batch 1)"
+  timeout 120 pagedcli bench --model random:llama-3.2-1b --batch 1 --output-len 64 --compare hf 2>&1 | tee "$OUT/compare.txt"
+fi
+log done
