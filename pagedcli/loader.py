@@ -20,6 +20,7 @@ from pagedcli.tokenizer import Tokenizer
 from pagedcli.weights import Weights, load_weights, random_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SMALL_MODEL_BYTES = 64 << 20
 DEFAULT_CACHE = {"cuda": "2GiB", "cpu": "256MiB"}  # 2 GiB on a GPU, as tiny-vllm
 
 
@@ -98,6 +99,8 @@ def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: No
         weights = random_weights(source.config, dtype, device, opts.seed)
     else:
         weights = load_weights(source.folder, source.config, dtype, device)
+    if device.type == "cpu" and weights.nbytes < SMALL_MODEL_BYTES:
+        torch.set_num_threads(1)  # a few MB of weights: threads cost more in handoffs than they save
     return Model(source, tokenizer, weights, device, dtype)
 
 

@@ -35,6 +35,8 @@ from pagedcli.errors import RunError
 # Tuning constants. The .cu files receive them as -D defines, so each is written here only.
 PARTITION_SIZE = 512  # tokens per split-KV chunk of the decode kernel (a multiple of every block size)
 ATTN_THREADS = 128  # threads of a decode CTA
+UNROLL_SMALL_Q = 4  # K/V rows each decode lane loads before using any, when a CTA serves <= 4 heads
+UNROLL_LARGE_Q = 2  # ... and when it serves more (q and the accumulators then take more registers)
 REDUCE_WARPS = 4  # (sequence, head) pairs merged by one CTA of the reduce kernel
 MAX_HEADS_PER_CTA = 8  # query heads one decode CTA serves (q and the accumulators live in registers)
 SPLIT_CTAS_PER_SM = 32  # cap on decode CTAs (per SM) when choosing the number of splits
@@ -149,6 +151,7 @@ class CudaBackend(TorchBackend):
             ("HEADS_PER_CTA", self.heads_per_cta),
             ("PARTITION_SIZE", PARTITION_SIZE),
             ("ATTN_THREADS", ATTN_THREADS),
+            ("ATTN_UNROLL", UNROLL_SMALL_Q if self.heads_per_cta <= 4 else UNROLL_LARGE_Q),
             ("REDUCE_WARPS", REDUCE_WARPS),
         )
         d = self.device_index

@@ -38,8 +38,8 @@
 #if !defined(NUM_HEADS)
 #error "paged_attention.cu needs -DNUM_HEADS (the model's query heads)"
 #endif
-#if !defined(HEADS_PER_CTA) || !defined(PARTITION_SIZE) || !defined(ATTN_THREADS) || !defined(REDUCE_WARPS)
-#error "paged_attention.cu needs -DHEADS_PER_CTA -DPARTITION_SIZE -DATTN_THREADS -DREDUCE_WARPS (backends/cuda.py)"
+#if !defined(HEADS_PER_CTA) || !defined(PARTITION_SIZE) || !defined(ATTN_THREADS) || !defined(ATTN_UNROLL) || !defined(REDUCE_WARPS)
+#error "paged_attention.cu needs -DHEADS_PER_CTA -DPARTITION_SIZE -DATTN_THREADS -DATTN_UNROLL -DREDUCE_WARPS (backends/cuda.py)"
 #endif
 
 static_assert(KV_DIM == NUM_KV_HEADS * HEAD_DIM, "KV_DIM must be NUM_KV_HEADS * HEAD_DIM");
@@ -60,7 +60,7 @@ constexpr int ROWS_PER_WARP = WARP_SIZE / ROW_LANES;
 constexpr int NUM_WARPS = ATTN_THREADS / WARP_SIZE;
 static_assert(ATTN_THREADS % WARP_SIZE == 0, "ATTN_THREADS must be whole warps");
 constexpr int ROWS_PER_STEP = NUM_WARPS * ROWS_PER_WARP;  // tokens the CTA covers per load step
-constexpr int UNROLL = HEADS_PER_CTA <= 4 ? 4 : 2;  // rows in flight per lane (fewer when q is large)
+constexpr int UNROLL = ATTN_UNROLL;  // rows each lane loads before using any (bytes in flight)
 
 static_assert(PARTITION_SIZE % BLOCK_SIZE == 0, "a chunk must be whole blocks");
 constexpr int BLOCKS_PER_CHUNK = PARTITION_SIZE / BLOCK_SIZE;
