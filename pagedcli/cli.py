@@ -5,6 +5,7 @@ Exit codes: 0 done, 1 a failure while running, 2 a usage mistake, 130 interrupte
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -102,6 +103,7 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (prompt i uses seed + i).")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Keep going past the model's stop tokens.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per prompt on stdout, nothing else.")] = False,
+    live: Annotated[bool, typer.Option("--live", help="Watch the KV cache while it runs (on a terminal only).")] = False,
     model: Model = None,
     device: Device = "auto",
     dtype: Dtype = "auto",
@@ -133,10 +135,19 @@ def generate(
     failed = [s for s in seqs if s.error]
     for s in failed:
         err.print(f"[bold red]error:[/bold red] prompt {s.id + 1}: {s.error}", soft_wrap=True)
-    printer = (JsonPrinter(loaded.tokenizer, seqs) if json_output
-               else TextPrinter(loaded.tokenizer, seqs, echo_prompt=not use_chat))
+    view = None
+    if live:
+        from pagedcli.view import open_live_view
+
+        view = open_live_view(engine, loaded.tokenizer.decode, json_output)
+        if view is None and not json_output:
+            notice("--live: stdout is not a terminal, so no live view")
+    out = view.out if view else None
+    printer = (JsonPrinter(loaded.tokenizer, seqs, out) if json_output
+               else TextPrinter(loaded.tokenizer, seqs, echo_prompt=not use_chat, out=out))
     start = time.perf_counter()
-    gen.run(engine, printer, seqs)
+    with view or contextlib.nullcontext():
+        gen.run(engine, printer, seqs, on_step=view.on_step if view else None)
     if not json_output:
         notice(gen.summary(seqs, time.perf_counter() - start, engine))
     if failed:

@@ -82,22 +82,27 @@ def _time_ms(calls: list) -> float:
 
 
 def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads: int = 32, num_kv_heads: int = 8,
-                        block_size: int = 16, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+                        block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
+                        max_model_len: int | None = None) -> list[dict]:
     """One row per (batch, context): batch, context, paged_ms, paged_gb_per_s, sdpa_ms, sdpa_gb_per_s,
-    max_abs_diff (paged vs SDPA outputs), splits (of the paged kernel)."""
+    max_abs_diff (paged vs SDPA outputs), splits (of the paged kernel).
+
+    `max_model_len` (default: the context) is the cache's limit, which sets the paged kernel's
+    grid: a larger one shows what a short context costs in an engine sized for long ones."""
     from pagedcli.backends.cuda import CudaBackend
 
     device = torch.device("cuda")
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows = []
     for context in context_lens:
-        config = _config(num_heads, num_kv_heads, head_dim, context, dtype)
+        limit = max(context, max_model_len or context)
+        config = _config(num_heads, num_kv_heads, head_dim, limit, dtype)
         for batch in batch_sizes:
             kv_bytes = batch * context * num_kv_heads * head_dim * 2 * itemsize
             copies = max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / kv_bytes)))
             blocks_per_seq = math.ceil(context / block_size)
             geo = CacheGeometry(block_size, num_kv_heads, head_dim, 1, copies * batch * blocks_per_seq, dtype)
-            cache = KVCache(geo, max_slots=copies * batch, max_model_len=context, device=device, shuffle_seed=0)
+            cache = KVCache(geo, max_slots=copies * batch, max_model_len=limit, device=device, shuffle_seed=0)
             cache.pool.normal_()
             for slot in range(copies * batch):
                 cache.grow(slot, context)
