@@ -63,7 +63,7 @@ def block_cells(slot: SlotView, block_size: int, max_cells: int = MAX_CELLS) -> 
         if logical != previous + 1:
             text.append(f" …{logical - previous - 1:,}… ", style="dim")
         fill = slot.fill(logical, block_size)
-        glyph = FILL_GLYPHS[-(-fill * 8 // block_size)] if fill else "·"  # ceil: one token shows
+        glyph = FILL_GLYPHS[max(1, fill * 8 // block_size)] if fill else "·"  # one token still shows
         text.append(glyph, style="green" if fill == block_size else "yellow" if fill else "dim")
         previous = logical
     return text
@@ -191,6 +191,17 @@ class HeldOutput:
         return taken
 
 
+class Frame:
+    """What `Live` shows: the latest frame. Rich redraws it also when lines are printed above it,
+    so it must always hold the newest frame, not the one of the last explicit refresh."""
+
+    def __init__(self):
+        self.current = Text()
+
+    def __rich__(self):
+        return self.current
+
+
 class LiveView:
     """Redraws the frame from a fresh snapshot at most every REFRESH_S, from the step loop
     (`on_step`), and leaves the last frame on screen."""
@@ -202,7 +213,8 @@ class LiveView:
         self.decode = decode
         self.out = HeldOutput() if hold_output else None  # what the printer should write to
         self.clock = clock
-        self.live = Live(console=console, auto_refresh=False, transient=False,
+        self.frame = Frame()
+        self.live = Live(self.frame, console=console, auto_refresh=False, transient=False,
                          redirect_stdout=False, redirect_stderr=False)
         self.start = self.last = 0.0
         self.num_tokens = 0
@@ -226,9 +238,8 @@ class LiveView:
     def refresh(self, everything: bool = False) -> None:
         self.last = now = self.clock()
         elapsed = now - self.start
-        frame = render(self.engine.snapshot(), self.decode, self.max_rows(),
-                       self.num_tokens / elapsed if elapsed > 0 else None, elapsed)
-        self.live.update(frame, refresh=False)
+        self.frame.current = render(self.engine.snapshot(), self.decode, self.max_rows(),
+                                    self.num_tokens / elapsed if elapsed > 0 else None, elapsed)
         lines = self.out.take(everything) if self.out else ""
         if lines:  # printing above the frame redraws it: one draw either way
             self.console.print(lines.removesuffix("\n"), markup=False, highlight=False, emoji=False, soft_wrap=True)
