@@ -1,7 +1,7 @@
 """tiny-vllm's three pieces of a paged KV cache, and the snapshot that shows them.
 
 - the pool: one tensor of `num_blocks` physical blocks (layout in `CacheGeometry`);
-- the free-block list: a stack of physical block ids, with a reference count per block;
+- the free-block list: physical block ids, with a reference count per block;
 - the block table: `table[slot][layer][logical block]` -> physical block, -1 where unassigned.
   Every layer owns its own blocks, so a sequence of n blocks holds n * num_layers physical blocks.
 
@@ -12,12 +12,13 @@ that changed, once per step (`sync_device_table`).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections import OrderedDict
 
 import numpy as np
 import torch
 
 from pagedcli.config import CacheGeometry
+from pagedcli.prefix_cache import PrefixCache, block_hashes
 
 UNASSIGNED = -1
 
@@ -27,17 +28,21 @@ class OutOfBlocks(Exception):
 
 
 class BlockAllocator:
-    """A stack of free physical blocks (take from the end, give back to the end, as tiny-vllm does)
-    and a reference count per block. `shuffle_seed` hands blocks out in a random order, so a kernel
-    that ignores the block table cannot pass a test by luck."""
+    """The free blocks and a reference count per block.
 
-    def __init__(self, num_blocks: int, shuffle_seed: int | None = None):
+    tiny-vllm's free list is a stack (the block freed last is taken first). Ours is a queue: blocks
+    are taken least recently freed first, so a freed block that still holds a cached prefix
+    survives as long as possible (prefix caching's LRU eviction). `shuffle_seed` hands blocks out
+    in a random order, so a kernel that ignores the block table cannot pass a test by luck."""
+
+    def __init__(self, num_blocks: int, shuffle_seed: int | None = None, on_reuse=None):
         self.num_blocks = num_blocks
-        order = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        order = list(range(num_blocks))
         if shuffle_seed is not None:
             random.Random(shuffle_seed).shuffle(order)
-        self.free: list[int] = order
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(order)  # least recently freed first
         self.ref_count = np.zeros(num_blocks, dtype=np.int32)
+        self.on_reuse = on_reuse  # told of each block handed out, so a stale prefix entry is dropped
 
     @property
     def num_free(self) -> int:
@@ -46,23 +51,34 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free):
             raise OutOfBlocks(f"{n} blocks asked, {len(self.free)} free")
-        blocks = [self.free.pop() for _ in range(n)]
+        blocks = [self.free.popitem(last=False)[0] for _ in range(n)]
         self.ref_count[blocks] = 1
+        if self.on_reuse is not None:
+            for b in blocks:
+                self.on_reuse(b)
         return blocks
+
+    def share(self, blocks) -> None:
+        """One more owner for each block (a cached prefix or a forked sequence); a block that was
+        free leaves the free list."""
+        for b in blocks:
+            if self.ref_count[b] == 0:
+                del self.free[b]
+            self.ref_count[b] += 1
 
     def release(self, blocks) -> None:
         for b in blocks:
             assert self.ref_count[b] > 0, f"block {b} released twice"
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
-                self.free.append(int(b))
+                self.free[int(b)] = None
 
 
 class KVCache:
     """The pool, the allocator and the block table, for `max_slots` concurrent sequences."""
 
     def __init__(self, geometry: CacheGeometry, max_slots: int, max_model_len: int,
-                 device: torch.device | str = "cpu", shuffle_seed: int | None = None):
+                 device: torch.device | str = "cpu", shuffle_seed: int | None = None, prefix_caching: bool = True):
         self.geometry = geometry
         self.max_slots = max_slots
         self.max_model_len = max_model_len
@@ -70,9 +86,14 @@ class KVCache:
         self.device = torch.device(device)
         # zeros, not empty: never-written token slots must hold finite numbers
         self.pool = torch.zeros(geometry.pool_shape, dtype=geometry.dtype, device=self.device)
-        self.allocator = BlockAllocator(geometry.num_blocks, shuffle_seed)
+        self.prefix_cache = PrefixCache() if prefix_caching else None
+        self.allocator = BlockAllocator(geometry.num_blocks, shuffle_seed,
+                                        on_reuse=self.prefix_cache.forget if prefix_caching else None)
         self.table = np.full((max_slots, geometry.num_layers, self.max_blocks_per_seq), UNASSIGNED, np.int32)
         self.num_blocks_of_slot = [0] * max_slots  # logical blocks held, the same in every layer
+        self.slot_hashes: list[list[int]] = [[] for _ in range(max_slots)]  # hashes of each slot's full blocks
+        self.pending_copies: list[tuple[np.ndarray, list[int]]] = []  # copy-on-write: (from, to) blocks
+        self.num_copied_blocks = 0  # copy-on-write copies so far (all layers)
         self._changed: list[np.ndarray] = []  # flat table indices changed since the last device sync
         if self.device.type == "cpu":
             self.device_table = torch.from_numpy(self.table)  # shares memory: nothing to sync
@@ -104,13 +125,96 @@ class KVCache:
         self._mark_changed(slot, have, want)
 
     def release(self, slot: int) -> None:
-        """A finished (or preempted) sequence gives every block back."""
+        """A finished (or preempted) sequence gives every block back (shared ones lose one owner)."""
         n = self.num_blocks_of_slot[slot]
         if n:
             self.allocator.release(self.table[slot, :, :n].ravel().tolist())
         self.table[slot, :, :n] = UNASSIGNED
         self.num_blocks_of_slot[slot] = 0
+        self.slot_hashes[slot] = []
         self._mark_changed(slot, 0, n)
+
+    # --- prefix caching -------------------------------------------------------------------
+    def cached_prefix(self, token_ids: list[int]) -> list[tuple[int, ...]]:
+        """Rows (a physical block per layer) of the cached full blocks that begin `token_ids`;
+        never all of it, since the last token must be computed to give the next token's logits."""
+        if self.prefix_cache is None:
+            return []
+        bs = self.geometry.block_size
+        return self.prefix_cache.lookup(block_hashes(token_ids, bs, (len(token_ids) - 1) // bs))
+
+    def blocks_to_admit(self, num_tokens: int, prefix: list[tuple[int, ...]]) -> int:
+        """Free blocks that admitting a sequence with this cached prefix uses up: new blocks for
+        the rest, and the cached ones that sit in the free list (unowned, kept for reuse)."""
+        new = (self.geometry.blocks_for(num_tokens) - len(prefix)) * self.geometry.num_layers
+        return new + sum(1 for row in prefix for b in row if self.allocator.ref_count[b] == 0)
+
+    def admit(self, slot: int, token_ids: list[int], prefix: list[tuple[int, ...]]) -> None:
+        """Give a fresh slot its cached prefix blocks (shared) and new blocks for the rest."""
+        for i, row in enumerate(prefix):
+            self.allocator.share(row)
+            self.table[slot, :, i] = row
+        self.num_blocks_of_slot[slot] = len(prefix)
+        self._mark_changed(slot, 0, len(prefix))
+        bs = self.geometry.block_size
+        self.slot_hashes[slot] = block_hashes(token_ids, bs, len(prefix))
+        self.grow(slot, len(token_ids))
+
+    def register(self, slot: int, token_ids: list[int], num_cached: int) -> None:
+        """Offer the slot's newly completed full blocks to the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        bs, hashes = self.geometry.block_size, self.slot_hashes[slot]
+        done = len(hashes)
+        full = num_cached // bs
+        if full <= done:
+            return
+        new = block_hashes(token_ids[done * bs:], bs, full - done, parent=hashes[-1] if hashes else None)
+        for i, h in enumerate(new, start=done):
+            self.prefix_cache.insert(h, tuple(self.table[slot, :, i].tolist()))
+        hashes.extend(new)
+
+    # --- sharing between sequences: fork and copy-on-write ----------------------------------
+    def fork(self, parent: int, child: int) -> None:
+        """`child` shares every block of `parent` (parallel samples of one prompt)."""
+        n = self.num_blocks_of_slot[parent]
+        self.allocator.share(self.table[parent, :, :n].ravel().tolist())
+        self.table[child, :, :n] = self.table[parent, :, :n]
+        self.num_blocks_of_slot[child] = n
+        self.slot_hashes[child] = list(self.slot_hashes[parent])
+        self._mark_changed(child, 0, n)
+
+    def _write_block_is_shared(self, slot: int, num_tokens: int) -> bool:
+        last = (num_tokens - 1) // self.geometry.block_size  # the block the newest token goes into
+        return last < self.num_blocks_of_slot[slot] and bool((self.allocator.ref_count[self.table[slot, :, last]] > 1).any())
+
+    def blocks_to_write(self, slot: int, num_tokens: int) -> int:
+        """Free blocks needed before the slot writes its token number `num_tokens`: a new block
+        at a block boundary, or a private copy of a shared partial block."""
+        cow = self.geometry.num_layers if self._write_block_is_shared(slot, num_tokens) else 0
+        return self.blocks_needed(slot, num_tokens) + cow
+
+    def prepare_write(self, slot: int, num_tokens: int) -> None:
+        """Copy-on-write, then grow: afterwards the slot owns the block its newest token goes into."""
+        if self._write_block_is_shared(slot, num_tokens):
+            last = (num_tokens - 1) // self.geometry.block_size
+            shared = self.table[slot, :, last].copy()
+            private = self.allocator.allocate(self.geometry.num_layers)
+            self.pending_copies.append((shared, private))
+            self.num_copied_blocks += len(private)
+            self.table[slot, :, last] = private
+            self._mark_changed(slot, last, last + 1)
+            self.allocator.release(shared.tolist())
+        self.grow(slot, num_tokens)
+
+    def copy_pending_blocks(self) -> None:
+        """Carry out the copies copy-on-write asked for (before the forward pass writes)."""
+        if not self.pending_copies:
+            return
+        src = torch.tensor(np.concatenate([s for s, _ in self.pending_copies]), dtype=torch.long)
+        dst = torch.tensor([b for _, d in self.pending_copies for b in d], dtype=torch.long)
+        self.pending_copies.clear()
+        self.pool[dst.to(self.device)] = self.pool[src.to(self.device)]
 
     def blocks_of(self, slot: int, layer: int) -> list[int]:
         return self.table[slot, layer, : self.num_blocks_of_slot[slot]].tolist()

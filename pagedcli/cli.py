@@ -154,6 +154,65 @@ def generate(
         raise typer.Exit(2)
 
 
+@app.command("inspect-cache")
+@friendly_errors
+def inspect_cache(
+    prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts; several run together.")] = None,
+    slot: Annotated[int, typer.Option(help="The slot to show.")] = 0,
+    at_step: Annotated[Optional[int], typer.Option(help="Show the cache after this step (1: the first prefill). "
+                                                   "Default: the step before the slot's first request finishes.")] = None,
+    layer: Annotated[int, typer.Option(help="The layer whose blocks the table shows.")] = 0,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object with every layer's blocks.")] = False,
+    prompt_file: Annotated[Optional[Path], typer.Option(help="A UTF-8 file with one prompt per line.")] = None,
+    chat: Annotated[Optional[bool], typer.Option(
+        "--chat/--raw", help="Wrap prompts in the model's chat template (default when it has one) or feed them as is.")] = None,
+    max_tokens: Annotated[int, typer.Option(help="New tokens per prompt, at most.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Sample from the k likeliest tokens (0: off).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Sample from the smallest set holding this probability (1: off).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (prompt i uses seed + i).")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Keep going past the model's stop tokens.")] = False,
+    model: Model = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    batch: Batch = 2,
+    block_size: BlockSize = 16,
+    num_blocks: NumBlocks = None,
+    cache_size: CacheSize = None,
+    max_model_len: MaxModelLen = None,
+    eager: Eager = False,
+):
+    """Run the prompts and show one slot's block table, down to byte addresses in the pool."""
+    from pagedcli import generate as gen
+    from pagedcli import inspect_cache as ic
+    from pagedcli.loader import load
+    from pagedcli.sequence import SamplingParams
+
+    if not 0 <= slot < max(batch, 1):
+        raise UsageError(f"--slot {slot} is out of range",
+                         f"--batch {batch} gives " + ("slot 0 only" if batch == 1 else f"slots 0 to {batch - 1}"))
+    params = SamplingParams(temperature, top_k, top_p, max_tokens, ignore_eos, seed)
+    gen.check_sampling(params)
+    texts = gen.read_prompts(prompts or [], prompt_file)
+    loaded = load(engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager),
+                  notice)
+    if loaded.tokenizer is None:
+        raise UsageError(f"--model {loaded.source.name} has no tokenizer", "inspect-cache needs a model folder with tokenizer.json")
+    num_layers = loaded.engine.cache.geometry.num_layers
+    if not 0 <= layer < num_layers:
+        raise UsageError(f"--layer {layer} is out of range", f"the model has layers 0-{num_layers - 1}")
+    use_chat = loaded.tokenizer.has_chat_template if chat is None else chat
+    if use_chat and not loaded.tokenizer.has_chat_template:
+        raise UsageError(f"--chat: model {loaded.source.name} has no chat template", "use --raw")
+    gen.add_requests(loaded.engine, loaded.tokenizer, texts, params, use_chat)
+    snap, view = ic.capture(loaded.engine, slot, at_step)
+    decode = functools.partial(loaded.tokenizer.decode, skip_special_tokens=False)
+    if json_output:
+        print(json.dumps(ic.to_json(snap, view, decode), ensure_ascii=False))
+    else:
+        Console(highlight=False).print(ic.render(snap, view, decode, layer))
+
+
 @app.command()
 @friendly_errors
 def bench(

@@ -49,6 +49,14 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
+    def add_parallel(self, prompt_token_ids: list[int], params: list[SamplingParams],
+                     prompt: str | None = None) -> list[Sequence]:
+        """`len(params)` samples of one prompt that share its blocks (copy-on-write)."""
+        seqs = [Sequence(len(self.sequences) + i, prompt_token_ids, p, prompt) for i, p in enumerate(params)]
+        self.sequences.extend(seqs)
+        self.scheduler.add_parallel(seqs[0], seqs[1:])
+        return seqs
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -62,6 +70,8 @@ class Engine:
         used_blocks = self.cache.geometry.num_blocks - self.cache.num_free_blocks
         num_running = len(self.scheduler.running)
         logits = self.runner.run(seqs, is_prefill)
+        if is_prefill:
+            seqs, logits = self.scheduler.fork(seqs, logits)
         tokens = sample(logits, seqs)
         now = time.perf_counter()
         for seq in seqs:
@@ -81,7 +91,9 @@ class Engine:
 
     def abort_all(self) -> None:
         """Finish every unfinished request now (Ctrl-C): every block goes back."""
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+        forked = [c for children in self.scheduler.forks.values() for c in children]
+        self.scheduler.forks.clear()
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + forked:
             seq.finish_reason = seq.finish_reason or "abort"
             self.scheduler.finish(seq)
         self.scheduler.waiting.clear()

@@ -36,6 +36,7 @@ class EngineOptions:
     max_model_len: int | None = None
     eager: bool = False  # no CUDA graphs
     shuffle_blocks: int | None = None  # hand blocks out in a shuffled order (tests, demos)
+    prefix_caching: bool = True
     seed: int = 0  # random weights
 
 
@@ -113,7 +114,7 @@ def build_engine(model: Model, opts: EngineOptions) -> Engine:
     geometry = CacheGeometry.build(config, model.dtype, opts.block_size, opts.num_blocks, cache_bytes)
     pool_len = (geometry.num_blocks // config.num_layers) * geometry.block_size
     max_model_len = min(config.max_position_embeddings, pool_len, opts.max_model_len or pool_len)
-    cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks)
+    cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks, opts.prefix_caching)
     if device.type == "cuda":
         from pagedcli.backends.cuda import CudaBackend
 

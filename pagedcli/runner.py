@@ -38,6 +38,7 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """Logits for each sequence's next token, [len(seqs), vocab] float32."""
         self.cache.sync_device_table()
+        self.cache.copy_pending_blocks()  # copy-on-write, before this step writes K/V
         slots = [s.slot for s in seqs]
         if is_prefill:
             new_tokens = [s.token_ids[s.num_cached:] for s in seqs]

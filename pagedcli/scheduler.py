@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
+
 from pagedcli.cache import KVCache
 from pagedcli.sequence import Sequence, Status
 
@@ -29,6 +31,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in order of admission
         self.free_slots = list(range(max_slots))
         self.num_preemptions = 0
+        self.forks: dict[int, list[Sequence]] = {}  # parent id -> parallel samples waiting to share its blocks
+        self.prompt_tokens = 0  # prompt tokens admitted (recomputations included)
+        self.cached_prompt_tokens = 0  # of those, served from cached prefix blocks
 
     def add(self, seq: Sequence) -> None:
         """Queue a request, or finish it at once with an error if it could never run."""
@@ -37,6 +42,37 @@ class Scheduler:
             seq.status, seq.finish_reason, seq.error = Status.FINISHED, "error", problem
             return
         self.waiting.append(seq)
+
+    def add_parallel(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Parallel samples of one prompt: the parent runs the prefill, the children then share all
+        its blocks (`fork`) and copy a shared block only when they write into it."""
+        self.add(parent)
+        for child in children:
+            if parent.error:
+                child.status, child.finish_reason, child.error = Status.FINISHED, "error", parent.error
+        if not parent.error:
+            self.forks[parent.id] = list(children)
+
+    def fork(self, seqs: list[Sequence], logits):
+        """After a prefill: each prefilled parent's children take a slot and share the parent's
+        blocks; they sample their first token from the parent's logits. Children without a free
+        slot wait at the head of the queue (and find the prompt's full blocks in the prefix cache)."""
+        joined, rows = [], []
+        for row, parent in enumerate(seqs):
+            for child in self.forks.pop(parent.id, []):
+                if not self.free_slots:
+                    self.waiting.appendleft(child)
+                    continue
+                child.slot, child.status = self.free_slots.pop(0), Status.RUNNING
+                self.cache.fork(parent.slot, child.slot)
+                self.prompt_tokens += len(child)
+                self.cached_prompt_tokens += len(child)
+                self.running.append(child)
+                joined.append(child)
+                rows.append(row)
+        if not joined:
+            return seqs, logits
+        return seqs + joined, logits[torch.cat([torch.arange(len(seqs)), torch.tensor(rows)]).to(logits.device)]
 
     def why_unrunnable(self, prompt_len: int) -> str | None:
         if prompt_len == 0:
@@ -52,7 +88,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.forks)
 
     # --- one step -----------------------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], bool]:
@@ -69,30 +105,38 @@ class Scheduler:
             n = len(seq)  # a preempted sequence is recomputed: prompt and output so far
             if admitted and tokens + n > self.max_prefill_tokens:
                 break
-            slot = self.free_slots[0]
-            if not self.cache.can_hold(slot, n):
+            prefix = self.cache.cached_prefix(seq.token_ids)
+            if self.cache.blocks_to_admit(n, prefix) > self.cache.num_free_blocks:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.free_slots.pop(0)
-            self.cache.grow(slot, n)
-            seq.slot, seq.status, seq.num_cached = slot, Status.RUNNING, 0
+            slot = self.free_slots.pop(0)
+            self.cache.admit(slot, seq.token_ids, prefix)
+            seq.slot, seq.status = slot, Status.RUNNING
+            seq.num_cached = len(prefix) * self.cache.geometry.block_size  # computed already
+            self.prompt_tokens += n
+            self.cached_prompt_tokens += seq.num_cached
             self.running.append(seq)
             admitted.append(seq)
             tokens += n
         return admitted
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from cached blocks over all prompt tokens admitted."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def _grow_running(self) -> list[Sequence]:
         """Make room for each running sequence's next token, preempting from the back if needed."""
         queue, scheduled = list(self.running), []
         while queue:
             seq = queue.pop(0)
-            while not self.cache.can_hold(seq.slot, len(seq)):
+            while self.cache.blocks_to_write(seq.slot, len(seq)) > self.cache.num_free_blocks:
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.cache.grow(seq.slot, len(seq))
+                self.cache.prepare_write(seq.slot, len(seq))
                 scheduled.append(seq)
         self.running = scheduled
         return list(scheduled)  # a copy: finishing sequences edits self.running
@@ -116,6 +160,7 @@ class Scheduler:
         finished = []
         for seq, token in zip(seqs, tokens):
             seq.num_cached = len(seq)  # everything fed this step is now in the cache
+            self.cache.register(seq.slot, seq.token_ids, seq.num_cached)
             p = seq.params
             if token in self.stop_ids and not p.ignore_eos:
                 seq.finish_reason = "stop"

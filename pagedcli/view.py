@@ -1,32 +1,40 @@
-"""The live view of `generate --live`: Rich renderables drawn from a CacheSnapshot, and the `Live`
-driver that redraws them while the engine steps.
+"""The live view of `generate --live`: a frame drawn from a CacheSnapshot, and the `Live` driver
+that redraws it while the engine steps.
 
-Two rules keep it from slowing decode: it redraws on a wall-clock budget (every REFRESH_S, not
-every step, and from the step loop itself, so no thread competes with the engine), and what it
-draws is bounded by the screen, not by the pool: 65,536 blocks are a bar and numbers, a slot
-with hundreds of blocks is its first and last cells, and slots beyond the screen are one line.
-It reads only the snapshot, plain host-side values, never device tensors.
+Three rules keep it from slowing decode:
+- it redraws on a wall-clock budget (every REFRESH_S, stretched when a frame costs more than
+  MAX_SHARE of the time between frames) and from the step loop itself, so no thread competes
+  with the engine for the interpreter;
+- what it draws is bounded by the screen, not by the pool: 65,536 blocks are a bar and numbers,
+  a slot of hundreds of blocks is its first and last cells, slots beyond the screen are one line;
+- rows are plain styled text laid out here, not a Rich Table, whose layout costs about a
+  millisecond a row.
+It reads only the snapshot (plain host-side values), never device tensors.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
-from rich.progress_bar import ProgressBar
-from rich.table import Table
 from rich.text import Text
 
 from pagedcli.snapshot import CacheSnapshot, SlotView
 
-REFRESH_S = 0.2  # seconds between frames: five a second reads as live and costs little
-MAX_CELLS = 40  # block cells drawn per slot; longer rows show their head and tail
+REFRESH_S = 0.2  # seconds between frames: five a second reads as live
+MAX_SHARE = 0.03  # of the wall time, at most, spent taking snapshots and drawing them
+MAX_CELLS = 40  # block cells drawn per slot; a longer row shows its head and tail
 FILL_GLYPHS = " ▁▂▃▄▅▆▇█"  # a cell's height says how full its block is
-LINES_AROUND_SLOTS = 14  # lines the frame uses besides the slot rows (panel, pool, waste, table head)
+LINES_BESIDE_SLOTS = 13  # lines a frame takes besides the slot rows (borders, pool, waste, head)
+BAR_WIDTH = 40  # cells of the pool bar
+ANSWER_TOKENS = 48  # output tokens decoded for a row's "answer so far"
+
+Decode = Callable[[list[int]], str]
 
 
 # --- formatting -------------------------------------------------------------------------------
@@ -35,145 +43,205 @@ def human_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1024
-    return f"{n:,.1f} GiB"
+    return ""
+
+
+def one_line(text: str) -> str:
+    """Text inside a row: newlines shown, not obeyed."""
+    return text.replace("\r", "").replace("\n", "⏎")
 
 
 def clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def one_line(text: str) -> str:
-    """Answer text inside a table cell: newlines shown, not obeyed."""
-    return text.replace("\r", "").replace("\n", "⏎")
-
-
-def request_label(seq_id: int, prompt: str | None, width: int = 24) -> str:
-    """`[3] 'Once upon a…'`: the number the text output labels it with, and its prompt."""
+def request_label(seq_id: int, prompt: str | None, width: int = 18) -> str:
+    """`[3] 'Once upon a…'`: the number the text output labels the request with, and its prompt."""
     return f"[{seq_id + 1}] " + (repr(clip(one_line(prompt), width)) if prompt is not None else "(token ids)")
+
+
+def line(*parts) -> Text:
+    """One line of the frame: too long for the screen, it is cut, not wrapped."""
+    return Text.assemble(*parts, no_wrap=True, overflow="ellipsis")
+
+
+def fit(text: Text | str, width: int, right: bool = False) -> Text:
+    """Exactly `width` cells: cut with an ellipsis, or padded."""
+    text = Text(text) if isinstance(text, str) else text
+    text.truncate(width, overflow="ellipsis")
+    text.align("right" if right else "left", width)
+    return text
 
 
 # --- the pieces of a frame ---------------------------------------------------------------------
 def block_cells(slot: SlotView, block_size: int, max_cells: int = MAX_CELLS) -> Text:
-    """The slot's logical blocks as cells, green when full, yellow and shorter when partial. A row
-    too long for the screen keeps its head and tail, with the count of blocks left out between."""
+    """The slot's logical blocks as cells: green when full, yellow and shorter when partial. A row
+    longer than `max_cells` keeps its head and tail, with the count of blocks left out between."""
     n = slot.num_blocks
-    shown = range(n) if n <= max_cells else [*range(max_cells // 2), *range(n - max_cells // 2 + 1, n)]
-    text, previous = Text(), -1
+    half = max_cells // 2
+    shown = range(n) if n <= max_cells else [*range(half), *range(n - half, n)]
+    runs: list[tuple[str, str]] = []  # (text, style), merged: one span per run, not per cell
+    previous = -1
     for logical in shown:
         if logical != previous + 1:
-            text.append(f" …{logical - previous - 1:,}… ", style="dim")
+            runs.append((f"…{logical - previous - 1:,}…", "dim"))
         fill = slot.fill(logical, block_size)
         glyph = FILL_GLYPHS[max(1, fill * 8 // block_size)] if fill else "·"  # one token still shows
-        text.append(glyph, style="green" if fill == block_size else "yellow" if fill else "dim")
+        style = "green" if fill == block_size else "yellow" if fill else "dim"
+        if runs and runs[-1][1] == style:
+            runs[-1] = (runs[-1][0] + glyph, style)
+        else:
+            runs.append((glyph, style))
         previous = logical
-    return text
+    return Text.assemble(*runs)
 
 
-def last_block_fill(slot: SlotView, block_size: int) -> str:
-    return f"{slot.fill(slot.num_blocks - 1, block_size)}/{block_size}" if slot.num_blocks else "-"
-
-
-def pool_lines(snap: CacheSnapshot) -> Table:
+def pool_lines(snap: CacheSnapshot) -> list[Text]:
     """Used, free and total blocks and bytes, with a bar of the used share."""
     geo = snap.geometry
     used, free, total = snap.num_used_blocks, snap.num_free_blocks, geo.num_blocks
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column()
-    grid.add_row("pool", ProgressBar(total=total, completed=used, width=40, complete_style="magenta"))
-    grid.add_row("blocks", f"used {used:,}   free {free:,}   total {total:,}")
-    grid.add_row("bytes", f"used {human_bytes(used * geo.block_bytes)}   free {human_bytes(free * geo.block_bytes)}   "
-                          f"total {human_bytes(geo.pool_bytes)}   ({human_bytes(geo.block_bytes)} a block of "
-                          f"{geo.block_size} tokens, one layer, K then V)")
-    return grid
+    filled = round(BAR_WIDTH * used / total)
+    return [
+        line(("pool      ", "bold"), ("━" * filled, "magenta"), ("━" * (BAR_WIDTH - filled), "grey23"),
+                      f"  {100 * used / total:.1f}% used"),
+        line(("blocks    ", "bold"), f"used {used:,}   free {free:,}   total {total:,}"),
+        line(("bytes     ", "bold"),
+                      f"used {human_bytes(used * geo.block_bytes)}   free {human_bytes(free * geo.block_bytes)}   "
+                      f"total {human_bytes(geo.pool_bytes)}",
+                      (f"   {human_bytes(geo.block_bytes)} a block: {geo.block_size} tokens of one layer, "
+                       f"K then V at +{geo.v_offset:#x}", "dim")),
+    ]
 
 
-def waste_lines(snap: CacheSnapshot) -> Table:
+def waste_lines(snap: CacheSnapshot) -> list[Text]:
     """Internal fragmentation of the paged cache (unused token slots in last blocks) against what a
-    contiguous cache reserving the maximum length per sequence would leave unused: the comparison
-    the PagedAttention paper makes. Counted in tokens of one layer; bytes are over all layers."""
+    contiguous cache reserving the maximum length for each sequence leaves unused: the comparison
+    the PagedAttention paper makes. Tokens are counted in one layer; bytes over all layers."""
     geo = snap.geometry
-    per_token = geo.kv_bytes_per_token  # K and V, every layer
     cached = sum(s.num_cached for s in snap.slots)
     paged = sum(s.num_blocks for s in snap.slots) * geo.block_size
-    paged_waste = snap.wasted_token_slots // geo.num_layers
     contiguous = snap.contiguous_token_slots // geo.num_layers
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column()
 
-    def line(reserved: int, unused: int, how: str) -> str:
+    def waste(label: str, reserved: int, unused: int, how: str, style: str = "") -> Text:
         share = f"{100 * unused / reserved:.1f}%" if reserved else "-"
-        return (f"{reserved:,} tokens reserved, {unused:,} unused ({share}) = {human_bytes(unused * per_token)} "
-                f"of {human_bytes(reserved * per_token)}   {how}")
+        return line(("waste     " if label == "paged" else "          ", "bold"), (f"{label:<11}", style),
+                             (f"{reserved:,} tokens reserved, {unused:,} unused ({share}) = "
+                              f"{human_bytes(unused * geo.kv_bytes_per_token)}", style), (f"   {how}", "dim"))
 
-    grid.add_row("waste", Text(f"paged       {line(paged, paged_waste, 'unused slots in last blocks')}"))
-    grid.add_row("", Text(f"contiguous  {line(contiguous, contiguous - cached, f'max length {snap.max_model_len:,} per sequence')}",
-                          style="dim"))
-    return grid
+    return [waste("paged", paged, snap.wasted_token_slots // geo.num_layers, "unused slots in last blocks"),
+            waste("contiguous", contiguous, contiguous - cached,
+                 f"if each sequence reserved the maximum length, {snap.max_model_len:,} tokens", "dim")]
 
 
 def requests_line(snap: CacheSnapshot, max_prompts: int = 3) -> Text:
-    text = Text.assemble(("requests", "bold"), f"  running {len(snap.slots)} of {snap.max_slots} slots   "
-                         f"waiting {len(snap.waiting)}   finished {snap.num_finished}   ",
-                         ("preemptions ", "bold" if snap.num_preemptions else ""),
+    text = line(("requests  ", "bold"), f"running {len(snap.slots)} of {snap.max_slots} slots   "
+                         f"waiting {len(snap.waiting)}   finished {snap.num_finished}   preemptions ",
                          (f"{snap.num_preemptions}", "bold red" if snap.num_preemptions else ""))
     if snap.waiting:
-        names = [request_label(w.seq_id, w.prompt, 16) for w in snap.waiting[:max_prompts]]
+        names = [request_label(w.seq_id, w.prompt, 12) for w in snap.waiting[:max_prompts]]
         more = len(snap.waiting) - max_prompts
         text.append("   next: " + ", ".join(names) + (f", +{more:,} more" if more > 0 else ""), style="dim")
     return text
 
 
-def slot_table(snap: CacheSnapshot, decode: Callable[[list[int]], str] | None, max_rows: int) -> Table:
-    """One row per running slot (as many as fit), then one line for the rest."""
+@dataclass(frozen=True)
+class Column:
+    name: str
+    width: int | None  # None: takes what is left of the screen
+    right: bool = False
+    drop: int = 0  # on a narrow screen, columns go in this order (1 first); 0: never
+
+
+COLUMNS = [Column("slot", 4, True), Column("request", 24), Column("logical blocks", None), Column("last", 5, True),
+           Column("tokens", 7, True), Column("blocks held", 17, True, drop=3),
+           Column("layer 0 -> physical", 19, drop=1), Column("tok/s", 6, True, drop=4),
+           Column("answer so far", None, drop=2)]
+GAP = 2  # cells between columns
+CELLS_MIN, ANSWER_MIN = 12, 16
+
+
+def layout(width: int) -> dict[str, int]:
+    """The columns that fit in `width` cells, and their widths."""
+    columns = list(COLUMNS)
+    while True:
+        fixed = sum(c.width or 0 for c in columns) + GAP * (len(columns) - 1)
+        answer = any(c.name == "answer so far" for c in columns)
+        spare = width - fixed - CELLS_MIN - (ANSWER_MIN if answer else 0)
+        droppable = [c for c in columns if c.drop]
+        if spare >= 0 or not droppable:
+            break
+        columns.remove(min(droppable, key=lambda c: c.drop))
+    cells = CELLS_MIN + min(max(spare, 0), MAX_CELLS + 8 - CELLS_MIN)  # + room for "…65,536…"
+    rest = width - fixed - cells
+    return {c.name: c.width or (cells if c.name == "logical blocks" else rest) for c in columns}
+
+
+def slot_rows(snap: CacheSnapshot, decode: Decode | None, max_rows: int, width: int) -> list[Text]:
+    """A header, one row per running slot (as many as fit), then one line for the rest."""
     geo = snap.geometry
-    table = Table(expand=True, box=None, header_style="bold", pad_edge=False)
-    for name, kw in [("slot", {"justify": "right"}), ("request", {}), ("logical blocks", {}),
-                     ("last", {"justify": "right"}), ("tokens", {"justify": "right"}),
-                     ("blocks held", {"justify": "right"}), ("layer 0 -> physical", {}),
-                     ("tok/s", {"justify": "right"}), ("answer so far", {"ratio": 1})]:
-        table.add_column(name, no_wrap=True, overflow="ellipsis", **kw)
-    shown = snap.slots[:max_rows]
-    for s in shown:
-        physical = " ".join(map(str, s.table[0][:4])) + (" …" if s.num_blocks > 4 else "") if s.table else ""
-        answer = ""
-        if decode is not None and s.num_output_tokens:
-            answer = one_line(decode(list(s.token_ids[-min(s.num_output_tokens, 48):])))[-80:]
-        table.add_row(str(s.slot), request_label(s.seq_id, s.prompt), block_cells(s, geo.block_size),
-                      last_block_fill(s, geo.block_size), f"{s.num_cached:,}",
-                      f"{s.num_blocks} x {geo.num_layers} = {s.num_blocks * geo.num_layers:,}", physical,
-                      f"{s.tokens_per_s:,.0f}", Text(answer, style="cyan"))
+    widths = layout(width)
+    shown = [c for c in COLUMNS if c.name in widths]
+
+    def row(values: dict[str, Text | str]) -> Text:
+        text = Text(no_wrap=True, overflow="ellipsis")
+        for c in shown:
+            text.append_text(fit(values[c.name], widths[c.name], c.right))
+            text.append(" " * GAP)
+        text.right_crop(GAP)
+        return text
+
+    lines = [row({c.name: Text(c.name, style="bold") for c in shown})]
+    for s in snap.slots[:max_rows]:
+        lines.append(row({
+            "slot": str(s.slot),
+            "request": request_label(s.seq_id, s.prompt),
+            "logical blocks": block_cells(s, geo.block_size, min(MAX_CELLS, widths["logical blocks"] - 8)),
+            "last": f"{s.fill(s.num_blocks - 1, geo.block_size)}/{geo.block_size}" if s.num_blocks else "-",
+            "tokens": f"{s.num_cached:,}",
+            "blocks held": f"{s.num_blocks:,} x {geo.num_layers} = {s.num_blocks * geo.num_layers:,}",
+            "layer 0 -> physical": " ".join(map(str, s.table[0][:4])) + (" …" if s.num_blocks > 4 else ""),
+            "tok/s": f"{s.tokens_per_s:,.0f}",
+            "answer so far": Text(answer_tail(s, decode, widths.get("answer so far", 0)), style="cyan"),
+        }))
     hidden = snap.slots[max_rows:]
     if hidden:
-        blocks = sum(s.num_blocks for s in hidden)
-        table.add_row("…", f"+{len(hidden):,} more slots", Text(f"{blocks * geo.num_layers:,} blocks", style="dim"))
+        blocks = sum(s.num_blocks for s in hidden) * geo.num_layers
+        lines.append(Text(f"   …  +{len(hidden):,} more running slots holding {blocks:,} blocks", style="dim"))
     if not snap.slots:
-        table.add_row("", Text("no running sequences", style="dim"))
-    return table
+        lines.append(Text("      no running sequences", style="dim"))
+    return lines
 
 
-def render(snap: CacheSnapshot, decode: Callable[[list[int]], str] | None = None, max_rows: int = 32,
+def answer_tail(slot: SlotView, decode: Decode | None, width: int) -> str:
+    """The newest text of the slot's answer, as much as fits."""
+    if decode is None or not slot.num_output_tokens or width <= 0:
+        return ""
+    text = one_line(decode(list(slot.token_ids[-min(slot.num_output_tokens, ANSWER_TOKENS):])))
+    return text if len(text) <= width else "…" + text[-(width - 1):]
+
+
+def render(snap: CacheSnapshot, decode: Decode | None = None, max_rows: int = 32, width: int = 120,
            tokens_per_s: float | None = None, elapsed: float | None = None) -> Panel:
-    """One frame: pool, requests, slots, waste."""
+    """One frame, `width` cells wide: pool, requests, slots, waste."""
     geo = snap.geometry
     title = f"pagedcli · KV cache · step {snap.step:,}"
     if elapsed is not None:
         title += f" · {elapsed:.1f} s"
     if tokens_per_s is not None:
-        title += f" · {tokens_per_s:,.0f} tok/s"
+        title += f" · {tokens_per_s:,.0f} tokens/s"
     subtitle = (f"{geo.num_layers} layers x {geo.num_kv_heads} kv heads x {geo.head_dim} dims, "
                 f"{str(geo.dtype).removeprefix('torch.')}; every layer owns its own blocks")
-    body = Group(pool_lines(snap), requests_line(snap), Text(), slot_table(snap, decode, max_rows), Text(),
-                 waste_lines(snap))
-    return Panel(body, title=title, title_align="left", subtitle=subtitle, subtitle_align="right")
+    inner = width - 4  # the panel's border and padding
+    body = Group(*pool_lines(snap), requests_line(snap), Text(), *slot_rows(snap, decode, max_rows, inner), Text(),
+                 *waste_lines(snap))
+    return Panel(body, title=title, title_align="left", subtitle=subtitle, subtitle_align="right", width=width)
 
 
 # --- the driver ---------------------------------------------------------------------------------
 class HeldOutput:
     """What the printer writes while the view is on screen. Written straight to the terminal it
-    would tear the frame, and printing above the frame redraws it, so whole lines are held here
-    and printed above the frame once per refresh."""
+    would tear the frame, and printing above the frame redraws it, so whole lines wait here and
+    are printed above the frame once per refresh."""
 
     def __init__(self):
         self.text = ""
@@ -182,7 +250,7 @@ class HeldOutput:
         self.text += s
         return len(s)
 
-    def flush(self) -> None:  # the printer flushes every step; lines leave at the next refresh
+    def flush(self) -> None:  # the printer flushes every step; its lines leave at the next refresh
         pass
 
     def take(self, everything: bool = False) -> str:
@@ -192,8 +260,8 @@ class HeldOutput:
 
 
 class Frame:
-    """What `Live` shows: the latest frame. Rich redraws it also when lines are printed above it,
-    so it must always hold the newest frame, not the one of the last explicit refresh."""
+    """What `Live` shows. Rich redraws it also when lines are printed above it, so it must hold
+    the newest frame, not the one of the last explicit refresh."""
 
     def __init__(self):
         self.current = Text()
@@ -206,17 +274,18 @@ class LiveView:
     """Redraws the frame from a fresh snapshot at most every REFRESH_S, from the step loop
     (`on_step`), and leaves the last frame on screen."""
 
-    def __init__(self, engine, console: Console, decode: Callable[[list[int]], str] | None = None,
-                 hold_output: bool = True, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, engine, console: Console, decode: Decode | None = None, hold_output: bool = True,
+                 clock: Callable[[], float] = time.perf_counter):
         self.engine = engine
         self.console = console
         self.decode = decode
-        self.out = HeldOutput() if hold_output else None  # what the printer should write to
+        self.out = HeldOutput() if hold_output else None  # what the printer writes to, if not stdout
         self.clock = clock
         self.frame = Frame()
         self.live = Live(self.frame, console=console, auto_refresh=False, transient=False,
                          redirect_stdout=False, redirect_stderr=False)
         self.start = self.last = 0.0
+        self.interval = REFRESH_S
         self.num_tokens = 0
         self.num_frames = 0
 
@@ -232,13 +301,13 @@ class LiveView:
 
     def on_step(self, out) -> None:
         self.num_tokens += len(out.tokens)
-        if self.clock() - self.last >= REFRESH_S:
+        if self.clock() - self.last >= self.interval:
             self.refresh()
 
     def refresh(self, everything: bool = False) -> None:
-        self.last = now = self.clock()
-        elapsed = now - self.start
-        self.frame.current = render(self.engine.snapshot(), self.decode, self.max_rows(),
+        begin = self.clock()
+        elapsed = begin - self.start
+        self.frame.current = render(self.engine.snapshot(), self.decode, self.max_rows(), self.console.width,
                                     self.num_tokens / elapsed if elapsed > 0 else None, elapsed)
         lines = self.out.take(everything) if self.out else ""
         if lines:  # printing above the frame redraws it: one draw either way
@@ -246,15 +315,18 @@ class LiveView:
         else:
             self.live.refresh()
         self.num_frames += 1
+        self.last = self.clock()
+        # a frame that cost more than MAX_SHARE of REFRESH_S (a huge batch) spaces out the next one
+        self.interval = max(REFRESH_S, (self.last - begin) / MAX_SHARE)
 
     def max_rows(self) -> int:
-        return max(1, self.console.height - LINES_AROUND_SLOTS)
+        return max(1, self.console.height - LINES_BESIDE_SLOTS)
 
 
-def open_live_view(engine, decode: Callable[[list[int]], str] | None, json_output: bool) -> LiveView | None:
-    """The view goes where a terminal is: on stdout with the answers' text held and printed above
+def open_live_view(engine, decode: Decode | None, json_output: bool) -> LiveView | None:
+    """The view goes where a terminal is: on stdout, with the answers' text held and printed above
     it; with --json and stdout piped, on stderr if that is a terminal (stdout stays pure JSON).
-    No terminal, no view: output stays plain text, free of escape codes."""
+    No terminal, no view: the output stays plain text, free of escape codes."""
     stdout = Console(file=sys.stdout)
     if stdout.is_terminal:
         return LiveView(engine, stdout, decode, hold_output=True)

@@ -42,20 +42,28 @@ def record_logits(engine):
 
 
 def check_block_accounting(engine) -> None:
-    """Every block is free or owned by exactly one (slot, layer, logical block); the table never
+    """Each block is free or owned: a free block has no owner and no table entry; an owned block's
+    reference count equals the table entries that point at it, all of one layer and one logical
+    position (sharing is between sequences, never between layers or positions); the table never
     points at a free block; free + owned = total."""
     cache = engine.cache
-    free = cache.allocator.free
+    free = list(cache.allocator.free)
     assert len(set(free)) == len(free), "a block is in the free list twice"
-    owned = []
+    refs: Counter = Counter()
+    where: dict[int, set] = {}
     for slot in range(cache.max_slots):
         n = cache.num_blocks_of_slot[slot]
-        owned += cache.table[slot, :, :n].ravel().tolist()
         assert (cache.table[slot, :, n:] == -1).all(), "table entries past the slot's blocks"
-    counts = Counter(owned)
-    assert all(c == 1 for c in counts.values()), f"blocks owned twice: {[b for b, c in counts.items() if c > 1]}"
-    assert not set(owned) & set(free), "the table points at a free block"
-    assert len(owned) + len(free) == cache.geometry.num_blocks
+        for layer in range(cache.geometry.num_layers):
+            for logical, b in enumerate(cache.table[slot, layer, :n].tolist()):
+                refs[b] += 1
+                where.setdefault(b, set()).add((layer, logical))
+    assert not set(refs) & set(free), "the table points at a free block"
+    for b, count in refs.items():
+        assert cache.allocator.ref_count[b] == count, f"block {b}: {count} owners, ref count {cache.allocator.ref_count[b]}"
+        assert len(where[b]) == 1, f"block {b} holds two different things: {where[b]}"
+    assert all(cache.allocator.ref_count[b] == 0 for b in free)
+    assert len(refs) + len(free) == cache.geometry.num_blocks
     running_slots = {s.slot for s in engine.scheduler.running}
     for slot in range(cache.max_slots):
         if slot not in running_slots:

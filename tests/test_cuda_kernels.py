@@ -345,7 +345,7 @@ def test_padding_rows_write_nothing_and_stay_finite():
     pad = [1, 3]
     padded.positions[pad] = -1
     padded.context_lens[pad] = 0
-    padded.slots[pad] = padded.slots[0]  # a live slot: nothing of it may be touched
+    padded.slots[pad] = s.slots[0]  # a live slot: nothing of it may be touched
     q, k, v = s.qkv(len(lengths))
     before = s.cache.pool.clone()
 

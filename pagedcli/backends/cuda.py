@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import warnings
 from importlib import resources
 
 import numpy as np
@@ -173,7 +174,9 @@ class CudaBackend(TorchBackend):
         handle = torch.cuda.current_stream(self.device_index).cuda_stream
         stream = self._streams.get(handle)
         if stream is None:
-            stream = self._streams[handle] = cupy.cuda.ExternalStream(handle, self.device_index)
+            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; older ones lack the successor
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = self._streams[handle] = cupy.cuda.ExternalStream(handle, self.device_index)
         with self._cupy_device, stream:
             self.kernels[kernel](grid, block, args)
 

@@ -1,0 +1,174 @@
+"""`pagedcli inspect-cache`: one slot's block table at one moment, down to byte addresses in the pool.
+
+The moment is a snapshot taken after an engine step. By default it is the last one in which the
+first request to occupy the slot is still there (the step before it finishes, when its table is
+longest); `--at-step N` takes the snapshot after step N, whoever occupies the slot then (under
+continuous batching a slot is reused by later requests).
+
+A physical block b of the pool starts at byte b x block_bytes: K for block_size tokens, then V at
+v_offset. Every layer owns its own blocks, so the same tokens sit in a different block per layer.
+"""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from pagedcli.engine import Engine
+from pagedcli.errors import UsageError
+from pagedcli.snapshot import CacheSnapshot, SlotView
+from pagedcli.view import human_bytes, request_label
+
+
+# --- finding the moment ---------------------------------------------------------------------------
+def capture(engine: Engine, slot: int, at_step: int | None = None) -> tuple[CacheSnapshot, SlotView]:
+    """Step the engine (its requests already added) to the moment to show; returns that snapshot
+    and the slot's view in it. Stops stepping as soon as the moment is known."""
+    if at_step is not None:
+        return _at_step(engine, slot, at_step)
+    first, last = None, None  # the slot's first request, and the last snapshot holding it
+    while engine.has_unfinished:
+        out = engine.step()
+        if not out.seqs:
+            break
+        if first is None:
+            first = next((s for s in out.seqs if s.slot == slot), None)
+        if first is not None and first in out.seqs and first.slot == slot:
+            last = engine.snapshot()  # it ran this step and still holds the slot: its table grew
+        if first is not None and first.is_finished:
+            break
+    if last is None:
+        raise UsageError(f"--slot {slot}: no request stayed in that slot after a step",
+                         "run more prompts than slots below it, or --max-tokens 2 or more")
+    return last, last.slot(slot)
+
+
+def _at_step(engine: Engine, slot: int, at_step: int) -> tuple[CacheSnapshot, SlotView]:
+    if at_step < 0:
+        raise UsageError(f"--at-step {at_step}: must be 0 or more")
+    while engine.num_steps < at_step and engine.has_unfinished:
+        if not engine.step().seqs:
+            break
+    if engine.num_steps < at_step:
+        raise UsageError(f"--at-step {at_step}: the run ended after step {engine.num_steps}",
+                         f"choose a step from 1 to {engine.num_steps}")
+    snap = engine.snapshot()
+    view = snap.slot(slot)
+    if view is None:
+        raise UsageError(f"--slot {slot} is empty after step {at_step}", "choose another step or slot")
+    return snap, view
+
+
+# --- what a block holds -------------------------------------------------------------------------
+def block_token_ids(view: SlotView, block_size: int) -> list[list[int]]:
+    """The token ids in each logical block: only those whose K/V are in the cache."""
+    ids = view.token_ids[: view.num_cached]
+    return [list(ids[i * block_size:(i + 1) * block_size]) for i in range(view.num_blocks)]
+
+
+def block_texts(decode, blocks: list[list[int]]) -> list[str]:
+    """Each block's text, cut from the decoded text of the whole sequence so far, so a block keeps
+    the leading spaces a tokenizer only shows in context."""
+    texts, ids, before = [], [], ""
+    for block in blocks:
+        ids += block
+        text = decode(ids)
+        texts.append(text[len(before):])
+        before = text
+    return texts
+
+
+def ranges(numbers: list[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    parts, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            parts.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(parts)
+
+
+def other_layers_note(view: SlotView, layer: int) -> str:
+    """How the other layers map the same logical blocks (every layer owns its own blocks)."""
+    others = [l for l in range(len(view.table)) if l != layer]
+    if not others:
+        return "the model has one layer"
+    differ = [l for l in others if view.table[l] != view.table[layer]]
+    same = [l for l in others if l not in differ]
+    note = []
+    if differ:
+        example = differ[0]
+        note.append(f"layer{'s' * (len(differ) > 1)} {ranges(differ)} hold the same tokens in other physical blocks "
+                    f"(layer {example}: {' '.join(map(str, view.table[example][:6]))}{' …' if view.num_blocks > 6 else ''})")
+    if same:
+        note.append(f"layer{'s' * (len(same) > 1)} {ranges(same)} map to the same physical blocks")
+    return "; ".join(note)
+
+
+# --- the two outputs ----------------------------------------------------------------------------
+def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
+    """Every layer's blocks with their byte offsets into the pool, and what they hold."""
+    geo = snap.geometry
+    token_blocks = block_token_ids(view, geo.block_size)
+    texts = block_texts(decode, token_blocks)
+    return {
+        "slot": view.slot,
+        "step": snap.step,
+        "geometry": {"block_size": geo.block_size, "block_bytes": geo.block_bytes, "v_offset": geo.v_offset,
+                     "num_blocks": geo.num_blocks, "num_layers": geo.num_layers, "pool_bytes": geo.pool_bytes,
+                     "dtype": str(geo.dtype).removeprefix("torch.")},
+        "free_blocks": snap.num_free_blocks,
+        "used_blocks": snap.num_used_blocks,
+        "request": {"id": view.seq_id, "prompt": view.prompt},
+        "prompt_token_ids": list(view.token_ids[: view.num_prompt_tokens]),
+        "output_token_ids": list(view.token_ids[view.num_prompt_tokens:]),
+        "num_cached": view.num_cached,
+        "layers": [
+            {"layer": layer, "blocks": [
+                {"logical": i, "physical": p, "k_offset": p * geo.block_bytes,
+                 "v_offset": p * geo.block_bytes + geo.v_offset, "token_ids": token_blocks[i], "text": texts[i]}
+                for i, p in enumerate(row)]}
+            for layer, row in enumerate(view.table)],
+    }
+
+
+def escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+
+
+def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0) -> Group:
+    """The slot's request, the pool's geometry, and a table of one layer's blocks."""
+    geo = snap.geometry
+    token_blocks = block_token_ids(view, geo.block_size)
+    texts = block_texts(decode, token_blocks)
+    digits = len(f"{geo.pool_bytes:x}")
+    num_output = len(view.token_ids) - view.num_prompt_tokens
+
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("slot", f"{view.slot} after step {snap.step:,}: request {request_label(view.seq_id, view.prompt, 40)}")
+    head.add_row("tokens", f"{len(view.token_ids):,} ({view.num_prompt_tokens:,} prompt + {num_output:,} output), "
+                           f"{view.num_cached:,} in the cache, in {view.num_blocks:,} blocks a layer")
+    head.add_row("geometry", f"{geo.block_size} tokens a block x {geo.num_kv_heads} kv heads x {geo.head_dim} dims, "
+                             f"{str(geo.dtype).removeprefix('torch.')}: {geo.block_bytes:,} bytes a block, "
+                             f"K at +0x0, V at +{geo.v_offset:#x}")
+    head.add_row("pool", f"{geo.num_blocks:,} blocks = {geo.pool_bytes:,} bytes ({human_bytes(geo.pool_bytes)}); "
+                         f"{snap.num_free_blocks:,} free, {snap.num_used_blocks:,} used")
+    head.add_row(f"layer {layer}", Text(other_layers_note(view, layer) + "; --layer picks another", style="dim"))
+
+    table = Table(header_style="bold", title_justify="left")
+    for name in ("logical", "physical", "tokens", "fill", "K address", "V address"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("text", overflow="fold")
+    for i, physical in enumerate(view.table[layer]):
+        first = i * geo.block_size
+        fill = len(token_blocks[i])
+        k = physical * geo.block_bytes
+        table.add_row(str(i), str(physical), f"{first}-{first + fill - 1}" if fill else "-",
+                      Text(f"{fill}/{geo.block_size}", style="green" if fill == geo.block_size else "yellow"),
+                      f"0x{k:0{digits}x}", f"0x{k + geo.v_offset:0{digits}x}", Text(escape(texts[i]), style="cyan"))
+    return Group(head, table)

@@ -1,0 +1,50 @@
+"""Prefix caching: full blocks found again by their content.
+
+A full block is named by a chained hash, hash(previous block's hash, this block's token ids), as
+vLLM names it: equal hashes mean equal token prefixes, so equal K/V in every layer. The cache maps
+each hash to the physical blocks (one per layer) that hold that block. A new prompt whose first
+blocks hash to known entries shares those blocks (reference counts) and computes only the rest.
+Entries outlive their sequences: a block whose count falls to 0 stays findable in the free list
+until the allocator hands it out again, least recently freed first.
+"""
+
+from __future__ import annotations
+
+
+def block_hashes(token_ids: list[int], block_size: int, num_blocks: int, parent: int | None = None) -> list[int]:
+    """Chained hashes of the first `num_blocks` full blocks of `token_ids`."""
+    hashes, h = [], parent
+    for i in range(num_blocks):
+        h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        hashes.append(h)
+    return hashes
+
+
+class PrefixCache:
+    def __init__(self):
+        self.rows: dict[int, tuple[int, ...]] = {}  # hash -> physical block of each layer
+        self.hash_of: dict[int, int] = {}  # physical block -> the hash whose row holds it
+
+    def lookup(self, hashes: list[int]) -> list[tuple[int, ...]]:
+        """The rows of the longest run of known hashes from the start."""
+        rows = []
+        for h in hashes:
+            row = self.rows.get(h)
+            if row is None:
+                break
+            rows.append(row)
+        return rows
+
+    def insert(self, h: int, row: tuple[int, ...]) -> None:
+        if h in self.rows or any(b in self.hash_of for b in row):
+            return  # first writer wins; a duplicate computed meanwhile stays private
+        self.rows[h] = row
+        for b in row:
+            self.hash_of[b] = h
+
+    def forget(self, block: int) -> None:
+        """`block` is being reused for other tokens: its whole row is no longer a cached prefix."""
+        h = self.hash_of.pop(block, None)
+        if h is not None:
+            for b in self.rows.pop(h):
+                self.hash_of.pop(b, None)

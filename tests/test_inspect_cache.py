@@ -1,0 +1,118 @@
+"""`pagedcli inspect-cache`: the JSON contract, the moment it shows, its errors, the text table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pagedcli.cli import app
+
+PROMPTS = ["Once upon a time", "Tom and his dog", "The sun"]
+
+
+def inspect(*args):
+    result = CliRunner().invoke(app, ["inspect-cache", *args])
+    if result.exit_code == 1 and result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def inspect_json(stories, *args) -> dict:
+    code, stdout, stderr = inspect("--model", str(stories), "--raw", "--json", *args)
+    assert code == 0, stderr
+    return json.loads(stdout)
+
+
+def check_consistent(d: dict) -> None:
+    """What any answer must satisfy, whatever the moment."""
+    geo = d["geometry"]
+    assert set(d) >= {"slot", "step", "geometry", "free_blocks", "prompt_token_ids", "layers"}
+    assert set(geo) >= {"block_size", "block_bytes", "v_offset", "num_blocks"}
+    assert geo["block_bytes"] == 2 * geo["v_offset"]
+    sequence = d["prompt_token_ids"] + d["output_token_ids"]
+    in_cache = sequence[: d["num_cached"]]
+    assert [layer["layer"] for layer in d["layers"]] == list(range(geo["num_layers"]))
+    seen = []
+    for layer in d["layers"]:
+        blocks = layer["blocks"]
+        assert [b["logical"] for b in blocks] == list(range(len(blocks)))
+        for b in blocks:
+            assert 0 <= b["physical"] < geo["num_blocks"]
+            assert b["k_offset"] == b["physical"] * geo["block_bytes"]
+            assert b["v_offset"] == b["k_offset"] + geo["v_offset"]
+        # the blocks hold the sequence so far, in order; only the last one may be partial
+        assert sum((b["token_ids"] for b in blocks), []) == in_cache
+        fills = [len(b["token_ids"]) for b in blocks]
+        assert all(f == geo["block_size"] for f in fills[:-1]) and 0 < fills[-1] <= geo["block_size"]
+        assert "".join(b["text"] for b in blocks).strip()
+        seen += [b["physical"] for b in blocks]
+    assert len(seen) == len(set(seen)), "a physical block is used twice across layers"
+    assert d["free_blocks"] + d["used_blocks"] == geo["num_blocks"]
+    layer0, layer1 = ([b["physical"] for b in d["layers"][i]["blocks"]] for i in (0, 1))
+    assert layer0 != layer1
+
+
+def test_default_moment_is_the_step_before_the_slots_first_request_finishes(stories):
+    d = inspect_json(stories, "--max-tokens", "24", "--ignore-eos", "--num-blocks", "120", "--slot", "1", *PROMPTS)
+    check_consistent(d)
+    # slot 1 holds request 2 first (request 3 reuses slot 0 later); its last step appends token 24
+    assert d["slot"] == 1 and d["request"] == {"id": 1, "prompt": PROMPTS[1]}
+    assert len(d["output_token_ids"]) == 23
+    assert d["num_cached"] == len(d["prompt_token_ids"]) + 22  # the newest token is fed next step
+    assert len(d["layers"][0]["blocks"]) == 2  # 29 tokens in 16-token blocks
+
+
+def test_at_step_shows_whoever_holds_the_slot_after_that_step(stories):
+    common = ("--max-tokens", "5", "--ignore-eos", "--batch", "1", "--num-blocks", "40", *PROMPTS[:2])
+    first = inspect_json(stories, "--at-step", "1", *common)  # the prefill of request 1
+    check_consistent(first)
+    assert first["step"] == 1 and first["request"]["id"] == 0
+    assert first["num_cached"] == len(first["prompt_token_ids"]) and len(first["output_token_ids"]) == 1
+    # request 1 finishes at step 5; step 6 admits request 2 into the same slot
+    later = inspect_json(stories, "--at-step", "6", *common)
+    check_consistent(later)
+    assert later["step"] == 6 and later["request"] == {"id": 1, "prompt": PROMPTS[1]}
+    # one slot running: every used block is this slot's, one per layer per logical block
+    assert later["used_blocks"] == sum(len(layer["blocks"]) for layer in later["layers"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slot", "2"], "--slot 2 is out of range"),
+    (["--slot", "-1"], "--slot -1 is out of range"),
+    (["--at-step", "0"], "--slot 0 is empty after step 0"),
+    (["--at-step", "99"], "--at-step 99: the run ended after step"),
+    (["--batch", "3", "--slot", "2", "--at-step", "3"], "--slot 2 is empty after step 3"),
+    (["--layer", "5"], "--layer 5 is out of range"),
+])
+def test_a_slot_or_step_that_shows_nothing_is_a_usage_error(stories, args, message):
+    code, stdout, stderr = inspect("--model", str(stories), "--raw", "--max-tokens", "8", *args,
+                                   *PROMPTS[:2])
+    assert code == 2 and message in stderr, stderr
+    assert stdout == "" and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+
+
+def test_text_table_shows_addresses_text_and_how_layers_differ(stories):
+    code, stdout, stderr = inspect("--model", str(stories), "--raw", "--max-tokens", "20", "--num-blocks", "60",
+                                   "--layer", "2", "One day\nTom went out")
+    assert code == 0, stderr
+    assert "K address" in stdout and "V address" in stdout and "0x" in stdout
+    assert "60 blocks = 245,760 bytes" in stdout and "V at +0x800" in stdout
+    assert "layers 0-1, 3-4 hold the same tokens in other physical blocks" in stdout
+    assert "day\\nTom" in stdout  # newlines escaped inside the table
+
+
+def test_capture_with_shuffled_blocks(stories, make_engine):
+    """The engine the tests build hands blocks out in a shuffled order."""
+    from pagedcli import generate as gen
+    from pagedcli import inspect_cache as ic
+    from pagedcli.sequence import SamplingParams
+
+    loaded = make_engine(stories, batch=2, num_blocks=80)
+    gen.add_requests(loaded.engine, loaded.tokenizer, PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True), False)
+    snap, view = ic.capture(loaded.engine, slot=0)
+    d = ic.to_json(snap, view, loaded.tokenizer.decode)
+    check_consistent(d)
+    assert d["request"]["id"] == 0 and len(d["output_token_ids"]) == 29
+    assert loaded.engine.has_unfinished  # it stopped stepping once the moment was known

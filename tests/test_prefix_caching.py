@@ -1,0 +1,130 @@
+"""Shared blocks: prefix caching and copy-on-write for parallel samples."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import hf_checkpoint
+from helpers import check_block_accounting
+from pagedcli.sequence import SamplingParams
+from test_oracle import assert_matches_hf
+
+SYSTEM = list(range(40, 40 + 37))  # a shared 37-token prefix: two full blocks of 16 and a partial one
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return hf_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def prompts_with_shared_prefix(n, seed=0):
+    rng = random.Random(seed)
+    return [SYSTEM + [rng.randrange(3, 200) for _ in range(rng.randrange(1, 20))] for _ in range(n)]
+
+
+def run(engine, prompts, params):
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished:
+        engine.step()
+        check_block_accounting(engine)
+    return [s.output_token_ids for s in seqs]
+
+
+def test_prefix_hits_change_nothing_but_the_work(tiny, make_engine):
+    prompts = prompts_with_shared_prefix(6)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    cached = make_engine(tiny, batch=2).engine
+    plain = make_engine(tiny, batch=2, prefix_caching=False).engine
+    assert run(cached, prompts, params) == run(plain, prompts, params)
+    # the first two prompts are prefilled together, so both compute the prefix; the four after
+    # them find its two full blocks
+    assert cached.scheduler.cached_prompt_tokens == 4 * 32
+    assert cached.scheduler.prefix_hit_rate == pytest.approx(4 * 32 / sum(map(len, prompts)))
+    assert plain.scheduler.prefix_hit_rate == 0
+    assert (cached.cache.allocator.ref_count == 0).all(), "reference counts return to zero"
+
+
+def test_prefix_hits_match_transformers(tiny, make_engine):
+    loaded = make_engine(tiny, batch=3)
+    assert_matches_hf(loaded, tiny, prompts_with_shared_prefix(5, seed=3), steps=10)
+    assert loaded.engine.scheduler.cached_prompt_tokens > 0
+
+
+def test_a_whole_cached_prompt_still_computes_its_last_token(tiny, make_engine):
+    engine = make_engine(tiny, batch=1).engine
+    prompt = list(range(50, 82))  # exactly two blocks
+    first = run(engine, [prompt], SamplingParams(max_tokens=5, ignore_eos=True))
+    again = run(engine, [prompt], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert first == again
+    assert engine.scheduler.cached_prompt_tokens == 16  # one block reused; the last is recomputed
+
+
+def test_freed_cached_blocks_are_evicted_least_recently_used(tiny, make_engine):
+    layers = 2
+    engine = make_engine(tiny, batch=1, num_blocks=layers * 8).engine  # room for 8 blocks a layer
+    a, b = list(range(10, 43)), list(range(100, 133))  # 33 tokens: 2 full blocks + 1
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    run(engine, [a], params)
+    run(engine, [b], params)  # a's cached blocks are older than b's: freed first, reused first
+    run(engine, [list(range(150, 190))], params)  # needs 3 blocks a layer: evicts a's, keeps b's
+    hits = engine.scheduler.cached_prompt_tokens
+    run(engine, [b], params)
+    assert engine.scheduler.cached_prompt_tokens == hits + 32, "b's blocks survived"
+    hits = engine.scheduler.cached_prompt_tokens
+    run(engine, [a], params)
+    assert engine.scheduler.cached_prompt_tokens == hits, "a's blocks were evicted"
+
+
+@pytest.mark.parametrize("prompt_len", [37, 32])  # a shared partial block, and none
+def test_parallel_samples_share_blocks_and_equal_unshared_runs(tiny, make_engine, prompt_len):
+    prompt = list(range(20, 20 + prompt_len))
+    params = [SamplingParams(temperature=0.9, top_k=40, max_tokens=20, ignore_eos=True, seed=100 + j)
+              for j in range(4)]
+    engine = make_engine(tiny, batch=4).engine
+    seqs = engine.add_parallel(prompt, params)
+    peak_used = 0
+    while engine.has_unfinished:
+        out = engine.step()
+        peak_used = max(peak_used, out.used_blocks)
+        check_block_accounting(engine)
+    shared = [s.output_token_ids for s in seqs]
+    alone = make_engine(tiny, batch=1, prefix_caching=False).engine
+    unshared = [alone.generate([prompt], p)[0].output_token_ids for p in params]
+    assert shared == unshared
+    assert len({tuple(s) for s in shared}) > 1, "different seeds should sample differently"
+    layers = 2
+    if prompt_len % 16:
+        assert engine.cache.num_copied_blocks == 3 * layers, "three children copied the shared partial block"
+    else:
+        assert engine.cache.num_copied_blocks == 0
+    assert (engine.cache.allocator.ref_count == 0).all()
+
+
+def test_parallel_samples_wait_for_a_slot_when_the_batch_is_full(tiny, make_engine):
+    prompt = list(range(20, 57))
+    params = [SamplingParams(temperature=0.7, max_tokens=8, ignore_eos=True, seed=j) for j in range(3)]
+    engine = make_engine(tiny, batch=2).engine
+    seqs = engine.add_parallel(prompt, params)
+    while engine.has_unfinished:
+        engine.step()
+        check_block_accounting(engine)
+    alone = make_engine(tiny, batch=1, prefix_caching=False).engine
+    assert [s.output_token_ids for s in seqs] == [alone.generate([prompt], p)[0].output_token_ids for p in params]
+    assert engine.scheduler.cached_prompt_tokens >= 32  # the third sample found the prompt's full blocks
+
+
+def test_preemption_with_shared_blocks_keeps_accounting(tiny, make_engine):
+    rng = random.Random(5)
+    engine = make_engine(tiny, batch=4, num_blocks=2 * 12).engine
+    for i in range(5):
+        prompt = SYSTEM[:20] + [rng.randrange(3, 200) for _ in range(rng.randrange(1, 10))]
+        engine.add_parallel(prompt, [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True, seed=i * 10 + j)
+                                     for j in range(2)])
+    while engine.has_unfinished:
+        engine.step()
+        check_block_accounting(engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert all(s.finish_reason == "length" and len(s.output_token_ids) == 30 for s in engine.sequences)
+    assert (engine.cache.allocator.ref_count == 0).all()
