@@ -33,6 +33,7 @@ class Workload:
     seed: int = 0
     ignore_eos: bool = True
     prompt_file: Path | None = None
+    prefix_len: int = 0  # the first prefix_len prompt tokens are the same in every prompt
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,12 @@ def make_requests(w: Workload, n: int, vocab_size: int, avoid: set[int], tokeniz
         prompts = [tokenizer.encode(lines[i % len(lines)]) for i in range(n)]
     else:
         in_lo, in_hi = parse_len(w.input_len, "--input-len")
+        if w.prefix_len > in_lo:
+            raise UsageError(f"--prefix-len {w.prefix_len} is longer than the shortest prompt ({in_lo} tokens)")
         allowed = [t for t in range(vocab_size) if t not in avoid]
-        prompts = [[rng.choice(allowed) for _ in range(rng.randint(in_lo, in_hi))] for _ in range(n)]
+        prefix = [rng.choice(allowed) for _ in range(w.prefix_len)]
+        prompts = [prefix + [rng.choice(allowed) for _ in range(rng.randint(in_lo, in_hi) - w.prefix_len)]
+                   for _ in range(n)]
     return [Request(p, rng.randint(out_lo, out_hi)) for p in prompts]
 
 
@@ -198,6 +203,7 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
         "kv_bytes_peak": peak_blocks * geo.block_bytes,
         "kv_bytes_contiguous": peak_running * engine.max_model_len * geo.kv_bytes_per_token,
         "preemptions": engine.scheduler.num_preemptions,
+        "prefix_cache_hit_rate": engine.scheduler.prefix_hit_rate,
         "gpu_memory_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(model.dtype).removeprefix("torch."),
@@ -212,6 +218,8 @@ def _warm_up(engine: Engine, requests: list) -> None:
     engine.sequences.clear()
     engine.num_steps = 0
     engine.scheduler.num_preemptions = 0
+    engine.scheduler.prompt_tokens = engine.scheduler.cached_prompt_tokens = 0
+    engine.cache.forget_cached_prefixes()  # the timed run must not find the warm-up's blocks
 
 
 def plot(results: list[dict], path: Path) -> None:

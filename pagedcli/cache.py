@@ -160,6 +160,12 @@ class KVCache:
         self.slot_hashes[slot] = block_hashes(token_ids, bs, len(prefix))
         self.grow(slot, len(token_ids))
 
+    def forget_cached_prefixes(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache = PrefixCache()
+            self.allocator.on_reuse = self.prefix_cache.forget
+            self.slot_hashes = [[] for _ in range(self.max_slots)]
+
     def register(self, slot: int, token_ids: list[int], num_cached: int) -> None:
         """Offer the slot's newly completed full blocks to the prefix cache."""
         if self.prefix_cache is None:

@@ -2,9 +2,10 @@
 same K/V.
 
 One layer's worth of cache per configuration (batch x context): the pool is filled with random
-numbers, every sequence gets its blocks in shuffled order, and the paged kernel (decode + reduce)
-reads them through the block table. SDPA gets the same K/V gathered into contiguous
-[batch, kv_heads, context, head_dim] tensors (`enable_gqa`), the layout a non-paged engine keeps.
+numbers, every sequence gets its blocks in shuffled order, and the paged kernel (one launch: the
+splits and their merge) reads them through the block table. SDPA gets the same K/V gathered into
+contiguous [batch, kv_heads, context, head_dim] tensors (`enable_gqa`), the layout a non-paged
+engine keeps.
 
 Each call is timed inside a CUDA graph (so Python launch overhead does not count), with CUDA events
 around each replay; the figure is the median over replays. Several copies of the K/V (different
@@ -85,7 +86,8 @@ def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads
                         block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
                         max_model_len: int | None = None) -> list[dict]:
     """One row per (batch, context): batch, context, paged_ms, paged_gb_per_s, sdpa_ms, sdpa_gb_per_s,
-    max_abs_diff (paged vs SDPA outputs), splits (of the paged kernel).
+    max_abs_diff (paged vs SDPA outputs), and the paged kernel's splits, registers per thread and
+    resident CTAs per SM.
 
     `max_model_len` (default: the context) is the cache's limit, which sets the paged kernel's
     grid: a larger one shows what a short context costs in an engine sized for long ones."""
@@ -135,6 +137,8 @@ def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads
                 paged_ms=paged_ms, paged_gb_per_s=moved / paged_ms / 1e6,
                 sdpa_ms=sdpa_ms, sdpa_gb_per_s=moved / sdpa_ms / 1e6,
                 max_abs_diff=diff, splits=backend.num_splits(batch),
+                registers=backend.kernels["paged_attention_decode"].num_regs,
+                ctas_per_sm=backend.decode_ctas_per_sm,
             ))
             del backend, cache, steps, sdpa_inputs, paged_calls, sdpa_calls
             torch.cuda.empty_cache()

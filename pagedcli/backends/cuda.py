@@ -3,7 +3,7 @@
 What runs where:
 - `rope_write_kv`  -> kv_write.cu: RoPE on q and k fused with the K/V write into the paged pool
                       (prefill and decode alike);
-- `attend`         -> paged_attention.cu at decode (split-KV decode kernel + reduce); prefill keeps
+- `attend`         -> paged_attention.cu at decode (one split-KV kernel that also merges); prefill keeps
                       the inherited torch gather + SDPA, which also reads through the block table;
 - `add_rms_norm`, `silu_mul` -> elementwise.cu.
 
@@ -36,11 +36,14 @@ from pagedcli.errors import RunError
 # Tuning constants. The .cu files receive them as -D defines, so each is written here only.
 PARTITION_SIZE = 512  # tokens per split-KV chunk of the decode kernel (a multiple of every block size)
 ATTN_THREADS = 128  # threads of a decode CTA
-UNROLL_SMALL_Q = 4  # K/V rows each decode lane loads before using any, when a CTA serves <= 4 heads
-UNROLL_LARGE_Q = 2  # ... and when it serves more (q and the accumulators then take more registers)
-REDUCE_WARPS = 4  # (sequence, head) pairs merged by one CTA of the reduce kernel
+ATTN_STAGES = 4  # load steps of the decode kernel in flight per lane (cp.async ring in shared memory)
+# Per decode lane: K/V rows per load step, and the CTAs per SM the registers must allow; for CTAs
+# serving <= 4 query heads, and more (q and the sums then take more registers).
+UNROLL_SMALL_Q, MIN_CTAS_SMALL_Q = 4, 5
+UNROLL_LARGE_Q, MIN_CTAS_LARGE_Q = 2, 3
 MAX_HEADS_PER_CTA = 8  # query heads one decode CTA serves (q and the accumulators live in registers)
 SPLIT_CTAS_PER_SM = 32  # cap on decode CTAs (per SM) when choosing the number of splits
+MIN_SPAN = 128  # fewest context tokens a decode split takes (shorter ones cost more than they save)
 KV_WRITE_THREADS = 128
 SILU_THREADS = 256
 VEC_BYTES = 16  # the kernels' vector width (uint4)
@@ -153,18 +156,21 @@ class CudaBackend(TorchBackend):
             ("PARTITION_SIZE", PARTITION_SIZE),
             ("ATTN_THREADS", ATTN_THREADS),
             ("ATTN_UNROLL", UNROLL_SMALL_Q if self.heads_per_cta <= 4 else UNROLL_LARGE_Q),
-            ("REDUCE_WARPS", REDUCE_WARPS),
+            ("ATTN_STAGES", ATTN_STAGES),
+            ("ATTN_MIN_SPAN", MIN_SPAN),
+            ("ATTN_MIN_CTAS", MIN_CTAS_SMALL_Q if self.heads_per_cta <= 4 else MIN_CTAS_LARGE_Q),
         )
         d = self.device_index
         self.kernels = {
             **_compile("kv_write.cu", model, ("rope_write_kv",), d),
-            **_compile("paged_attention.cu", attention, ("paged_attention_decode", "paged_attention_reduce"), d),
+            **_compile("paged_attention.cu", attention, ("paged_attention_decode",), d),
             **_compile("elementwise.cu", dtype,
                        ("add_rms_norm_vec", "add_rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"), d),
         }
+        self.decode_ctas_per_sm = self._resident_ctas("paged_attention_decode", ATTN_THREADS)  # for reports
         self._cupy_device = cupy.cuda.Device(d)
         self._streams: dict[int, object] = {}  # torch stream handle -> cupy.cuda.ExternalStream
-        self._scratch: dict[int, tuple] = {}  # batch size -> (splits, partial out, partial max, partial sum)
+        self._scratch: dict[int, tuple] = {}  # batch size -> (splits, partial out/max/sum, merge counters)
 
     # --- launching ----------------------------------------------------------------------------
     def _launch(self, kernel: str, grid: tuple, block: tuple, args: tuple) -> None:
@@ -180,16 +186,34 @@ class CudaBackend(TorchBackend):
         with self._cupy_device, stream:
             self.kernels[kernel](grid, block, args)
 
+    def _resident_ctas(self, kernel: str, threads: int) -> int:
+        """CTAs of a compiled kernel one SM holds at once (registers, shared memory, threads)."""
+        import cupy
+
+        k = self.kernels[kernel]
+        try:
+            props = cupy.cuda.runtime.getDeviceProperties(self.device_index)
+            regs_per_warp = -(-k.num_regs * 32 // 256) * 256  # allocated per warp, 256 at a time
+            by_regs = props["regsPerMultiprocessor"] // (regs_per_warp * (threads // 32))
+            by_smem = props["sharedMemPerMultiprocessor"] // (k.shared_size_bytes + 1024)  # 1 KiB reserved a CTA
+            by_threads = props["maxThreadsPerMultiProcessor"] // threads
+            return max(1, min(by_regs, by_smem, by_threads))
+        except Exception:  # attributes missing in this CuPy: what the launch bounds promise
+            return MIN_CTAS_SMALL_Q if self.heads_per_cta <= 4 else MIN_CTAS_LARGE_Q
+
     def num_splits(self, batch_size: int) -> int:
-        """Splits of the decode kernel for a batch size: enough to fill the GPU at small batches,
-        never more than the longest context has chunks. Depends on nothing else, so one CUDA graph
-        per batch size serves every context length."""
+        """Splits of the decode kernel for a batch size: enough CTAs to fill the GPU at small batches
+        (at most SPLIT_CTAS_PER_SM per SM), no more than the longest context has chunks. Depends on
+        nothing else (not the contexts), so one CUDA graph per batch size serves every context
+        length: the kernel cuts each actual context into this many spans."""
         chunks = math.ceil(self.cache.max_model_len / PARTITION_SIZE)
         ctas_per_split = batch_size * (self.num_heads // self.heads_per_cta)
         return max(1, min(chunks, SPLIT_CTAS_PER_SM * self.num_sms // ctas_per_split))
 
     def _scratch_for(self, batch_size: int) -> tuple:
-        """Split-KV scratch for a batch size, allocated once and reused by every layer and step."""
+        """Split-KV scratch for a batch size, allocated once and reused by every layer and step: the
+        splits' partial outputs, maxima and sums, and one merge counter per (sequence, head group),
+        zero between launches (the kernel resets what it counts)."""
         s = self._scratch.get(batch_size)
         if s is None:
             splits = self.num_splits(batch_size)
@@ -199,6 +223,8 @@ class CudaBackend(TorchBackend):
                 torch.empty((batch_size, self.num_heads, splits, self.head_dim), **f32),
                 torch.empty((batch_size, self.num_heads, splits), **f32),
                 torch.empty((batch_size, self.num_heads, splits), **f32),
+                torch.zeros((batch_size, self.num_heads // self.heads_per_cta), dtype=torch.int32,
+                            device=self.cache.device),
             )
         return s
 
@@ -230,7 +256,9 @@ class CudaBackend(TorchBackend):
         positions = batch.positions if batch.positions.dtype == torch.int64 else batch.positions.long()
         token_seq = batch.token_seq if batch.token_seq.dtype == torch.int64 else batch.token_seq.long()
         slots = batch.slots if batch.slots.dtype == torch.int32 else batch.slots.int()
-        self._launch("rope_write_kv", (T,), (KV_WRITE_THREADS,), (
+        geo = self.cache.geometry  # work items per token: rotary pairs of q and k, V elements
+        items = (self.num_heads + geo.num_kv_heads) * self.head_dim // 2 + geo.kv_dim
+        self._launch("rope_write_kv", (T, -(-items // KV_WRITE_THREADS)), (KV_WRITE_THREADS,), (
             _ptr(q), _ptr(k), _ptr(v), np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0)),
             _ptr(q_out), _ptr(self.cache.pool), table, slot_stride, max_blocks,
             _ptr(positions), _ptr(token_seq), _ptr(slots),
@@ -248,18 +276,14 @@ class CudaBackend(TorchBackend):
         out = torch.empty_like(q)
         if B == 0:
             return out
-        splits, part_out, part_max, part_sum = self._scratch_for(B)
+        splits, part_out, part_max, part_sum, counters = self._scratch_for(B)
         table, slot_stride, _ = self._layer_table(layer)
         context_lens = batch.context_lens if batch.context_lens.dtype == torch.int32 else batch.context_lens.int()
         slots = batch.slots if batch.slots.dtype == torch.int32 else batch.slots.int()
         self._launch("paged_attention_decode", (splits, self.num_heads // self.heads_per_cta, B), (ATTN_THREADS,), (
-            _ptr(q), _ptr(self.cache.pool), table, slot_stride, _ptr(slots), _ptr(context_lens),
-            np.int32(self.max_context), _ptr(part_out), _ptr(part_max), _ptr(part_sum), self.scale_log2,
-        ))
-        self._launch("paged_attention_reduce", (math.ceil(B * self.num_heads / REDUCE_WARPS),),
-                     (REDUCE_WARPS * 32,), (
-            _ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(context_lens),
-            np.int32(self.max_context), np.int32(B), np.int32(splits),
+            _ptr(out), _ptr(q), _ptr(self.cache.pool), table, slot_stride, _ptr(slots), _ptr(context_lens),
+            np.int32(self.max_context), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(counters),
+            self.scale_log2,
         ))
         return out
 
@@ -301,8 +325,9 @@ class CudaBackend(TorchBackend):
 
     # --- helpers --------------------------------------------------------------------------------
     def _fusable(self, *tensors: torch.Tensor) -> bool:
-        """Tensors our elementwise kernels take: the model dtype, on our GPU (else: torch fallback)."""
-        return all(t.dtype == self.dtype and t.device == self.cache.device for t in tensors)
+        """Tensors our elementwise kernels take: the model dtype, on our GPU (else: torch fallback).
+        (Compare device indices: torch.device("cuda") != torch.device("cuda", 0).)"""
+        return all(t.dtype == self.dtype and t.is_cuda and t.device.index == self.device_index for t in tensors)
 
     def _same(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device

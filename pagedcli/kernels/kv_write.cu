@@ -1,7 +1,7 @@
 // kv_write.cu: rotary embedding on q and k, fused with the write of k and v into the paged pool.
 //
-// One CTA per new token t (T tokens in the step: a whole prompt per sequence at prefill, one token
-// per sequence at decode). Token t belongs to sequence b = token_seq[t] and sits at position
+// One row of CTAs per new token t (T tokens in the step: a whole prompt per sequence at prefill, one
+// token per sequence at decode). Token t belongs to sequence b = token_seq[t] and sits at position
 // p = positions[t]; its K and V go to physical block table[slots[b]][layer][p / BLOCK_SIZE],
 // row p % BLOCK_SIZE. A block is [2][BLOCK_SIZE][NUM_KV_HEADS][HEAD_DIM]: K rows, then V rows
 // at V_OFFSET bytes.
@@ -46,6 +46,15 @@ __device__ __forceinline__ void rotate_pair(float x1, float x2, float c1, float 
     out2 = round_to_dtype(__fadd_rn(a2, b2));
 }
 
+// Work items of one token: a rotary pair of each q head, then of each k head, then each V element.
+// Consecutive threads take consecutive items, so a warp's loads and stores are contiguous.
+#define Q_PAIRS (NUM_HEADS * HALF_DIM)
+#define K_PAIRS (NUM_KV_HEADS * HALF_DIM)
+#define TOKEN_ITEMS (Q_PAIRS + K_PAIRS + KV_DIM)
+
+// grid (T, any): CTA (t, y) takes items y * blockDim + tid, + gridDim.y * blockDim, ... of token t
+// (one item per thread when gridDim.y * blockDim >= TOKEN_ITEMS: at decode, few tokens, all the
+// parallelism is within a token).
 // q, k, v: [T, heads, HEAD_DIM] with the heads of a token contiguous and `*_stride` elements from
 // one token to the next (they are column slices of the fused qkv projection).
 // q_out: [T, NUM_HEADS, HEAD_DIM], contiguous.
@@ -60,53 +69,52 @@ extern "C" __global__ void rope_write_kv(
     const scalar_t* __restrict__ cos_table, const scalar_t* __restrict__ sin_table, int max_positions) {
     const long long t = blockIdx.x;
     const long long pos = positions[t];
+    // padding row (or no rotary row for it): no K/V write, zeros for q
+    const bool valid = pos >= 0 && pos < max_positions;
     scalar_t* __restrict__ q_dst = q_out + t * (NUM_HEADS * HEAD_DIM);
 
-    if (pos < 0 || pos >= max_positions) {  // padding row (or no rotary row for it): no K/V write
-        for (int i = threadIdx.x; i < NUM_HEADS * HEAD_DIM; i += blockDim.x) q_dst[i] = from_float(0.0f);
-        return;
-    }
-
     // Where this token's K/V row goes. An unassigned block (-1) is never written.
-    const int logical_block = (int)(pos / BLOCK_SIZE);
-    const int row = (int)(pos % BLOCK_SIZE);
-    const int slot = slots[token_seq[t]];
-    const int physical = logical_block < max_blocks ? table[slot * table_slot_stride + logical_block] : -1;
+    int physical = -1;
+    int row = 0;
+    if (valid) {
+        const int logical_block = (int)(pos / BLOCK_SIZE);
+        row = (int)(pos % BLOCK_SIZE);
+        const int slot = slots[token_seq[t]];
+        physical = logical_block < max_blocks ? table[slot * table_slot_stride + logical_block] : -1;
+    }
     unsigned char* const row_base =
-        physical >= 0 ? pool + (size_t)physical * BLOCK_BYTES + (size_t)row * KV_DIM * sizeof(scalar_t)
-                      : nullptr;
+        pool + (size_t)max(physical, 0) * BLOCK_BYTES + (size_t)row * KV_DIM * sizeof(scalar_t);
     scalar_t* const k_dst = reinterpret_cast<scalar_t*>(row_base);
     scalar_t* const v_dst = reinterpret_cast<scalar_t*>(row_base + V_OFFSET);
+    const scalar_t* __restrict__ cos_row = cos_table + (valid ? pos : 0) * HEAD_DIM;
+    const scalar_t* __restrict__ sin_row = sin_table + (valid ? pos : 0) * HEAD_DIM;
 
-    const scalar_t* __restrict__ cos_row = cos_table + pos * HEAD_DIM;
-    const scalar_t* __restrict__ sin_row = sin_table + pos * HEAD_DIM;
-
-    // Rotary pairs of every q head, then of every k head: consecutive threads take consecutive
-    // pairs, so the loads and stores of a warp are contiguous.
-    for (int i = threadIdx.x; i < (NUM_HEADS + NUM_KV_HEADS) * HALF_DIM; i += blockDim.x) {
-        const int head = i / HALF_DIM;
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < TOKEN_ITEMS; i += gridDim.y * blockDim.x) {
+        if (i >= Q_PAIRS + K_PAIRS) {  // V is copied as it is
+            if (physical >= 0) v_dst[i - Q_PAIRS - K_PAIRS] = v[t * v_stride + (i - Q_PAIRS - K_PAIRS)];
+            continue;
+        }
+        const int head = i / HALF_DIM;  // q heads first, then k heads
         const int j = i % HALF_DIM;
-        const float c1 = to_float(cos_row[j]), c2 = to_float(cos_row[j + HALF_DIM]);
-        const float s1 = to_float(sin_row[j]), s2 = to_float(sin_row[j + HALF_DIM]);
         const scalar_t* src;
         scalar_t* dst;
         if (head < NUM_HEADS) {
-            src = q + t * q_stride + head * HEAD_DIM;
             dst = q_dst + head * HEAD_DIM;
+            if (!valid) {
+                dst[j] = dst[j + HALF_DIM] = from_float(0.0f);
+                continue;
+            }
+            src = q + t * q_stride + head * HEAD_DIM;
         } else {
             if (physical < 0) continue;
             src = k + t * k_stride + (head - NUM_HEADS) * HEAD_DIM;
             dst = k_dst + (head - NUM_HEADS) * HEAD_DIM;
         }
+        const float c1 = to_float(cos_row[j]), c2 = to_float(cos_row[j + HALF_DIM]);
+        const float s1 = to_float(sin_row[j]), s2 = to_float(sin_row[j + HALF_DIM]);
         float out1, out2;
         rotate_pair(to_float(src[j]), to_float(src[j + HALF_DIM]), c1, c2, s1, s2, out1, out2);
         dst[j] = from_float(out1);
         dst[j + HALF_DIM] = from_float(out2);
-    }
-
-    // V is copied as it is.
-    if (physical >= 0) {
-        const scalar_t* __restrict__ v_src = v + t * v_stride;
-        for (int i = threadIdx.x; i < KV_DIM; i += blockDim.x) v_dst[i] = v_src[i];
     }
 }

@@ -1,28 +1,35 @@
 // paged_attention.cu: decode attention (one new query token per sequence) over the paged KV pool,
-// split along the context ("flash-decoding"), then a reduce step that merges the splits.
+// split along the context ("flash-decoding"), in one kernel.
 //
-// paged_attention_decode: grid (num_splits, NUM_HEADS / HEADS_PER_CTA, num_seqs), ATTN_THREADS.
-//   A CTA serves one sequence b and HEADS_PER_CTA query heads that share one kv head (GQA): each
-//   K/V row it loads is used by all of those heads, so K/V are read once per kv head, not once per
-//   query head. The context is cut into chunks of PARTITION_SIZE tokens; split s takes chunks
-//   s, s + num_splits, ... (num_splits depends only on the batch size and the cache's
-//   max_model_len, so a CUDA graph captured once serves any context length; a CTA with no chunk
-//   exits at once). For each chunk:
-//     1. K pass: a token's K row for one kv head is HEAD_DIM contiguous elements, read as 16-byte
-//        vectors by a group of ROW_LANES lanes (HEAD_DIM = 64 in bf16: 8 lanes, 128 bytes; a warp
-//        reads 4 rows at once, a 128-thread CTA 16 rows). Each lane dots its 16 bytes with the
-//        matching slice of every query head (kept in registers, pre-scaled by 1/sqrt(HEAD_DIM) and
-//        log2(e) so that softmax can use exp2), the group sums with shuffles, and the scores go to
-//        shared memory. UNROLL rows per lane are loaded before any is used, to keep enough bytes in
-//        flight to saturate HBM.
-//     2. softmax over the chunk, merged with the running max and sum of the earlier chunks
-//        (online softmax across chunks, exact two-pass within one).
-//     3. V pass: the same lanes read V rows and accumulate p * v in fp32 registers.
-//   At the end the groups' partial outputs are summed (shuffles, then shared memory) and the
-//   CTA writes its unnormalised output, max and sum to scratch buffers.
-// paged_attention_reduce: one warp per (sequence, query head) merges the splits that had work and
-//   writes the output in the model dtype. A sequence with context length 0 (a padding row) gets
-//   zeros.
+// grid (num_splits, NUM_HEADS / HEADS_PER_CTA, num_seqs), ATTN_THREADS threads.
+//
+// A CTA serves one sequence and HEADS_PER_CTA query heads that share one kv head (GQA): each K/V
+// row it loads is used by all of those heads, so K and V are read once per kv head, not once per
+// query head.
+//
+// Splits: num_splits depends only on the batch size and the cache's max_model_len (so one CUDA
+// graph per batch size serves every context length). Each sequence's actual context is cut into
+// num_splits equal spans (whole blocks, at least ATTN_MIN_SPAN tokens), so short contexts are
+// spread over many CTAs too; CTAs past the context exit at once. A span longer than
+// PARTITION_SIZE is walked in chunks of PARTITION_SIZE tokens, merged with an online softmax.
+// For each chunk:
+//   1. K pass: a token's K row for one kv head is HEAD_DIM contiguous elements, read as 16-byte
+//      vectors by a group of ROW_LANES lanes (HEAD_DIM = 64 in bf16: 8 lanes, 128 bytes; a warp
+//      reads 4 rows at once, a 128-thread CTA 16 rows). Each lane dots its 16 bytes with the
+//      matching slice of every query head (in registers, pre-scaled by log2(e)/sqrt(HEAD_DIM) so
+//      that softmax can use exp2), the group sums with shuffles, and the scores go to shared
+//      memory. Loads are asynchronous copies (cp.async) into a small ring in shared memory that each
+//      thread owns (it only reads back its own copies, so no barrier is needed): ATTN_STAGES steps
+//      of UNROLL rows per lane are in flight while one is used, without holding registers.
+//   2. softmax over the chunk (exact, from the scores in shared memory), merged with the earlier
+//      chunks' running max and sum.
+//   3. V pass: the same lanes read V rows (the ring runs on from K to V, so the first V rows are
+//      requested during the K pass and the softmax) and accumulate p * v in fp32 registers; the
+//      row groups' sums then meet in shared memory.
+// Merge: a sequence whose context fits in one span is normalised and written at once. Otherwise
+// every split writes its unnormalised output, max and sum to scratch, and the last CTA of the
+// (sequence, head group) to finish (a counter, reset by that CTA for the next launch) merges them
+// and writes the output. A sequence with context length 0 (a padding row) gets zeros.
 //
 // Every K/V access goes through the block table: token i of a sequence is row i % BLOCK_SIZE of
 // physical block table[slot][layer][i / BLOCK_SIZE].
@@ -38,8 +45,9 @@
 #if !defined(NUM_HEADS)
 #error "paged_attention.cu needs -DNUM_HEADS (the model's query heads)"
 #endif
-#if !defined(HEADS_PER_CTA) || !defined(PARTITION_SIZE) || !defined(ATTN_THREADS) || !defined(ATTN_UNROLL) || !defined(REDUCE_WARPS)
-#error "paged_attention.cu needs -DHEADS_PER_CTA -DPARTITION_SIZE -DATTN_THREADS -DATTN_UNROLL -DREDUCE_WARPS (backends/cuda.py)"
+#if !defined(HEADS_PER_CTA) || !defined(PARTITION_SIZE) || !defined(ATTN_THREADS) || !defined(ATTN_UNROLL) || \
+    !defined(ATTN_STAGES) || !defined(ATTN_MIN_CTAS) || !defined(ATTN_MIN_SPAN)
+#error "paged_attention.cu needs -DHEADS_PER_CTA -DPARTITION_SIZE -DATTN_THREADS -DATTN_UNROLL -DATTN_STAGES -DATTN_MIN_CTAS -DATTN_MIN_SPAN (backends/cuda.py)"
 #endif
 
 static_assert(KV_DIM == NUM_KV_HEADS * HEAD_DIM, "KV_DIM must be NUM_KV_HEADS * HEAD_DIM");
@@ -49,6 +57,7 @@ static_assert(NUM_HEADS % NUM_KV_HEADS == 0, "query heads must be a multiple of 
 
 constexpr int GQA = NUM_HEADS / NUM_KV_HEADS;  // query heads per kv head
 static_assert(GQA % HEADS_PER_CTA == 0, "HEADS_PER_CTA must divide the GQA group");
+constexpr int HEAD_SLOTS = next_pow2(HEADS_PER_CTA);  // heads padded to a power of two for the shuffles
 
 // How a K/V row (one token, one kv head) maps onto lanes.
 constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(scalar_t);
@@ -60,21 +69,29 @@ constexpr int ROWS_PER_WARP = WARP_SIZE / ROW_LANES;
 constexpr int NUM_WARPS = ATTN_THREADS / WARP_SIZE;
 static_assert(ATTN_THREADS % WARP_SIZE == 0, "ATTN_THREADS must be whole warps");
 constexpr int ROWS_PER_STEP = NUM_WARPS * ROWS_PER_WARP;  // tokens the CTA covers per load step
-constexpr int UNROLL = ATTN_UNROLL;  // rows each lane loads before using any (bytes in flight)
+constexpr int UNROLL = ATTN_UNROLL;                       // rows a lane has in one load step
+constexpr int STAGES = ATTN_STAGES;                       // load steps in flight (ring slots)
+static_assert(STAGES >= 2, "the ring needs at least two stages");
+constexpr int TOKENS_PER_ITER = ROWS_PER_STEP * UNROLL;
+constexpr size_t TOKEN_STRIDE = (size_t)KV_DIM * sizeof(scalar_t);  // bytes from one row of a block to the next
 
 static_assert(PARTITION_SIZE % BLOCK_SIZE == 0, "a chunk must be whole blocks");
 constexpr int BLOCKS_PER_CHUNK = PARTITION_SIZE / BLOCK_SIZE;
 
 // Shared memory: the chunk's scores (one row of PARTITION_SIZE per head, padded so that the lanes
-// writing different heads fall in different banks); later reused for the sum over warps.
+// writing different heads fall in different banks) and the load ring [STAGES][UNROLL][threads]
+// (16 bytes each: consecutive threads, consecutive addresses); after the V pass, the per-warp sums
+// reuse the space.
 constexpr int SCORE_STRIDE = PARTITION_SIZE + ROWS_PER_WARP;
 constexpr int SCORE_FLOATS = HEADS_PER_CTA * SCORE_STRIDE;
+constexpr int RING_FLOATS = STAGES * UNROLL * ATTN_THREADS * VEC_BYTES / 4;
 constexpr int ACC_FLOATS = NUM_WARPS * HEADS_PER_CTA * HEAD_DIM;
-constexpr int SMEM_FLOATS = SCORE_FLOATS > ACC_FLOATS ? SCORE_FLOATS : ACC_FLOATS;
-static_assert(SMEM_FLOATS * 4 + BLOCKS_PER_CHUNK * 4 + (2 * NUM_WARPS + 1) * HEADS_PER_CTA * 4 <= 48 * 1024,
-              "shared memory over 48 KiB: use a smaller PARTITION_SIZE or HEADS_PER_CTA");
+constexpr int SMEM_FLOATS = SCORE_FLOATS + RING_FLOATS > ACC_FLOATS ? SCORE_FLOATS + RING_FLOATS : ACC_FLOATS;
+static_assert(SCORE_FLOATS % 4 == 0, "the ring must start 16-byte aligned");
+static_assert(SMEM_FLOATS * 4 + BLOCKS_PER_CHUNK * 4 + (2 * NUM_WARPS + 4) * HEADS_PER_CTA * 4 <= 48 * 1024,
+              "shared memory over 48 KiB: use a smaller PARTITION_SIZE, HEADS_PER_CTA, ATTN_STAGES or ATTN_UNROLL");
 
-// Output elements (HEADS_PER_CTA x HEAD_DIM) each thread keeps across the chunks of its split.
+// Output elements (HEADS_PER_CTA x HEAD_DIM) each thread keeps across the chunks of its span.
 constexpr int OWNED = (HEADS_PER_CTA * HEAD_DIM + ATTN_THREADS - 1) / ATTN_THREADS;
 
 // A 16-byte load the compiler may not hoist out of the chunk loop (asm volatile): reloading q per
@@ -87,45 +104,182 @@ __device__ __forceinline__ uint4 load_vec_keep_in_loop(const scalar_t* p) {
     return r;
 }
 
-// Byte offset of token row `row` of a block, head `kv_head`, 16-byte vector `vec`.
-__device__ __forceinline__ size_t row_offset(int row, int kv_head, int vec) {
-    return (size_t)row * KV_DIM * sizeof(scalar_t) + (size_t)kv_head * ROW_BYTES + (size_t)vec * VEC_BYTES;
+// A float written by another CTA of this launch: read from L2, past this SM's L1.
+__device__ __forceinline__ float load_from_l2(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
 }
 
+// --- asynchronous copies into shared memory (cp.async, sm_80+; plain copies before) -------------
+
+__device__ __forceinline__ unsigned int shared_address(const void* p) {
+    unsigned int a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes from global to shared memory; zeros (and no read) when !valid.
+__device__ __forceinline__ void copy_async_16(uint4* dst, const void* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+#else
+    *dst = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+
+__device__ __forceinline__ void copy_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void copy_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}
+
+// Load step g of a chunk into ring slot g % STAGES: steps 0 .. iters-1 are K, iters .. 2 iters-1 are
+// V, later ones are empty. Each step is one commit group, empty or not, so that the groups a thread
+// waits for are counted the same way everywhere. This lane's UNROLL rows of the step; rows past
+// the chunk's n tokens become zeros.
+__device__ __forceinline__ void issue_step(uint4* ring, int g, int iters, const unsigned char* k_base,
+                                           const unsigned char* v_base, const int* blocks, int n,
+                                           int row_in_step, bool lane_active, int tid) {
+    if (g < 2 * iters) {
+        const unsigned char* base = g < iters ? k_base : v_base;
+        const int t0 = (g < iters ? g : g - iters) * TOKENS_PER_ITER;
+        uint4* slot = ring + (size_t)(g % STAGES) * UNROLL * ATTN_THREADS + tid;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = t0 + u * ROWS_PER_STEP + row_in_step;
+            const bool valid = t < n && lane_active;
+            const unsigned char* src =
+                valid ? base + (size_t)blocks[t / BLOCK_SIZE] * BLOCK_BYTES + (size_t)(t % BLOCK_SIZE) * TOKEN_STRIDE
+                      : base;
+            copy_async_16(slot + u * ATTN_THREADS, src, valid);
+        }
+    }
+    copy_async_commit();
+}
+
+// This thread's UNROLL vectors of step g, once landed.
+__device__ __forceinline__ void read_step(uint4 (&raw)[UNROLL], const uint4* ring, int g, int tid) {
+    copy_async_wait<STAGES - 2>();  // step g's group is complete (STAGES - 2 newer ones may not be)
+    const uint4* slot = ring + (size_t)(g % STAGES) * UNROLL * ATTN_THREADS + tid;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) raw[u] = slot[u * ATTN_THREADS];
+}
+
+// Sum the per-head partial dot products over the ROW_LANES lanes of a row with few shuffles: each
+// step halves the heads a lane keeps (it sends the half its partner keeps), until one head is left;
+// the remaining steps are plain all-reduces. Afterwards the lane holds heads
+// reduced_head_base(lane) + i, i < HEADS_HELD.
+constexpr int HEADS_HELD = HEAD_SLOTS > ROW_LANES ? HEAD_SLOTS / ROW_LANES : 1;
+
+__device__ __forceinline__ void reduce_row(float (&dot)[HEAD_SLOTS], int lane) {
+#pragma unroll
+    for (int step = 0; (ROW_LANES >> (step + 1)) > 0; ++step) {
+        const int off = ROW_LANES >> (step + 1);
+        const int count = HEAD_SLOTS >> step;  // heads still held (a compile-time constant here)
+        if (count > 1) {
+            const bool upper = (lane & off) != 0;
+#pragma unroll
+            for (int i = 0; i < count / 2; ++i) {
+                const float send = upper ? dot[i] : dot[i + count / 2];
+                const float keep = upper ? dot[i + count / 2] : dot[i];
+                dot[i] = keep + __shfl_xor_sync(FULL_MASK, send, off);
+            }
+        } else {
+            dot[0] += __shfl_xor_sync(FULL_MASK, dot[0], off);
+        }
+    }
+}
+
+__device__ __forceinline__ int reduced_head_base(int lane) {
+    int base = 0;
+#pragma unroll
+    for (int step = 0; (ROW_LANES >> (step + 1)) > 0; ++step) {
+        const int off = ROW_LANES >> (step + 1);
+        const int count = HEAD_SLOTS >> step;
+        if (count > 1 && (lane & off)) base += count / 2;
+    }
+    return base;
+}
+
+// The lane that writes the reduced values: one per distinct set of heads (the all-reduce steps
+// leave copies in the other lanes).
+__device__ __forceinline__ bool reduced_writer(int lane) {
+    bool writer = true;
+#pragma unroll
+    for (int step = 0; (ROW_LANES >> (step + 1)) > 0; ++step) {
+        const int off = ROW_LANES >> (step + 1);
+        if ((HEAD_SLOTS >> step) <= 1 && (lane & off)) writer = false;
+    }
+    return writer;
+}
+
+// out: [num_seqs, NUM_HEADS, HEAD_DIM] in the model dtype.
 // q: [num_seqs, NUM_HEADS, HEAD_DIM] (the rotated queries, contiguous).
 // table: this layer's block table, table[slot * table_slot_stride + logical_block].
-// partial_out: [num_seqs, NUM_HEADS, num_splits, HEAD_DIM] float; partial_max, partial_sum:
-// [num_seqs, NUM_HEADS, num_splits] float (log2 domain).
 // max_context: the table's width in tokens; longer context lengths are clamped to it.
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention_decode(
-    const scalar_t* __restrict__ q, const unsigned char* __restrict__ pool,
+// partial_out: [num_seqs, NUM_HEADS, num_splits, HEAD_DIM] float; partial_max, partial_sum:
+// [num_seqs, NUM_HEADS, num_splits] float (log2 domain); merge_counters: [num_seqs, head groups],
+// zero before the launch and zero after it.
+// ATTN_MIN_CTAS resident CTAs per SM bound the registers (the compiler would otherwise take more,
+// and fewer CTAs would keep fewer loads in flight).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) paged_attention_decode(
+    scalar_t* __restrict__ out, const scalar_t* __restrict__ q, const unsigned char* __restrict__ pool,
     const int* __restrict__ table, long long table_slot_stride,
     const int* __restrict__ slots, const int* __restrict__ context_lens, int max_context,
     float* __restrict__ partial_out, float* __restrict__ partial_max, float* __restrict__ partial_sum,
-    float scale_log2) {
+    unsigned int* __restrict__ merge_counters, float scale_log2) {
     const int split = blockIdx.x;
     const int num_splits = gridDim.x;
     const int head0 = blockIdx.y * HEADS_PER_CTA;  // first query head of this CTA
     const int kv_head = head0 / GQA;
     const int seq = blockIdx.z;
+    const int tid = threadIdx.x;
+    scalar_t* __restrict__ out_rows = out + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM;
 
+    // This split's span of the context: num_splits equal runs of whole blocks.
     const int context = min(max(context_lens[seq], 0), max_context);
-    const int num_chunks = (context + PARTITION_SIZE - 1) / PARTITION_SIZE;
-    if (split >= num_chunks) return;  // nothing to do (a whole CTA leaves: no barrier is pending)
+    if (context == 0) {  // padding row: zeros, written by one CTA
+        if (split == 0) {
+            for (int i = tid; i < HEADS_PER_CTA * HEAD_DIM; i += ATTN_THREADS) out_rows[i] = from_float(0.0f);
+        }
+        return;
+    }
+    const int span = max((context + num_splits - 1) / num_splits, ATTN_MIN_SPAN);
+    const int span_blocks = (span + BLOCK_SIZE - 1) / BLOCK_SIZE;
+    const int span_tokens = span_blocks * BLOCK_SIZE;
+    const int used_splits = (context + span_tokens - 1) / span_tokens;
+    if (split >= used_splits) return;  // the whole CTA leaves: no barrier is pending
+    const int span_start = split * span_tokens;
+    const int span_end = min(context, span_start + span_tokens);
 
-    __shared__ float smem[SMEM_FLOATS];  // scores [HEADS_PER_CTA][SCORE_STRIDE], later per-warp sums
+    __shared__ __align__(16) float smem[SMEM_FLOATS];  // scores and load ring; later per-warp sums
     __shared__ int chunk_blocks[BLOCKS_PER_CHUNK];
     __shared__ float warp_max_buf[NUM_WARPS][HEADS_PER_CTA];
     __shared__ float warp_sum_buf[NUM_WARPS][HEADS_PER_CTA];
     __shared__ float head_correction[HEADS_PER_CTA];
+    __shared__ float head_scale[HEADS_PER_CTA];  // 1 / softmax denominator, for the final writes
+    __shared__ float head_max[HEADS_PER_CTA];
+    __shared__ bool last_to_finish;
     float* const scores = smem;
+    uint4* const ring = reinterpret_cast<uint4*>(smem + SCORE_FLOATS);
 
-    const int tid = threadIdx.x;
     const int warp = tid / WARP_SIZE;
     const int lane = tid % WARP_SIZE;
     const int lane_in_row = lane % ROW_LANES;          // which 16-byte vector of the row
     const int row_in_step = tid / ROW_LANES;           // which token of a load step
     const bool lane_active = lane_in_row < ROW_VECS;   // idle when the row is not a power of two
+    const int score_head = reduced_head_base(lane_in_row);
+    const bool score_writer = reduced_writer(lane_in_row);
 
     // Running softmax state per head (identical in every thread) and, for the HEADS_PER_CTA x
     // HEAD_DIM outputs, the unnormalised sums over this CTA's chunks: thread tid owns elements
@@ -140,13 +294,12 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention_decod
     for (int k = 0; k < OWNED; ++k) owned[k] = 0.0f;
 
     const int* __restrict__ seq_table = table + slots[seq] * table_slot_stride;
-    const unsigned char* __restrict__ k_base = pool + row_offset(0, kv_head, lane_in_row);
+    const unsigned char* __restrict__ k_base = pool + (size_t)kv_head * ROW_BYTES + (size_t)lane_in_row * VEC_BYTES;
     const unsigned char* __restrict__ v_base = k_base + V_OFFSET;
     const scalar_t* __restrict__ q_base = q + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM + lane_in_row * VEC;
 
-    for (int chunk = split; chunk < num_chunks; chunk += num_splits) {
-        const int chunk_start = chunk * PARTITION_SIZE;
-        const int n = min(PARTITION_SIZE, context - chunk_start);  // tokens in this chunk
+    for (int chunk_start = span_start; chunk_start < span_end; chunk_start += PARTITION_SIZE) {
+        const int n = min(PARTITION_SIZE, span_end - chunk_start);  // tokens in this chunk
 
         __syncthreads();  // the previous chunk is done with chunk_blocks and smem
         for (int i = tid; i < (n + BLOCK_SIZE - 1) / BLOCK_SIZE; i += ATTN_THREADS) {
@@ -154,8 +307,14 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention_decod
         }
         __syncthreads();
 
-        // 1. K pass: scores[h][t] = q_h . k_t (log2 units). q lives in registers during this pass
-        //    only: this lane's 16-byte slice of each head, pre-scaled by scale_log2.
+        // Start the load ring: the first STAGES - 1 steps (K rows, then V rows).
+        const int iters = (n + TOKENS_PER_ITER - 1) / TOKENS_PER_ITER;  // load steps per pass
+#pragma unroll
+        for (int g = 0; g < STAGES - 1; ++g) {
+            issue_step(ring, g, iters, k_base, v_base, chunk_blocks, n, row_in_step, lane_active, tid);
+        }
+
+        // 1. K pass: scores[h][t] = q_h . k_t (log2 units).
         {
             float qf[HEADS_PER_CTA][VEC];
 #pragma unroll
@@ -169,39 +328,31 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention_decod
                     for (int j = 0; j < VEC; ++j) qf[h][j] = 0.0f;
                 }
             }
-            for (int t0 = 0; t0 < n; t0 += ROWS_PER_STEP * UNROLL) {
-                uint4 raw[UNROLL];
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    const int t = t0 + u * ROWS_PER_STEP + row_in_step;
-                    raw[u] = make_uint4(0u, 0u, 0u, 0u);
-                    if (t < n && lane_active) {
-                        const size_t block = (size_t)chunk_blocks[t / BLOCK_SIZE];
-                        raw[u] = *reinterpret_cast<const uint4*>(
-                            k_base + block * BLOCK_BYTES + (size_t)(t % BLOCK_SIZE) * KV_DIM * sizeof(scalar_t));
-                    }
-                }
+            for (int it = 0; it < iters; ++it) {
+                const int t0 = it * TOKENS_PER_ITER;
+                uint4 cur[UNROLL];
+                read_step(cur, ring, it, tid);
+                issue_step(ring, it + STAGES - 1, iters, k_base, v_base, chunk_blocks, n, row_in_step, lane_active,
+                           tid);
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) {
                     float kf[VEC];
-                    unpack_vec(raw[u], kf);
-                    float dot[HEADS_PER_CTA];
+                    unpack_vec(cur[u], kf);
+                    float dot[HEAD_SLOTS];
 #pragma unroll
-                    for (int h = 0; h < HEADS_PER_CTA; ++h) {
+                    for (int h = 0; h < HEAD_SLOTS; ++h) {
                         dot[h] = 0.0f;
+                        if (h < HEADS_PER_CTA) {
 #pragma unroll
-                        for (int j = 0; j < VEC; ++j) dot[h] = fmaf(qf[h][j], kf[j], dot[h]);
+                            for (int j = 0; j < VEC; ++j) dot[h] = fmaf(qf[h][j], kf[j], dot[h]);
+                        }
                     }
-#pragma unroll
-                    for (int off = ROW_LANES / 2; off > 0; off >>= 1) {
-#pragma unroll
-                        for (int h = 0; h < HEADS_PER_CTA; ++h) dot[h] += __shfl_xor_sync(FULL_MASK, dot[h], off);
-                    }
+                    reduce_row(dot, lane_in_row);
                     const int t = t0 + u * ROWS_PER_STEP + row_in_step;
-                    if (t < n) {
+                    if (t < n && score_writer) {
 #pragma unroll
-                        for (int h = 0; h < HEADS_PER_CTA; ++h) {
-                            if (lane_in_row == h % ROW_LANES) scores[h * SCORE_STRIDE + t] = dot[h];
+                        for (int i = 0; i < HEADS_HELD; ++i) {
+                            if (score_head + i < HEADS_PER_CTA) scores[(score_head + i) * SCORE_STRIDE + t] = dot[i];
                         }
                     }
                 }
@@ -247,31 +398,25 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention_decod
             if (tid == h) head_correction[h] = correction;  // read after the next barrier
         }
 
-        // 3. V pass: acc[h] = sum over the chunk's rows of this lane group of p[h][t] * v_t.
+        // 3. V pass: acc[h] = sum over this lane group's rows of p[h][t] * v_t.
         float acc[HEADS_PER_CTA][VEC];
 #pragma unroll
         for (int h = 0; h < HEADS_PER_CTA; ++h) {
 #pragma unroll
             for (int j = 0; j < VEC; ++j) acc[h][j] = 0.0f;
         }
-        for (int t0 = 0; t0 < n; t0 += ROWS_PER_STEP * UNROLL) {
-            uint4 raw[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int t = t0 + u * ROWS_PER_STEP + row_in_step;
-                raw[u] = make_uint4(0u, 0u, 0u, 0u);
-                if (t < n && lane_active) {
-                    const size_t block = (size_t)chunk_blocks[t / BLOCK_SIZE];
-                    raw[u] = *reinterpret_cast<const uint4*>(
-                        v_base + block * BLOCK_BYTES + (size_t)(t % BLOCK_SIZE) * KV_DIM * sizeof(scalar_t));
-                }
-            }
+        for (int it = 0; it < iters; ++it) {
+            const int t0 = it * TOKENS_PER_ITER;
+            uint4 cur_v[UNROLL];
+            read_step(cur_v, ring, iters + it, tid);
+            issue_step(ring, iters + it + STAGES - 1, iters, k_base, v_base, chunk_blocks, n, row_in_step,
+                       lane_active, tid);
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int t = t0 + u * ROWS_PER_STEP + row_in_step;
                 if (t < n) {
                     float vf[VEC];
-                    unpack_vec(raw[u], vf);
+                    unpack_vec(cur_v[u], vf);
 #pragma unroll
                     for (int h = 0; h < HEADS_PER_CTA; ++h) {
                         const float p = scores[h * SCORE_STRIDE + t];
@@ -316,60 +461,74 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention_decod
         }
     }
 
-    // This split's unnormalised output, max and sum, for the reduce kernel.
-    const size_t out_row0 = ((size_t)seq * NUM_HEADS + head0) * num_splits + split;  // (seq, head0, split)
+    // The whole context in this one span: normalise and write the output.
+    if (used_splits == 1) {
+#pragma unroll
+        for (int h = 0; h < HEADS_PER_CTA; ++h) {
+            if (tid == h) head_scale[h] = 1.0f / run_sum[h];  // run_sum >= 1: the max term is 2^0
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < OWNED; ++k) {
+            const int i = tid + k * ATTN_THREADS;
+            if (i < HEADS_PER_CTA * HEAD_DIM) out_rows[i] = from_float(owned[k] * head_scale[i / HEAD_DIM]);
+        }
+        return;
+    }
+
+    // Several splits: publish this one's unnormalised output, max and sum ...
+    const size_t row0 = ((size_t)seq * NUM_HEADS + head0) * num_splits;  // (seq, head0, split 0)
 #pragma unroll
     for (int k = 0; k < OWNED; ++k) {
         const int i = tid + k * ATTN_THREADS;
         if (i < HEADS_PER_CTA * HEAD_DIM) {
-            const int h = i / HEAD_DIM;
-            partial_out[(out_row0 + (size_t)h * num_splits) * HEAD_DIM + i % HEAD_DIM] = owned[k];
+            partial_out[(row0 + (size_t)(i / HEAD_DIM) * num_splits + split) * HEAD_DIM + i % HEAD_DIM] = owned[k];
         }
     }
 #pragma unroll
     for (int h = 0; h < HEADS_PER_CTA; ++h) {
         if (tid == h) {
-            partial_max[out_row0 + (size_t)h * num_splits] = run_max[h];
-            partial_sum[out_row0 + (size_t)h * num_splits] = run_sum[h];
+            partial_max[row0 + (size_t)h * num_splits + split] = run_max[h];
+            partial_sum[row0 + (size_t)h * num_splits + split] = run_sum[h];
         }
     }
-}
+    // ... and count it; the last split of this (sequence, head group) to arrive merges them all.
+    __threadfence();  // our partials are visible GPU-wide before the counter moves
+    __syncthreads();
+    unsigned int* const counter = merge_counters + (size_t)seq * gridDim.y + blockIdx.y;
+    if (tid == 0) last_to_finish = atomicAdd(counter, 1u) == (unsigned int)(used_splits - 1);
+    __syncthreads();
+    if (!last_to_finish) return;
+    __threadfence();  // the other splits' partials are read after their counts
+    if (tid == 0) *counter = 0u;  // ready for the next launch (or CUDA-graph replay)
 
-// Merge the splits of each (sequence, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
-// grid: ceil(num_seqs * NUM_HEADS / REDUCE_WARPS), block: REDUCE_WARPS * 32.
-// out: [num_seqs, NUM_HEADS, HEAD_DIM] in the model dtype.
-extern "C" __global__ void __launch_bounds__(REDUCE_WARPS * WARP_SIZE) paged_attention_reduce(
-    scalar_t* __restrict__ out, const float* __restrict__ partial_out, const float* __restrict__ partial_max,
-    const float* __restrict__ partial_sum, const int* __restrict__ context_lens, int max_context, int num_seqs,
-    int num_splits) {
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int row = blockIdx.x * REDUCE_WARPS + threadIdx.x / WARP_SIZE;  // seq * NUM_HEADS + head
-    if (row >= num_seqs * NUM_HEADS) return;
-    const int seq = row / NUM_HEADS;
-
-    const int context = min(max(context_lens[seq], 0), max_context);
-    const int num_chunks = (context + PARTITION_SIZE - 1) / PARTITION_SIZE;
-    const int used = min(num_splits, num_chunks);  // splits that had at least one chunk
-    scalar_t* __restrict__ dst = out + (size_t)row * HEAD_DIM;
-    if (used == 0) {  // padding row: zeros, not garbage
-        for (int d = lane; d < HEAD_DIM; d += WARP_SIZE) dst[d] = from_float(0.0f);
-        return;
+    // The merged max and 1 / denominator of each head: a warp per head, its lanes over the splits.
+    for (int h = warp; h < HEADS_PER_CTA; h += NUM_WARPS) {
+        const float* maxes = partial_max + row0 + (size_t)h * num_splits;
+        const float* sums = partial_sum + row0 + (size_t)h * num_splits;
+        float m = neg_infinity();
+        for (int s = lane; s < used_splits; s += WARP_SIZE) m = fmaxf(m, load_from_l2(maxes + s));
+        m = warp_max(m);
+        float denom = 0.0f;
+        for (int s = lane; s < used_splits; s += WARP_SIZE) {
+            denom += load_from_l2(sums + s) * exp2f(load_from_l2(maxes + s) - m);
+        }
+        denom = warp_sum(denom);  // >= 1: the split holding the max contributes 2^0 * (sum >= 1)
+        if (lane == 0) {
+            head_max[h] = m;
+            head_scale[h] = 1.0f / denom;
+        }
     }
-
-    const float* __restrict__ maxes = partial_max + (size_t)row * num_splits;
-    const float* __restrict__ sums = partial_sum + (size_t)row * num_splits;
-    float m = neg_infinity();
-    for (int s = lane; s < used; s += WARP_SIZE) m = fmaxf(m, maxes[s]);
-    m = warp_max(m);
-    float denom = 0.0f;
-    for (int s = lane; s < used; s += WARP_SIZE) denom += sums[s] * exp2f(maxes[s] - m);
-    denom = warp_sum(denom);  // >= 1: the split holding the maximum contributes 2^0 * (sum >= 1)
-    const float inv_denom = 1.0f / denom;
-
-    const float* __restrict__ parts = partial_out + (size_t)row * num_splits * HEAD_DIM;
-    for (int d = lane; d < HEAD_DIM; d += WARP_SIZE) {
+    __syncthreads();
+    for (int i = tid; i < HEADS_PER_CTA * HEAD_DIM; i += ATTN_THREADS) {
+        const int h = i / HEAD_DIM;
+        const float* maxes = partial_max + row0 + (size_t)h * num_splits;
+        const float* parts = partial_out + (row0 + (size_t)h * num_splits) * HEAD_DIM + i % HEAD_DIM;
         float a = 0.0f;
-        for (int s = 0; s < used; ++s) a = fmaf(exp2f(maxes[s] - m), parts[(size_t)s * HEAD_DIM + d], a);
-        dst[d] = from_float(a * inv_denom);
+#pragma unroll 8
+        for (int s = 0; s < used_splits; ++s) {  // unrolled: eight L2 reads in flight, not one
+            a = fmaf(exp2f(load_from_l2(maxes + s) - head_max[h]), load_from_l2(parts + (size_t)s * HEAD_DIM), a);
+        }
+        out_rows[i] = from_float(a * head_scale[h]);
     }
 }
