@@ -28,7 +28,7 @@ def hf_model(model: Model):
     with torch.device("meta"):
         hf = LlamaForCausalLM(cfg)
     hf.load_state_dict(hf_state_dict(model), assign=True, strict=False)
-    hf.model.rotary_emb = LlamaRotaryEmbedding(config=cfg, device=model.device)
+    hf.model.rotary_emb = LlamaRotaryEmbedding(config=cfg).to(model.device)
     if cfg.tie_word_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
     return hf.eval()
