@@ -34,10 +34,12 @@ def capture(engine: Engine, slot: int, at_step: int | None = None) -> tuple[Cach
             break
         if first is None:
             first = next((s for s in out.seqs if s.slot == slot), None)
-        if first is not None and first in out.seqs and first.slot == slot:
-            last = engine.snapshot()  # it ran this step and still holds the slot: its table grew
-        if first is not None and first.is_finished:
+        if first is None:
+            continue
+        if first.is_finished:
             break
+        if first.slot == slot:  # still there (a preempted request leaves its slot)
+            last = engine.snapshot()
     if last is None:
         raise UsageError(f"--slot {slot}: no request stayed in that slot after a step",
                          "run more prompts than slots below it, or --max-tokens 2 or more")
@@ -93,11 +95,11 @@ def ranges(numbers: list[int]) -> str:
 
 def other_layers_note(view: SlotView, layer: int) -> str:
     """How the other layers map the same logical blocks (every layer owns its own blocks)."""
-    others = [l for l in range(len(view.table)) if l != layer]
+    others = [other for other in range(len(view.table)) if other != layer]
     if not others:
         return "the model has one layer"
-    differ = [l for l in others if view.table[l] != view.table[layer]]
-    same = [l for l in others if l not in differ]
+    differ = [other for other in others if view.table[other] != view.table[layer]]
+    same = [other for other in others if other not in differ]
     note = []
     if differ:
         example = differ[0]
@@ -108,12 +110,26 @@ def other_layers_note(view: SlotView, layer: int) -> str:
     return "; ".join(note)
 
 
+def shared_with(snap: CacheSnapshot, view: SlotView) -> list[dict[int, list[int]]]:
+    """For each layer: which other running slots hold each of this slot's blocks too (a cached
+    prefix, or parallel samples of one prompt)."""
+    mine = [set(row) for row in view.table]
+    shared: list[dict[int, list[int]]] = [{} for _ in view.table]
+    for other in snap.slots:
+        if other.slot != view.slot:
+            for layer, row in enumerate(other.table):
+                for block in mine[layer].intersection(row):
+                    shared[layer].setdefault(block, []).append(other.slot)
+    return shared
+
+
 # --- the two outputs ----------------------------------------------------------------------------
 def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
     """Every layer's blocks with their byte offsets into the pool, and what they hold."""
     geo = snap.geometry
     token_blocks = block_token_ids(view, geo.block_size)
     texts = block_texts(decode, token_blocks)
+    shared = shared_with(snap, view)
     return {
         "slot": view.slot,
         "step": snap.step,
@@ -129,7 +145,8 @@ def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
         "layers": [
             {"layer": layer, "blocks": [
                 {"logical": i, "physical": p, "k_offset": p * geo.block_bytes,
-                 "v_offset": p * geo.block_bytes + geo.v_offset, "token_ids": token_blocks[i], "text": texts[i]}
+                 "v_offset": p * geo.block_bytes + geo.v_offset, "token_ids": token_blocks[i], "text": texts[i],
+                 "shared_with": shared[layer].get(p, [])}
                 for i, p in enumerate(row)]}
             for layer, row in enumerate(view.table)],
     }
@@ -160,15 +177,20 @@ def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0) -> Group
                          f"{snap.num_free_blocks:,} free, {snap.num_used_blocks:,} used")
     head.add_row(f"layer {layer}", Text(other_layers_note(view, layer) + "; --layer picks another", style="dim"))
 
+    shared = shared_with(snap, view)[layer]
     table = Table(header_style="bold", title_justify="left")
-    for name in ("logical", "physical", "tokens", "fill", "K address", "V address"):
+    columns = ["logical", "physical", "tokens", "fill", "K address", "V address"] + (["shared with"] if shared else [])
+    for name in columns:
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("text", overflow="fold")
     for i, physical in enumerate(view.table[layer]):
         first = i * geo.block_size
         fill = len(token_blocks[i])
         k = physical * geo.block_bytes
-        table.add_row(str(i), str(physical), f"{first}-{first + fill - 1}" if fill else "-",
-                      Text(f"{fill}/{geo.block_size}", style="green" if fill == geo.block_size else "yellow"),
-                      f"0x{k:0{digits}x}", f"0x{k + geo.v_offset:0{digits}x}", Text(escape(texts[i]), style="cyan"))
+        cells = [str(i), str(physical), f"{first}-{first + fill - 1}" if fill else "-",
+                 Text(f"{fill}/{geo.block_size}", style="green" if fill == geo.block_size else "yellow"),
+                 f"0x{k:0{digits}x}", f"0x{k + geo.v_offset:0{digits}x}"]
+        if shared:
+            cells.append(Text(", ".join(f"slot {s}" for s in shared.get(physical, [])), style="blue"))
+        table.add_row(*cells, Text(escape(texts[i]), style="cyan"))
     return Group(head, table)

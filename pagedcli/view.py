@@ -14,8 +14,10 @@ It reads only the snapshot (plain host-side values), never device tensors.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,7 +30,7 @@ from pagedcli.snapshot import CacheSnapshot, SlotView
 
 REFRESH_S = 0.2  # seconds between frames: five a second reads as live
 MAX_SHARE = 0.03  # of the wall time, at most, spent taking snapshots and drawing them
-MAX_CELLS = 40  # block cells drawn per slot; a longer row shows its head and tail
+MAX_CELLS = 48  # width of a slot's block cells, at most; a longer row shows its head and tail
 FILL_GLYPHS = " ▁▂▃▄▅▆▇█"  # a cell's height says how full its block is
 LINES_BESIDE_SLOTS = 13  # lines a frame takes besides the slot rows (borders, pool, waste, head)
 BAR_WIDTH = 40  # cells of the pool bar
@@ -39,11 +41,12 @@ Decode = Callable[[list[int]], str]
 
 # --- formatting -------------------------------------------------------------------------------
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+    if n < 1024:
+        return f"{n:,.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    return ""
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.1f} {unit}"
 
 
 def one_line(text: str) -> str:
@@ -74,12 +77,25 @@ def fit(text: Text | str, width: int, right: bool = False) -> Text:
 
 
 # --- the pieces of a frame ---------------------------------------------------------------------
-def block_cells(slot: SlotView, block_size: int, max_cells: int = MAX_CELLS) -> Text:
-    """The slot's logical blocks as cells: green when full, yellow and shorter when partial. A row
-    longer than `max_cells` keeps its head and tail, with the count of blocks left out between."""
+def owners_of_blocks(snap: CacheSnapshot) -> Counter | None:
+    """How many running sequences hold each layer-0 block, or None when none is shared (prefix
+    caching and parallel samples share blocks; then the slots hold more blocks than are used)."""
+    held = sum(s.num_blocks for s in snap.slots) * snap.geometry.num_layers
+    if held == snap.num_used_blocks:
+        return None
+    owners = Counter()
+    for s in snap.slots:
+        owners.update(s.table[0])
+    return owners
+
+
+def block_cells(slot: SlotView, block_size: int, max_cells: int = MAX_CELLS, owners: Counter | None = None) -> Text:
+    """The slot's logical blocks as cells: green when full, yellow and shorter when partial, blue
+    when shared with another sequence. A row longer than `max_cells` keeps its head and tail, with
+    the count of blocks left out between."""
     n = slot.num_blocks
-    half = max_cells // 2
-    shown = range(n) if n <= max_cells else [*range(half), *range(n - half, n)]
+    keep = max_cells - len(f"…{n:,}…")  # cells drawn when some must be left out
+    shown = range(n) if n <= max_cells else [*range(keep // 2), *range(n - (keep - keep // 2), n)]
     runs: list[tuple[str, str]] = []  # (text, style), merged: one span per run, not per cell
     previous = -1
     for logical in shown:
@@ -87,7 +103,10 @@ def block_cells(slot: SlotView, block_size: int, max_cells: int = MAX_CELLS) -> 
             runs.append((f"…{logical - previous - 1:,}…", "dim"))
         fill = slot.fill(logical, block_size)
         glyph = FILL_GLYPHS[max(1, fill * 8 // block_size)] if fill else "·"  # one token still shows
-        style = "green" if fill == block_size else "yellow" if fill else "dim"
+        if owners is not None and owners[slot.table[0][logical]] > 1:
+            style = "blue"
+        else:
+            style = "green" if fill == block_size else "yellow" if fill else "dim"
         if runs and runs[-1][1] == style:
             runs[-1] = (runs[-1][0] + glyph, style)
         else:
@@ -102,41 +121,53 @@ def pool_lines(snap: CacheSnapshot) -> list[Text]:
     used, free, total = snap.num_used_blocks, snap.num_free_blocks, geo.num_blocks
     filled = round(BAR_WIDTH * used / total)
     return [
-        line(("pool      ", "bold"), ("━" * filled, "magenta"), ("━" * (BAR_WIDTH - filled), "grey23"),
-                      f"  {100 * used / total:.1f}% used"),
+        line(("pool      ", "bold"), ("█" * filled, "magenta"), ("░" * (BAR_WIDTH - filled), "grey37"),
+             f"  {100 * used / total:.1f}% used"),
         line(("blocks    ", "bold"), f"used {used:,}   free {free:,}   total {total:,}"),
         line(("bytes     ", "bold"),
-                      f"used {human_bytes(used * geo.block_bytes)}   free {human_bytes(free * geo.block_bytes)}   "
-                      f"total {human_bytes(geo.pool_bytes)}",
-                      (f"   {human_bytes(geo.block_bytes)} a block: {geo.block_size} tokens of one layer, "
-                       f"K then V at +{geo.v_offset:#x}", "dim")),
+             f"used {human_bytes(used * geo.block_bytes)}   free {human_bytes(free * geo.block_bytes)}   "
+             f"total {human_bytes(geo.pool_bytes)}",
+             (f"   {human_bytes(geo.block_bytes)} a block: {geo.block_size} tokens of one layer, "
+              f"K then V at +{geo.v_offset:#x}", "dim")),
     ]
 
 
 def waste_lines(snap: CacheSnapshot) -> list[Text]:
     """Internal fragmentation of the paged cache (unused token slots in last blocks) against what a
     contiguous cache reserving the maximum length for each sequence leaves unused: the comparison
-    the PagedAttention paper makes. Tokens are counted in one layer; bytes over all layers."""
+    the PagedAttention paper makes. Tokens are counted in one layer; bytes over all layers.
+
+    Counted over the blocks in use, so a block shared by several sequences counts once (the
+    snapshot's `wasted_token_slots` counts it once per sequence). Only a sequence's last block
+    can be partial; forked sequences may share it until one writes into it."""
     geo = snap.geometry
-    cached = sum(s.num_cached for s in snap.slots)
-    paged = sum(s.num_blocks for s in snap.slots) * geo.block_size
+    bs = geo.block_size
+    paged = snap.num_used_blocks // geo.num_layers * bs
+    last_fill: dict[int, int] = {}  # physical last block (layer 0) -> tokens in it
+    for s in snap.slots:
+        if s.num_blocks:
+            block = s.table[0][-1]
+            last_fill[block] = max(last_fill.get(block, 0), s.fill(s.num_blocks - 1, bs))
+    unused = sum(bs - fill for fill in last_fill.values())
     contiguous = snap.contiguous_token_slots // geo.num_layers
+    held = sum(s.num_blocks for s in snap.slots) * bs
+    shared = f", {held - paged:,} tokens held once for several sequences" if held > paged else ""
 
     def waste(label: str, reserved: int, unused: int, how: str, style: str = "") -> Text:
         share = f"{100 * unused / reserved:.1f}%" if reserved else "-"
         return line(("waste     " if label == "paged" else "          ", "bold"), (f"{label:<11}", style),
-                             (f"{reserved:,} tokens reserved, {unused:,} unused ({share}) = "
-                              f"{human_bytes(unused * geo.kv_bytes_per_token)}", style), (f"   {how}", "dim"))
+                    (f"{reserved:,} tokens reserved, {unused:,} unused ({share}) = "
+                     f"{human_bytes(unused * geo.kv_bytes_per_token)}", style), (f"   {how}", "dim"))
 
-    return [waste("paged", paged, snap.wasted_token_slots // geo.num_layers, "unused slots in last blocks"),
-            waste("contiguous", contiguous, contiguous - cached,
-                 f"if each sequence reserved the maximum length, {snap.max_model_len:,} tokens", "dim")]
+    return [waste("paged", paged, unused, f"unused slots in last blocks{shared}"),
+            waste("contiguous", contiguous, contiguous - sum(s.num_cached for s in snap.slots),
+                  f"if each sequence reserved the maximum length, {snap.max_model_len:,} tokens", "dim")]
 
 
 def requests_line(snap: CacheSnapshot, max_prompts: int = 3) -> Text:
     text = line(("requests  ", "bold"), f"running {len(snap.slots)} of {snap.max_slots} slots   "
-                         f"waiting {len(snap.waiting)}   finished {snap.num_finished}   preemptions ",
-                         (f"{snap.num_preemptions}", "bold red" if snap.num_preemptions else ""))
+                f"waiting {len(snap.waiting)}   finished {snap.num_finished}   preemptions ",
+                (f"{snap.num_preemptions}", "bold red" if snap.num_preemptions else ""))
     if snap.waiting:
         names = [request_label(w.seq_id, w.prompt, 12) for w in snap.waiting[:max_prompts]]
         more = len(snap.waiting) - max_prompts
@@ -153,25 +184,25 @@ class Column:
 
 
 COLUMNS = [Column("slot", 4, True), Column("request", 24), Column("logical blocks", None), Column("last", 5, True),
-           Column("tokens", 7, True), Column("blocks held", 17, True, drop=3),
+           Column("tokens", 7, True), Column("blocks held", 16, True, drop=3),
            Column("layer 0 -> physical", 19, drop=1), Column("tok/s", 6, True, drop=4),
            Column("answer so far", None, drop=2)]
 GAP = 2  # cells between columns
-CELLS_MIN, ANSWER_MIN = 12, 16
+CELLS_MIN, ANSWER_MIN = 14, 16
 
 
-def layout(width: int) -> dict[str, int]:
-    """The columns that fit in `width` cells, and their widths."""
+def layout(width: int, cells_wanted: int) -> dict[str, int]:
+    """The columns that fit in `width` cells, and their widths: the block cells take what they
+    want (up to MAX_CELLS), the answer what is left; on a narrow screen columns are dropped."""
     columns = list(COLUMNS)
     while True:
         fixed = sum(c.width or 0 for c in columns) + GAP * (len(columns) - 1)
-        answer = any(c.name == "answer so far" for c in columns)
-        spare = width - fixed - CELLS_MIN - (ANSWER_MIN if answer else 0)
+        answer = ANSWER_MIN if any(c.name == "answer so far" for c in columns) else 0
+        cells = max(CELLS_MIN, min(cells_wanted, MAX_CELLS, width - fixed - answer))
         droppable = [c for c in columns if c.drop]
-        if spare >= 0 or not droppable:
+        if width - fixed - cells >= answer or not droppable:
             break
         columns.remove(min(droppable, key=lambda c: c.drop))
-    cells = CELLS_MIN + min(max(spare, 0), MAX_CELLS + 8 - CELLS_MIN)  # + room for "…65,536…"
     rest = width - fixed - cells
     return {c.name: c.width or (cells if c.name == "logical blocks" else rest) for c in columns}
 
@@ -179,7 +210,7 @@ def layout(width: int) -> dict[str, int]:
 def slot_rows(snap: CacheSnapshot, decode: Decode | None, max_rows: int, width: int) -> list[Text]:
     """A header, one row per running slot (as many as fit), then one line for the rest."""
     geo = snap.geometry
-    widths = layout(width)
+    widths = layout(width, max((s.num_blocks for s in snap.slots[:max_rows]), default=0))
     shown = [c for c in COLUMNS if c.name in widths]
 
     def row(values: dict[str, Text | str]) -> Text:
@@ -190,12 +221,13 @@ def slot_rows(snap: CacheSnapshot, decode: Decode | None, max_rows: int, width: 
         text.right_crop(GAP)
         return text
 
+    owners = owners_of_blocks(snap)
     lines = [row({c.name: Text(c.name, style="bold") for c in shown})]
     for s in snap.slots[:max_rows]:
         lines.append(row({
             "slot": str(s.slot),
             "request": request_label(s.seq_id, s.prompt),
-            "logical blocks": block_cells(s, geo.block_size, min(MAX_CELLS, widths["logical blocks"] - 8)),
+            "logical blocks": block_cells(s, geo.block_size, widths["logical blocks"], owners),
             "last": f"{s.fill(s.num_blocks - 1, geo.block_size)}/{geo.block_size}" if s.num_blocks else "-",
             "tokens": f"{s.num_cached:,}",
             "blocks held": f"{s.num_blocks:,} x {geo.num_layers} = {s.num_blocks * geo.num_layers:,}",
@@ -203,6 +235,9 @@ def slot_rows(snap: CacheSnapshot, decode: Decode | None, max_rows: int, width: 
             "tok/s": f"{s.tokens_per_s:,.0f}",
             "answer so far": Text(answer_tail(s, decode, widths.get("answer so far", 0)), style="cyan"),
         }))
+    if owners is not None:
+        lines.append(line(("      cells: ", "dim"), ("█", "green"), (" full  ", "dim"), ("▄", "yellow"),
+                          (" partial (height: tokens in it)  ", "dim"), ("█", "blue"), (" shared", "dim")))
     hidden = snap.slots[max_rows:]
     if hidden:
         blocks = sum(s.num_blocks for s in hidden) * geo.num_layers
@@ -290,6 +325,10 @@ class LiveView:
         self.num_frames = 0
 
     def __enter__(self) -> "LiveView":
+        # Frames allocate thousands of short-lived objects, which make Python's garbage collector
+        # run its full collections, and a full collection walks every object of the model and of
+        # torch: 60-80 ms each, measured. Frozen, those objects are left out of collections.
+        gc.freeze()
         self.start = self.clock()
         self.live.start()
         self.refresh()
@@ -298,6 +337,7 @@ class LiveView:
     def __exit__(self, *exc) -> None:
         self.refresh(everything=True)  # the final frame: every block back in the free list
         self.live.stop()
+        gc.unfreeze()
 
     def on_step(self, out) -> None:
         self.num_tokens += len(out.tokens)

@@ -94,3 +94,19 @@ def test_cuda_backend_equals_torch_backend_on_gpu(stories):
     a = [s.output_token_ids for s in ours.generate(prompts, params)]
     b = [s.output_token_ids for s in reference.generate(prompts, params)]
     assert a == b
+
+
+def test_parallel_samples_copy_on_write_on_cuda(stories):
+    """Shared prompt blocks and the copy of a shared partial block, on the GPU path."""
+    opts = EngineOptions(model=str(stories), device="cuda", dtype="float32", batch=4, shuffle_blocks=9)
+    model = load_model(opts)
+    prompt = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267]
+    params = [SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=11 + j) for j in range(4)]
+    engine = build_engine(model, opts)
+    shared = engine.add_parallel(prompt, params)
+    while engine.has_unfinished:
+        engine.step()
+        check_block_accounting(engine)
+    assert engine.cache.num_copied_blocks > 0
+    alone = build_engine(model, EngineOptions(**{**opts.__dict__, "batch": 1, "prefix_caching": False}))
+    assert [s.output_token_ids for s in shared] == [alone.generate([prompt], p)[0].output_token_ids for p in params]

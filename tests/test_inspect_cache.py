@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from pagedcli.cli import app
@@ -95,7 +97,7 @@ def test_a_slot_or_step_that_shows_nothing_is_a_usage_error(stories, args, messa
 
 def test_text_table_shows_addresses_text_and_how_layers_differ(stories):
     code, stdout, stderr = inspect("--model", str(stories), "--raw", "--max-tokens", "20", "--num-blocks", "60",
-                                   "--layer", "2", "One day\nTom went out")
+                                   "--layer", "2", "--device", "cpu", "One day\nTom went out")  # fp32 sizes
     assert code == 0, stderr
     assert "K address" in stdout and "V address" in stdout and "0x" in stdout
     assert "60 blocks = 245,760 bytes" in stdout and "V at +0x800" in stdout
@@ -116,3 +118,26 @@ def test_capture_with_shuffled_blocks(stories, make_engine):
     check_consistent(d)
     assert d["request"]["id"] == 0 and len(d["output_token_ids"]) == 29
     assert loaded.engine.has_unfinished  # it stopped stepping once the moment was known
+
+
+def test_blocks_shared_by_parallel_samples_name_the_other_slots(stories, make_engine):
+    from pagedcli import inspect_cache as ic
+    from pagedcli.sequence import SamplingParams
+
+    loaded = make_engine(stories, batch=3, num_blocks=100)
+    prompt = loaded.tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play outside")
+    loaded.engine.add_parallel(prompt, [SamplingParams(temperature=1.0, max_tokens=20, seed=i) for i in range(3)])
+    snap, view = ic.capture(loaded.engine, slot=1, at_step=3)
+    d = ic.to_json(snap, view, loaded.tokenizer.decode)
+    check_consistent(d)
+    for layer in d["layers"]:
+        first, last = layer["blocks"][0], layer["blocks"][-1]
+        assert first["shared_with"] == [0, 2]  # the prompt's full block, one copy for three samples
+        assert last["shared_with"] == []  # each sample wrote its own tokens: copied on write
+    assert "shared with" in draw_text(ic.render(snap, view, loaded.tokenizer.decode))
+
+
+def draw_text(renderable) -> str:
+    console = Console(file=io.StringIO(), width=200)
+    console.print(renderable)
+    return console.file.getvalue()
