@@ -212,8 +212,7 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
 
 
 def _warm_up(engine: Engine, requests: list) -> None:
-    """Graphs captured, kernels compiled, allocator and cuBLAS warm: none of it in the timing.
-    (Eager steps first: capturing graphs before the model ever ran crashed on the H200.)"""
+    """Graphs captured, kernels compiled, allocator and cuBLAS warm: none of it in the timing."""
     engine.generate([r.prompt_token_ids for r in requests], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.runner.capture_graphs()
     engine.sequences.clear()

@@ -67,7 +67,9 @@ class DecodeGraphs:
         self.host_np = self.host.numpy()  # numpy writes into pinned memory cost least per step
         self.staged = torch.zeros((4, n), dtype=torch.int64, device=dev)
         self.pool = torch.cuda.graph_pool_handle()
-        self.captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, its static batch, its logits); the batch must live as long as the graph:
+        # the graph reads its tensors' memory, which the allocator would otherwise hand out again
+        self.captured: dict[int, tuple[torch.cuda.CUDAGraph, StepBatch, torch.Tensor]] = {}
 
     def _batch(self, n: int) -> StepBatch:
         """The static StepBatch of bucket n; its tensors are filled from `staged` inside the graph."""
@@ -106,7 +108,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self._forward(batch, n)
         torch.cuda.synchronize()
-        return graph, logits
+        return graph, batch, logits
 
     def graph(self, n: int):
         if n not in self.captured:
@@ -116,13 +118,13 @@ class DecodeGraphs:
     def run(self, slots: list[int], tokens: list[int], num_cached: list[int]) -> torch.Tensor:
         b = len(slots)
         n = next(size for size in self.buckets if size >= b)
-        graph, logits = self.graph(n)
+        graph, _, logits = self.graph(n)
         h = self.host_np
         h[0, :b] = tokens
         h[1, :b] = num_cached  # the new token's position = tokens already cached
         h[2, :b] = slots
         h[3, :b] = h[1, :b] + 1
         h[0, b:n], h[1, b:n], h[2, b:n], h[3, b:n] = 0, -1, 0, 0
-        self.staged[:, :n].copy_(self.host[:, :n], non_blocking=True)
+        self.staged.copy_(self.host, non_blocking=True)  # whole buffer: contiguous pinned memory, truly async
         graph.replay()
         return logits[:b]
