@@ -135,14 +135,35 @@ def _sync(device: torch.device) -> None:
 
 
 # --- one run -------------------------------------------------------------------------------------
+def requests_for(model: Model, w: Workload, batch: int) -> list[Request]:
+    config = model.source.config
+    avoid = model.source.stop_ids | {config.bos_token_id if config.bos_token_id is not None else -1}
+    return make_requests(w, w.num_prompts or batch, config.vocab_size, avoid, model.tokenizer)
+
+
+def run_point(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwidth_gbps: float,
+              progress=None, hf=None) -> dict:
+    """The figures for one batch size; with a shared prefix, the time to first token without the
+    prefix cache too; with `hf` (a transformers model), its `generate` on the same requests."""
+    result = run_batch(model, opts, batch, w, bandwidth_gbps, progress)
+    if w.prefix_len and opts.prefix_caching:
+        plain = run_batch(model, replace(opts, prefix_caching=False), batch, w, bandwidth_gbps)
+        result["ttft_ms_without_prefix_cache"] = plain["ttft_ms"]
+    if hf is not None:
+        from pagedcli.bench_hf import hf_generate
+
+        base = hf_generate(hf, requests_for(model, w, batch), batch, model.device, w.ignore_eos)
+        result["hf_output_tokens_per_s"] = base["output_tokens_per_s"]
+        result["speedup_vs_hf"] = result["output_tokens_per_s"] / base["output_tokens_per_s"]
+    return result
+
+
 def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwidth_gbps: float,
               progress=None) -> dict:
     """Build an engine with `batch` slots, warm it up, run the workload, return the figures."""
     engine = build_engine(model, replace(opts, batch=batch))
-    config = model.source.config
-    n = w.num_prompts or batch
-    requests = make_requests(w, n, config.vocab_size, model.source.stop_ids | {config.bos_token_id or -1},
-                             model.tokenizer)
+    requests = requests_for(model, w, batch)
+    n = len(requests)
     _warm_up(engine, requests[:batch])
     device = model.device
     if device.type == "cuda":

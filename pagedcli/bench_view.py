@@ -71,6 +71,15 @@ def results_table(results: list[dict]) -> Group:
         memory.add_row(str(r["batch"]), f"{r['kv_blocks_peak']:,}/{r['kv_blocks_total']:,}", _bytes(r["kv_bytes_peak"]),
                        _bytes(contiguous), saved, str(r["preemptions"]), _bytes(r["gpu_memory_peak_bytes"]))
     tables = [speed, memory]
+    if any("ttft_ms_without_prefix_cache" in r or r.get("prefix_cache_hit_rate") for r in results):
+        prefix = Table(title="prefix cache", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for col in ("batch", "hit rate", "TTFT p50 ms", "without cache"):
+            prefix.add_column(col, justify="right")
+        for r in results:
+            without = r.get("ttft_ms_without_prefix_cache") or {}
+            prefix.add_row(str(r["batch"]), f"{100 * r['prefix_cache_hit_rate']:.0f}%",
+                           _f(r["ttft_ms"]["p50"], "{:.2f}"), _f(without.get("p50"), "{:.2f}"))
+        tables.append(prefix)
     if any("hf_output_tokens_per_s" in r for r in results):
         hf = Table(title="against transformers' generate, same prompts", title_justify="left",
                    box=box.SIMPLE_HEAD, pad_edge=False)

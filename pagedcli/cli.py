@@ -46,6 +46,21 @@ CacheSize = Annotated[Optional[str], typer.Option(help="Pool size, e.g. 2GiB. De
 MaxModelLen = Annotated[Optional[int], typer.Option(help="Longest sequence, prompt included. Default: the model's, "
                                                     "capped by what the pool holds.")]
 Eager = Annotated[bool, typer.Option(help="No CUDA graphs (slower; for debugging).")]
+PrefixCaching = Annotated[bool, typer.Option(help="Reuse the cached blocks of prompt prefixes seen before.")]
+
+# --- prompts and sampling, shared by generate and inspect-cache ----------------------------------
+Prompts = Annotated[Optional[list[str]], typer.Argument(help="Prompts; several run together.")]
+PromptFile = Annotated[Optional[Path], typer.Option(help="A UTF-8 file with one prompt per line.")]
+Chat = Annotated[Optional[bool], typer.Option(
+    "--chat/--raw", help="Wrap prompts in the model's chat template (default when it has one) or feed them as is.")]
+MaxTokens = Annotated[int, typer.Option(help="New tokens per prompt, at most.")]
+Temperature = Annotated[float, typer.Option(help="0 is greedy.")]
+TopK = Annotated[int, typer.Option(help="Sample from the k likeliest tokens (0: off).")]
+TopP = Annotated[float, typer.Option(help="Sample from the smallest set holding this probability (1: off).")]
+Seed = Annotated[Optional[int], typer.Option(help="Seed for sampling (the i-th answer uses seed + i).")]
+IgnoreEos = Annotated[bool, typer.Option(help="Keep going past the model's stop tokens.")]
+Samples = Annotated[int, typer.Option("--n", help="Answers per prompt; they share the prompt's blocks "
+                                      "(copy-on-write).")]
 
 
 def friendly_errors(fn):
@@ -81,28 +96,53 @@ def notice(text: str) -> None:
     err.print(f"[dim]{text}[/dim]", soft_wrap=True)
 
 
-def engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager, **extra):
+def engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager,
+                   prefix_caching):
     from pagedcli.loader import EngineOptions
 
     return EngineOptions(model=model, device=device, dtype=dtype, batch=batch, block_size=block_size,
                          num_blocks=num_blocks, cache_size=cache_size, max_model_len=max_model_len, eager=eager,
-                         **extra)
+                         prefix_caching=prefix_caching)
+
+
+def start_requests(opts, prompts, prompt_file, chat, params, samples, command: str):
+    """Everything generate and inspect-cache share: check the input, load the model, queue the
+    requests. Returns the loaded model, the sequences and whether the chat template is used."""
+    from pagedcli import generate as gen
+    from pagedcli.loader import load
+
+    gen.check_sampling(params)
+    if samples < 1:
+        raise UsageError(f"--n {samples}: needs at least one answer per prompt")
+    texts = gen.read_prompts(prompts or [], prompt_file)
+    loaded = load(opts, notice)
+    if loaded.tokenizer is None:
+        raise UsageError(f"--model {loaded.source.name} has no tokenizer",
+                         f"{command} needs a model folder with tokenizer.json")
+    use_chat = loaded.tokenizer.has_chat_template if chat is None else chat
+    if use_chat and not loaded.tokenizer.has_chat_template:
+        raise UsageError(f"--chat: model {loaded.source.name} has no chat template", "use --raw")
+    seqs = gen.add_requests(loaded.engine, loaded.tokenizer, texts, params, use_chat, samples)
+    for s in seqs:
+        if s.error and s.id % samples == 0:  # one line per prompt, not per answer
+            err.print(f"[bold red]error:[/bold red] prompt {s.id // samples + 1}: {s.error}", soft_wrap=True)
+    return loaded, seqs, use_chat
 
 
 @app.command()
 @friendly_errors
 def generate(
-    prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts; several run together.")] = None,
-    prompt_file: Annotated[Optional[Path], typer.Option(help="A UTF-8 file with one prompt per line.")] = None,
-    chat: Annotated[Optional[bool], typer.Option(
-        "--chat/--raw", help="Wrap prompts in the model's chat template (default when it has one) or feed them as is.")] = None,
-    max_tokens: Annotated[int, typer.Option(help="New tokens per prompt, at most.")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="Sample from the k likeliest tokens (0: off).")] = 0,
-    top_p: Annotated[float, typer.Option(help="Sample from the smallest set holding this probability (1: off).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (prompt i uses seed + i).")] = None,
-    ignore_eos: Annotated[bool, typer.Option(help="Keep going past the model's stop tokens.")] = False,
-    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per prompt on stdout, nothing else.")] = False,
+    prompts: Prompts = None,
+    prompt_file: PromptFile = None,
+    chat: Chat = None,
+    max_tokens: MaxTokens = 256,
+    temperature: Temperature = 0.0,
+    top_k: TopK = 0,
+    top_p: TopP = 1.0,
+    seed: Seed = None,
+    ignore_eos: IgnoreEos = False,
+    samples: Samples = 1,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per answer on stdout, nothing else.")] = False,
     live: Annotated[bool, typer.Option("--live", help="Watch the KV cache while it runs (on a terminal only).")] = False,
     model: Model = None,
     device: Device = "auto",
@@ -113,28 +153,18 @@ def generate(
     cache_size: CacheSize = None,
     max_model_len: MaxModelLen = None,
     eager: Eager = False,
+    prefix_caching: PrefixCaching = True,
 ):
     """Generate text for one or more prompts, streamed as it comes."""
     from pagedcli import generate as gen
-    from pagedcli.loader import load
     from pagedcli.output import JsonPrinter, TextPrinter
     from pagedcli.sequence import SamplingParams
 
+    opts = engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager,
+                          prefix_caching)
     params = SamplingParams(temperature, top_k, top_p, max_tokens, ignore_eos, seed)
-    gen.check_sampling(params)
-    texts = gen.read_prompts(prompts or [], prompt_file)
-    loaded = load(engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager),
-                  notice)
-    if loaded.tokenizer is None:
-        raise UsageError(f"--model {loaded.source.name} has no tokenizer", "generate needs a model folder with tokenizer.json")
-    use_chat = loaded.tokenizer.has_chat_template if chat is None else chat
-    if use_chat and not loaded.tokenizer.has_chat_template:
-        raise UsageError(f"--chat: model {loaded.source.name} has no chat template", "use --raw")
+    loaded, seqs, use_chat = start_requests(opts, prompts, prompt_file, chat, params, samples, "generate")
     engine = loaded.engine
-    seqs = gen.add_requests(engine, loaded.tokenizer, texts, params, use_chat)
-    failed = [s for s in seqs if s.error]
-    for s in failed:
-        err.print(f"[bold red]error:[/bold red] prompt {s.id + 1}: {s.error}", soft_wrap=True)
     view = None
     if live:
         from pagedcli.view import open_live_view
@@ -143,35 +173,35 @@ def generate(
         if view is None and not json_output:
             notice("--live: stdout is not a terminal, so no live view")
     out = view.out if view else None
-    printer = (JsonPrinter(loaded.tokenizer, seqs, out) if json_output
-               else TextPrinter(loaded.tokenizer, seqs, echo_prompt=not use_chat, out=out))
+    printer = (JsonPrinter(loaded.tokenizer, seqs, samples, out) if json_output
+               else TextPrinter(loaded.tokenizer, seqs, samples, echo_prompt=not use_chat, out=out))
     start = time.perf_counter()
     with view or contextlib.nullcontext():
         gen.run(engine, printer, seqs, on_step=view.on_step if view else None)
     if not json_output:
         notice(gen.summary(seqs, time.perf_counter() - start, engine))
-    if failed:
+    if any(s.error for s in seqs):
         raise typer.Exit(2)
 
 
 @app.command("inspect-cache")
 @friendly_errors
 def inspect_cache(
-    prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts; several run together.")] = None,
+    prompts: Prompts = None,
     slot: Annotated[int, typer.Option(help="The slot to show.")] = 0,
     at_step: Annotated[Optional[int], typer.Option(help="Show the cache after this step (1: the first prefill). "
                                                    "Default: the step before the slot's first request finishes.")] = None,
     layer: Annotated[int, typer.Option(help="The layer whose blocks the table shows.")] = 0,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object with every layer's blocks.")] = False,
-    prompt_file: Annotated[Optional[Path], typer.Option(help="A UTF-8 file with one prompt per line.")] = None,
-    chat: Annotated[Optional[bool], typer.Option(
-        "--chat/--raw", help="Wrap prompts in the model's chat template (default when it has one) or feed them as is.")] = None,
-    max_tokens: Annotated[int, typer.Option(help="New tokens per prompt, at most.")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="Sample from the k likeliest tokens (0: off).")] = 0,
-    top_p: Annotated[float, typer.Option(help="Sample from the smallest set holding this probability (1: off).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (prompt i uses seed + i).")] = None,
-    ignore_eos: Annotated[bool, typer.Option(help="Keep going past the model's stop tokens.")] = False,
+    prompt_file: PromptFile = None,
+    chat: Chat = None,
+    max_tokens: MaxTokens = 256,
+    temperature: Temperature = 0.0,
+    top_k: TopK = 0,
+    top_p: TopP = 1.0,
+    seed: Seed = None,
+    ignore_eos: IgnoreEos = False,
+    samples: Samples = 1,
     model: Model = None,
     device: Device = "auto",
     dtype: Dtype = "auto",
@@ -181,30 +211,22 @@ def inspect_cache(
     cache_size: CacheSize = None,
     max_model_len: MaxModelLen = None,
     eager: Eager = False,
+    prefix_caching: PrefixCaching = True,
 ):
     """Run the prompts and show one slot's block table, down to byte addresses in the pool."""
-    from pagedcli import generate as gen
     from pagedcli import inspect_cache as ic
-    from pagedcli.loader import load
     from pagedcli.sequence import SamplingParams
 
     if not 0 <= slot < max(batch, 1):
         raise UsageError(f"--slot {slot} is out of range",
                          f"--batch {batch} gives " + ("slot 0 only" if batch == 1 else f"slots 0 to {batch - 1}"))
+    opts = engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager,
+                          prefix_caching)
     params = SamplingParams(temperature, top_k, top_p, max_tokens, ignore_eos, seed)
-    gen.check_sampling(params)
-    texts = gen.read_prompts(prompts or [], prompt_file)
-    loaded = load(engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager),
-                  notice)
-    if loaded.tokenizer is None:
-        raise UsageError(f"--model {loaded.source.name} has no tokenizer", "inspect-cache needs a model folder with tokenizer.json")
+    loaded, _, _ = start_requests(opts, prompts, prompt_file, chat, params, samples, "inspect-cache")
     num_layers = loaded.engine.cache.geometry.num_layers
     if not 0 <= layer < num_layers:
         raise UsageError(f"--layer {layer} is out of range", f"the model has layers 0-{num_layers - 1}")
-    use_chat = loaded.tokenizer.has_chat_template if chat is None else chat
-    if use_chat and not loaded.tokenizer.has_chat_template:
-        raise UsageError(f"--chat: model {loaded.source.name} has no chat template", "use --raw")
-    gen.add_requests(loaded.engine, loaded.tokenizer, texts, params, use_chat)
     snap, view = ic.capture(loaded.engine, slot, at_step)
     decode = functools.partial(loaded.tokenizer.decode, skip_special_tokens=False)
     if json_output:
@@ -227,6 +249,9 @@ def bench(
     kernel: Annotated[bool, typer.Option("--kernel", help="Time the decode attention kernel alone (CUDA).")] = False,
     bandwidth: Annotated[Optional[float], typer.Option(help="Device bandwidth in GB/s (default: measured once, cached).")] = None,
     plot_file: Annotated[Optional[Path], typer.Option("--plot", help="Save tokens/s and step time against batch as PNG.")] = None,
+    prefix_len: Annotated[int, typer.Option(help="Make the first P prompt tokens the same in every prompt, and time "
+                                            "the first token with and without the prefix cache (hits need more "
+                                            "prompts than slots: --num-prompts).")] = 0,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per batch size on stdout.")] = False,
     model: Model = None,
     device: Device = "auto",
@@ -236,6 +261,7 @@ def bench(
     cache_size: CacheSize = None,
     max_model_len: MaxModelLen = None,
     eager: Eager = False,
+    prefix_caching: PrefixCaching = True,
 ):
     """Measure speed, memory and bandwidth against the hardware's roofline."""
     from pagedcli import bench as b
@@ -245,27 +271,26 @@ def bench(
     batches = _int_list(batch, "--batch")
     if compare not in (None, "hf"):
         raise UsageError(f"--compare {compare!r} is not known", "use --compare hf")
-    workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file)
+    if prefix_len < 0:
+        raise UsageError(f"--prefix-len {prefix_len}: must be 0 or more")
+    workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file, prefix_len)
     b.parse_len(input_len, "--input-len"), b.parse_len(output_len, "--output-len")
-    opts = engine_options(model, device, dtype, max(batches), block_size, num_blocks, cache_size, max_model_len, eager)
+    opts = engine_options(model, device, dtype, max(batches), block_size, num_blocks, cache_size, max_model_len, eager,
+                          prefix_caching)
     loaded = load_model(opts, notice)
     if kernel:
         _kernel_bench(loaded, json_output)
         return
     gbps = bandwidth or b.measure_bandwidth(loaded.device)
+    hf = None
+    if compare == "hf":
+        from pagedcli.bench_hf import hf_model
+
+        hf = hf_model(loaded)
     results = []
     with Progress(enabled=not json_output and err.is_terminal, console=err) as progress:
         for n in batches:
-            task = progress.task(f"batch {n}")
-            results.append(b.run_batch(loaded, opts, n, workload, gbps, progress=task))
-            if compare == "hf":
-                from pagedcli.bench_hf import hf_generate, hf_model
-
-                requests = b.make_requests(workload, results[-1]["num_prompts"], loaded.source.config.vocab_size,
-                                           loaded.source.stop_ids, loaded.tokenizer)
-                hf = hf_generate(hf_model(loaded), requests, n, loaded.device, ignore_eos)
-                results[-1]["hf_output_tokens_per_s"] = hf["output_tokens_per_s"]
-                results[-1]["speedup_vs_hf"] = results[-1]["output_tokens_per_s"] / hf["output_tokens_per_s"]
+            results.append(b.run_point(loaded, opts, n, workload, gbps, progress.task(f"batch {n}"), hf))
             if json_output:
                 print(json.dumps(results[-1]), flush=True)
     if not json_output:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+from dataclasses import replace
 from pathlib import Path
 
 from pagedcli.engine import Engine
@@ -43,14 +43,19 @@ def check_sampling(params: SamplingParams) -> None:
         raise UsageError(f"--max-tokens {params.max_tokens}: must be at least 1")
 
 
-def add_requests(engine: Engine, tokenizer, prompts: list[str], params: SamplingParams, chat: bool) -> list[Sequence]:
-    """One request per prompt; request i samples with seed + i, so its answer does not depend on
-    which other prompts share the batch."""
+def add_requests(engine: Engine, tokenizer, prompts: list[str], params: SamplingParams, chat: bool,
+                 samples: int = 1) -> list[Sequence]:
+    """`samples` answers per prompt (sharing the prompt's blocks when more than one). The i-th
+    answer overall samples with seed + i, so it does not depend on what else shares the batch."""
     seqs = []
-    for i, prompt in enumerate(prompts):
-        seed = None if params.seed is None else params.seed + i
-        p = SamplingParams(params.temperature, params.top_k, params.top_p, params.max_tokens, params.ignore_eos, seed)
-        seqs.append(engine.add_request(tokenizer.encode(prompt, chat=chat), p, prompt))
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt, chat=chat)
+        answer_params = [replace(params, seed=None if params.seed is None else params.seed + len(seqs) + j)
+                         for j in range(samples)]
+        if samples == 1:
+            seqs.append(engine.add_request(ids, answer_params[0], prompt))
+        else:
+            seqs += engine.add_parallel(ids, answer_params, prompt)
     return seqs
 
 

@@ -146,7 +146,7 @@ def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
             {"layer": layer, "blocks": [
                 {"logical": i, "physical": p, "k_offset": p * geo.block_bytes,
                  "v_offset": p * geo.block_bytes + geo.v_offset, "token_ids": token_blocks[i], "text": texts[i],
-                 "shared_with": shared[layer].get(p, [])}
+                 "ref_count": 1 + len(shared[layer].get(p, [])), "shared_with": shared[layer].get(p, [])}
                 for i, p in enumerate(row)]}
             for layer, row in enumerate(view.table)],
     }

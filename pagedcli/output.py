@@ -15,8 +15,10 @@ class TextPrinter:
     """Streams the answer of the earliest unfinished prompt as it is generated; answers of later
     prompts are held back until every earlier one is printed, so they never interleave."""
 
-    def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], echo_prompt: bool, out: TextIO | None = None):
+    def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], samples: int = 1, echo_prompt: bool = True,
+                 out: TextIO | None = None):
         self.seqs = seqs
+        self.samples = samples  # answers per prompt: seqs[i * samples + j] is answer j of prompt i
         self.out = out or sys.stdout
         self.echo = echo_prompt
         self.labelled = len(seqs) > 1
@@ -61,16 +63,20 @@ class TextPrinter:
 
     def _header(self, seq: Sequence) -> None:
         if self.labelled:
-            self.out.write(f"{'' if self.current == 0 else chr(10)}[{seq.id + 1}] {seq.prompt!r}\n")
+            prompt, answer = divmod(self.current, self.samples)
+            label = f"{prompt + 1}" if self.samples == 1 else f"{prompt + 1}.{answer + 1}"
+            self.out.write(f"{'' if self.current == 0 else chr(10)}[{label}] {seq.prompt!r}\n")
         if self.echo and seq.prompt is not None:
             self.out.write(seq.prompt)
 
 
 class JsonPrinter:
-    """One JSON object per prompt, one per line, in input order, on stdout and nothing else there."""
+    """One JSON object per prompt (per answer with --n), one per line, in input order, on stdout
+    and nothing else there."""
 
-    def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], out: TextIO | None = None):
+    def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], samples: int = 1, out: TextIO | None = None):
         self.seqs = seqs
+        self.samples = samples
         self.out = out or sys.stdout
         self.decoders = {s.id: StreamDecoder(tokenizer, s.prompt_token_ids) for s in seqs}
         self.current = 0
@@ -83,7 +89,10 @@ class JsonPrinter:
 
     def flush(self) -> None:
         while self.current < len(self.seqs) and self.seqs[self.current].is_finished:
-            self.out.write(json.dumps(self.record(self.seqs[self.current]), ensure_ascii=False) + "\n")
+            record = self.record(self.seqs[self.current])
+            if self.samples > 1:
+                record["sample"] = self.current % self.samples
+            self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
             self.current += 1
         self.out.flush()
 

@@ -53,6 +53,8 @@ class CacheSnapshot:
     num_preemptions: int
     max_slots: int
     max_model_len: int
+    prefix_hit_rate: float = 0.0  # prompt tokens served from cached blocks / prompt tokens admitted
+    num_copied_blocks: int = 0  # copy-on-write copies so far
 
     @property
     def num_used_blocks(self) -> int:
@@ -87,4 +89,5 @@ def take_snapshot(engine) -> CacheSnapshot:
     waiting = tuple(WaitingView(s.id, s.prompt, len(s), s.num_preemptions) for s in sched.waiting)
     finished = sum(1 for s in engine.sequences if s.is_finished)
     return CacheSnapshot(engine.num_steps, cache.geometry, cache.num_free_blocks, tuple(slots), waiting,
-                         finished, sched.num_preemptions, cache.max_slots, cache.max_model_len)
+                         finished, sched.num_preemptions, cache.max_slots, cache.max_model_len,
+                         sched.prefix_hit_rate, cache.num_copied_blocks)

@@ -32,7 +32,7 @@ REFRESH_S = 0.2  # seconds between frames: five a second reads as live
 MAX_SHARE = 0.03  # of the wall time, at most, spent taking snapshots and drawing them
 MAX_CELLS = 48  # width of a slot's block cells, at most; a longer row shows its head and tail
 FILL_GLYPHS = " ▁▂▃▄▅▆▇█"  # a cell's height says how full its block is
-LINES_BESIDE_SLOTS = 13  # lines a frame takes besides the slot rows (borders, pool, waste, head)
+LINES_BESIDE_SLOTS = 14  # lines a frame takes besides the slot rows (borders, pool, sharing, waste, head)
 BAR_WIDTH = 40  # cells of the pool bar
 ANSWER_TOKENS = 48  # output tokens decoded for a row's "answer so far"
 
@@ -175,6 +175,11 @@ def requests_line(snap: CacheSnapshot, max_prompts: int = 3) -> Text:
     return text
 
 
+def sharing_line(snap: CacheSnapshot) -> Text:
+    return line(("sharing   ", "bold"), f"prefix cache served {100 * snap.prefix_hit_rate:.0f}% of prompt tokens   "
+                f"copy-on-write copies {snap.num_copied_blocks:,} blocks")
+
+
 @dataclass(frozen=True)
 class Column:
     name: str
@@ -267,8 +272,8 @@ def render(snap: CacheSnapshot, decode: Decode | None = None, max_rows: int = 32
     subtitle = (f"{geo.num_layers} layers x {geo.num_kv_heads} kv heads x {geo.head_dim} dims, "
                 f"{str(geo.dtype).removeprefix('torch.')}; every layer owns its own blocks")
     inner = width - 4  # the panel's border and padding
-    body = Group(*pool_lines(snap), requests_line(snap), Text(), *slot_rows(snap, decode, max_rows, inner), Text(),
-                 *waste_lines(snap))
+    body = Group(*pool_lines(snap), requests_line(snap), sharing_line(snap), Text(),
+                 *slot_rows(snap, decode, max_rows, inner), Text(), *waste_lines(snap))
     return Panel(body, title=title, title_align="left", subtitle=subtitle, subtitle_align="right", width=width)
 
 
