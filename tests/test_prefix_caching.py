@@ -128,3 +128,47 @@ def test_preemption_with_shared_blocks_keeps_accounting(tiny, make_engine):
     assert engine.scheduler.num_preemptions > 0
     assert all(s.finish_reason == "length" and len(s.output_token_ids) == 30 for s in engine.sequences)
     assert (engine.cache.allocator.ref_count == 0).all()
+
+
+# --- as a user sees it -----------------------------------------------------------------------------
+def cli(*args):
+    from typer.testing import CliRunner
+
+    from pagedcli.cli import app
+
+    r = CliRunner().invoke(app, list(args))
+    assert r.exit_code == 0, r.stderr
+    return r.stdout
+
+
+def test_generate_n_answers_share_and_equal_separate_seeded_runs(stories):
+    import json
+
+    shared = [json.loads(line) for line in cli("generate", "--model", str(stories), "--json", "--n", "3", "--batch",
+                                               "3", "--temperature", "0.9", "--seed", "4", "--max-tokens", "15",
+                                               "Once upon a time").splitlines()]
+    assert [r["sample"] for r in shared] == [0, 1, 2]
+    for j, record in enumerate(shared):
+        alone = json.loads(cli("generate", "--model", str(stories), "--json", "--temperature", "0.9", "--seed",
+                               str(4 + j), "--max-tokens", "15", "--no-prefix-caching", "Once upon a time"))
+        assert record["token_ids"] == alone["token_ids"]
+
+
+def test_inspect_cache_json_has_reference_counts(stories):
+    import json
+
+    out = json.loads(cli("inspect-cache", "--model", str(stories), "--json", "--n", "2", "--batch", "2",
+                         "--temperature", "1", "--seed", "1", "--max-tokens", "30", "--slot", "1", "--at-step", "1",
+                         "One day, Lily went to the park with her mom and"))
+    blocks = out["layers"][0]["blocks"]
+    assert all(b["ref_count"] == 2 for b in blocks), "right after the fork both samples hold every block"
+    assert all(b["ref_count"] == 1 + len(b["shared_with"]) for layer in out["layers"] for b in layer["blocks"])
+
+
+def test_bench_reports_the_hit_rate_and_ttft_without_the_cache(stories):
+    import json
+
+    row = json.loads(cli("bench", "--model", str(stories), "--json", "--batch", "2", "--num-prompts", "6",
+                         "--input-len", "40", "--prefix-len", "32", "--output-len", "4", "--bandwidth", "10"))
+    assert 0 < row["prefix_cache_hit_rate"] <= 32 / 40
+    assert set(row["ttft_ms_without_prefix_cache"]) == {"mean", "p50", "p99"}
