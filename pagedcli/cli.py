@@ -54,9 +54,11 @@ PromptFile = Annotated[Optional[Path], typer.Option(help="A UTF-8 file with one 
 Chat = Annotated[Optional[bool], typer.Option(
     "--chat/--raw", help="Wrap prompts in the model's chat template (default when it has one) or feed them as is.")]
 MaxTokens = Annotated[int, typer.Option(help="New tokens per prompt, at most.")]
-Temperature = Annotated[float, typer.Option(help="0 is greedy.")]
-TopK = Annotated[int, typer.Option(help="Sample from the k likeliest tokens (0: off).")]
-TopP = Annotated[float, typer.Option(help="Sample from the smallest set holding this probability (1: off).")]
+Temperature = Annotated[Optional[float], typer.Option(
+    help="0 is greedy. Default: the model's generation_config.json when it samples, else 0.", show_default=False)]
+TopK = Annotated[Optional[int], typer.Option(help="Sample from the k likeliest tokens (0: off).", show_default=False)]
+TopP = Annotated[Optional[float], typer.Option(
+    help="Sample from the smallest set holding this probability (1: off).", show_default=False)]
 Seed = Annotated[Optional[int], typer.Option(help="Seed for sampling (the i-th answer uses seed + i).")]
 IgnoreEos = Annotated[bool, typer.Option(help="Keep going past the model's stop tokens.")]
 Samples = Annotated[int, typer.Option("--n", help="Answers per prompt; they share the prompt's blocks "
@@ -105,12 +107,17 @@ def engine_options(model, device, dtype, batch, block_size, num_blocks, cache_si
                          prefix_caching=prefix_caching)
 
 
-def start_requests(opts, prompts, prompt_file, chat, params, samples, command: str):
+def start_requests(opts, prompts, prompt_file, chat, sampling: dict, samples, command: str):
     """Everything generate and inspect-cache share: check the input, load the model, queue the
-    requests. Returns the loaded model, the sequences and whether the chat template is used."""
+    requests. `sampling` holds the sampling options as given (None: not given). Returns the
+    loaded model, the sequences and whether the chat template is used."""
     from pagedcli import generate as gen
     from pagedcli.loader import load
+    from pagedcli.sequence import SamplingParams
 
+    given = {k for k, v in sampling.items() if v is not None}
+    defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    params = SamplingParams(**{**sampling, **{k: defaults[k] for k in defaults if k not in given}})
     gen.check_sampling(params)
     if samples < 1:
         raise UsageError(f"--n {samples}: needs at least one answer per prompt")
@@ -122,6 +129,7 @@ def start_requests(opts, prompts, prompt_file, chat, params, samples, command: s
     use_chat = loaded.tokenizer.has_chat_template if chat is None else chat
     if use_chat and not loaded.tokenizer.has_chat_template:
         raise UsageError(f"--chat: model {loaded.source.name} has no chat template", "use --raw")
+    params = gen.sampling_defaults(params, loaded.source.generation_config, given)
     seqs = gen.add_requests(loaded.engine, loaded.tokenizer, texts, params, use_chat, samples)
     for s in seqs:
         if s.error and s.id % samples == 0:  # one line per prompt, not per answer
@@ -136,9 +144,9 @@ def generate(
     prompt_file: PromptFile = None,
     chat: Chat = None,
     max_tokens: MaxTokens = 256,
-    temperature: Temperature = 0.0,
-    top_k: TopK = 0,
-    top_p: TopP = 1.0,
+    temperature: Temperature = None,
+    top_k: TopK = None,
+    top_p: TopP = None,
     seed: Seed = None,
     ignore_eos: IgnoreEos = False,
     samples: Samples = 1,
@@ -158,12 +166,12 @@ def generate(
     """Generate text for one or more prompts, streamed as it comes."""
     from pagedcli import generate as gen
     from pagedcli.output import JsonPrinter, TextPrinter
-    from pagedcli.sequence import SamplingParams
 
     opts = engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager,
                           prefix_caching)
-    params = SamplingParams(temperature, top_k, top_p, max_tokens, ignore_eos, seed)
-    loaded, seqs, use_chat = start_requests(opts, prompts, prompt_file, chat, params, samples, "generate")
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                    seed=seed)
+    loaded, seqs, use_chat = start_requests(opts, prompts, prompt_file, chat, sampling, samples, "generate")
     engine = loaded.engine
     view = None
     if live:
@@ -196,9 +204,9 @@ def inspect_cache(
     prompt_file: PromptFile = None,
     chat: Chat = None,
     max_tokens: MaxTokens = 256,
-    temperature: Temperature = 0.0,
-    top_k: TopK = 0,
-    top_p: TopP = 1.0,
+    temperature: Temperature = None,
+    top_k: TopK = None,
+    top_p: TopP = None,
     seed: Seed = None,
     ignore_eos: IgnoreEos = False,
     samples: Samples = 1,
@@ -215,15 +223,15 @@ def inspect_cache(
 ):
     """Run the prompts and show one slot's block table, down to byte addresses in the pool."""
     from pagedcli import inspect_cache as ic
-    from pagedcli.sequence import SamplingParams
 
     if not 0 <= slot < max(batch, 1):
         raise UsageError(f"--slot {slot} is out of range",
                          f"--batch {batch} gives " + ("slot 0 only" if batch == 1 else f"slots 0 to {batch - 1}"))
     opts = engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager,
                           prefix_caching)
-    params = SamplingParams(temperature, top_k, top_p, max_tokens, ignore_eos, seed)
-    loaded, _, _ = start_requests(opts, prompts, prompt_file, chat, params, samples, "inspect-cache")
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                    seed=seed)
+    loaded, _, _ = start_requests(opts, prompts, prompt_file, chat, sampling, samples, "inspect-cache")
     num_layers = loaded.engine.cache.geometry.num_layers
     if not 0 <= layer < num_layers:
         raise UsageError(f"--layer {layer} is out of range", f"the model has layers 0-{num_layers - 1}")

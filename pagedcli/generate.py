@@ -32,6 +32,16 @@ def read_prompts(prompts: list[str], prompt_file: Path | None) -> list[str]:
     return prompts
 
 
+def sampling_defaults(params: SamplingParams, generation_config: dict, given: set[str]) -> SamplingParams:
+    """The model's own sampling settings (generation_config.json: do_sample, temperature, top_k,
+    top_p), as transformers and vLLM apply them, for every option the user did not give."""
+    if not generation_config.get("do_sample"):
+        return params
+    defaults = {"temperature": generation_config.get("temperature", 1.0), "top_k": generation_config.get("top_k", 0),
+                "top_p": generation_config.get("top_p", 1.0)}
+    return replace(params, **{k: v for k, v in defaults.items() if k not in given and v is not None})
+
+
 def check_sampling(params: SamplingParams) -> None:
     if params.temperature < 0:
         raise UsageError(f"--temperature {params.temperature}: must be 0 (greedy) or more")

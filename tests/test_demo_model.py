@@ -46,3 +46,20 @@ def test_a_fresh_machine_gets_the_demo_model_offline(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ROMEO:\n")
     assert "built-in demo model" in out.stderr and "Llama-3.2-1B-Instruct" in out.stderr
+
+
+def test_the_models_sampling_settings_apply_unless_given():
+    """generation_config.json asks for sampling (as Llama-3.2-1B-Instruct's does): without options
+    generate samples; --temperature 0 is greedy; a seed repeats a draw."""
+    from typer.testing import CliRunner
+
+    from pagedcli.cli import app
+
+    def run(*args):
+        r = CliRunner().invoke(app, ["generate", "--model", "demo", "--json", "--max-tokens", "30", *args, "ROMEO:"])
+        assert r.exit_code == 0, r.stderr
+        return json.loads(r.stdout)["token_ids"]
+
+    greedy = run("--temperature", "0")
+    assert run("--temperature", "0") == greedy
+    assert run("--seed", "3") == run("--seed", "3") != greedy

@@ -503,7 +503,8 @@ def save_tokenizer(tok, out: Path) -> None:
         "clean_up_tokenization_spaces": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    gen_cfg = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
+    # sampling by default: greedy decoding of a model this small loops on one line
+    gen_cfg = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": True, "temperature": 0.8, "top_p": 0.95}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
 
 
