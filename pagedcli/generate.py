@@ -94,5 +94,6 @@ def summary(seqs: list[Sequence], elapsed: float, engine: Engine) -> str:
     rate = n / elapsed if elapsed > 0 else 0.0
     parts = [f"{n} tokens in {elapsed:.2f} s ({rate:.1f} tokens/s)", f"{len(seqs)} prompt{'s' * (len(seqs) != 1)}"]
     if engine.scheduler.num_preemptions:
-        parts.append(f"{engine.scheduler.num_preemptions} preemptions")
+        n = engine.scheduler.num_preemptions
+        parts.append(f"{n} preemption{'s' * (n != 1)}")
     return ", ".join(parts)
