@@ -1,9 +1,13 @@
-"""tiny-vllm's three pieces of a paged KV cache, and the snapshot that shows them.
+"""tiny-vllm's three pieces of a paged KV cache:
 
 - the pool: one tensor of `num_blocks` physical blocks (layout in `CacheGeometry`);
 - the free-block list: physical block ids, with a reference count per block;
 - the block table: `table[slot][layer][logical block]` -> physical block, -1 where unassigned.
   Every layer owns its own blocks, so a sequence of n blocks holds n * num_layers physical blocks.
+
+Beyond tiny-vllm, blocks can be shared: a prompt reuses the cached blocks of a prefix seen before
+(`prefix_cache.py`), and parallel samples share their prompt's blocks (`fork`), copying a shared
+block only before writing into it (copy-on-write).
 
 The table lives on the CPU (numpy) and, on a GPU, in a device mirror that receives only the entries
 that changed, once per step (`sync_device_table`).
@@ -109,9 +113,6 @@ class KVCache:
         """Physical blocks (all layers) the slot must take to hold `num_tokens` tokens."""
         new_logical = self.geometry.blocks_for(num_tokens) - self.num_blocks_of_slot[slot]
         return max(new_logical, 0) * self.geometry.num_layers
-
-    def can_hold(self, slot: int, num_tokens: int) -> bool:
-        return self.blocks_needed(slot, num_tokens) <= self.num_free_blocks
 
     def grow(self, slot: int, num_tokens: int) -> None:
         """Give `slot` blocks for `num_tokens` tokens in every layer; raises OutOfBlocks, changing nothing."""

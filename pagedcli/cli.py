@@ -77,7 +77,7 @@ def friendly_errors(fn):
         except KeyboardInterrupt:
             sys.stdout.flush()
             err.print("\n[yellow]interrupted[/yellow]")
-            raise typer.Exit(130)
+            raise typer.Exit(130) from None
         except MemoryError:
             fail(RunError("out of memory", "use a smaller --cache-size or --batch"))
         except Exception as e:

@@ -18,7 +18,7 @@ from pagedcli.cache import KVCache
 from pagedcli.runner import ModelRunner
 from pagedcli.sampler import sample
 from pagedcli.scheduler import Scheduler
-from pagedcli.sequence import SamplingParams, Sequence, Status
+from pagedcli.sequence import SamplingParams, Sequence
 from pagedcli.snapshot import CacheSnapshot, take_snapshot
 
 

@@ -125,7 +125,7 @@ def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads
                 del kv
             backend.prepare(steps[0][0])  # allocates the split-KV scratch before capture
 
-            paged_calls = [lambda s=s, q=q: backend.attend(0, q, s) for s, q in steps]
+            paged_calls = [lambda s=s, q=q, b=backend: b.attend(0, q, s) for s, q in steps]
             sdpa_calls = [lambda i=i: F.scaled_dot_product_attention(*i, enable_gqa=True) for i in sdpa_inputs]
             step, q = steps[0]
             diff = (backend.attend(0, q, step).float() - sdpa_calls[0]().squeeze(2).float()).abs().max().item()

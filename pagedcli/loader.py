@@ -40,16 +40,6 @@ class EngineOptions:
     seed: int = 0  # random weights
 
 
-@dataclass
-class Loaded:
-    engine: Engine
-    tokenizer: Tokenizer | None
-    source: ModelSource
-    device: torch.device
-    dtype: torch.dtype
-    weights: Weights
-
-
 def cuda_status() -> tuple[bool, str]:
     """Whether the CUDA path can run here, and if not, why."""
     if not torch.cuda.is_available():
@@ -126,9 +116,15 @@ def build_engine(model: Model, opts: EngineOptions) -> Engine:
     return Engine(runner, cache, opts.batch, max_model_len, model.source.stop_ids)
 
 
+@dataclass
+class Loaded(Model):
+    """A model and an engine built around it."""
+
+    engine: Engine
+
+
 def load(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None) -> Loaded:
-    if opts.batch < 1:
+    if opts.batch < 1:  # before the (slow) load
         raise UsageError(f"--batch {opts.batch}: needs at least one slot", "use --batch 1 or more")
     model = load_model(opts, notice)
-    engine = build_engine(model, opts)
-    return Loaded(engine, model.tokenizer, model.source, model.device, model.dtype, model.weights)
+    return Loaded(**vars(model), engine=build_engine(model, opts))

@@ -117,7 +117,7 @@ def _download(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
     except GatedRepoError:
         raise UsageError(f"--model {repo_id}: the repository is gated",
-                         f"accept its licence on the Hub, run `hf auth login`, or pass a local folder") from None
+                         "accept its licence on the Hub, run `hf auth login`, or pass a local folder") from None
     except RepositoryNotFoundError:
         raise UsageError(f"--model {repo_id}: no such folder here, and no such repository on the Hub "
                          f"(or it is private)", "pass a model folder, a Hub id, or `demo`") from None

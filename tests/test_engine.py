@@ -106,7 +106,7 @@ def test_random_interleavings_keep_blocks_consistent(tiny, make_engine):
     rng = random.Random(0)
     loaded = make_engine(tiny, batch=4, num_blocks=2 * 12)
     engine = loaded.engine
-    for i in range(12):
+    for _ in range(12):
         engine.add_request([rng.randrange(3, 200) for _ in range(rng.randrange(1, 40))],
                            SamplingParams(max_tokens=rng.randrange(1, 30), ignore_eos=True))
     while engine.has_unfinished:

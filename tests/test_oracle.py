@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from helpers import check_block_accounting, hf_greedy, hf_model, record_logits
 from conftest import hf_checkpoint
