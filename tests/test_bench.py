@@ -90,3 +90,12 @@ def test_kernel_bench_needs_cuda(stories):
         pytest.skip("has a GPU")
     r = CliRunner().invoke(app, ["bench", "--model", str(stories), "--kernel", "--device", "cpu"])
     assert r.exit_code == 2 and "--kernel" in r.stderr
+
+
+def test_plot_is_written(stories, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    r = CliRunner().invoke(app, ["bench", "--model", str(stories), "--batch", "1,2", "--output-len", "4",
+                                 "--input-len", "8", "--bandwidth", "10", "--plot", str(png)])
+    assert r.exit_code == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
