@@ -96,6 +96,7 @@ class KVCache:
         self.table = np.full((max_slots, geometry.num_layers, self.max_blocks_per_seq), UNASSIGNED, np.int32)
         self.num_blocks_of_slot = [0] * max_slots  # logical blocks held, the same in every layer
         self.slot_hashes: list[list[int]] = [[] for _ in range(max_slots)]  # hashes of each slot's full blocks
+        self.shares_tail = [False] * max_slots  # the slot's partial last block may be shared (after a fork)
         self.pending_copies: list[tuple[np.ndarray, list[int]]] = []  # copy-on-write: (from, to) blocks
         self.num_copied_blocks = 0  # copy-on-write copies so far (all layers)
         self._changed: list[np.ndarray] = []  # flat table indices changed since the last device sync
@@ -133,6 +134,7 @@ class KVCache:
         self.table[slot, :, :n] = UNASSIGNED
         self.num_blocks_of_slot[slot] = 0
         self.slot_hashes[slot] = []
+        self.shares_tail[slot] = False
         self._mark_changed(slot, 0, n)
 
     # --- prefix caching -------------------------------------------------------------------
@@ -167,15 +169,16 @@ class KVCache:
             self.allocator.on_reuse = self.prefix_cache.forget
             self.slot_hashes = [[] for _ in range(self.max_slots)]
 
+    def completes_blocks(self, slot: int, num_cached: int) -> bool:
+        """Whether the slot has full blocks the prefix cache has not been offered yet."""
+        return self.prefix_cache is not None and num_cached // self.geometry.block_size > len(self.slot_hashes[slot])
+
     def register(self, slot: int, token_ids: list[int], num_cached: int) -> None:
         """Offer the slot's newly completed full blocks to the prefix cache."""
-        if self.prefix_cache is None:
+        if not self.completes_blocks(slot, num_cached):
             return
         bs, hashes = self.geometry.block_size, self.slot_hashes[slot]
-        done = len(hashes)
-        full = num_cached // bs
-        if full <= done:
-            return
+        done, full = len(hashes), num_cached // bs
         new = block_hashes(token_ids[done * bs:], bs, full - done, parent=hashes[-1] if hashes else None)
         for i, h in enumerate(new, start=done):
             self.prefix_cache.insert(h, tuple(self.table[slot, :, i].tolist()))
@@ -189,15 +192,27 @@ class KVCache:
         self.table[child, :, :n] = self.table[parent, :, :n]
         self.num_blocks_of_slot[child] = n
         self.slot_hashes[child] = list(self.slot_hashes[parent])
+        self.shares_tail[parent] = self.shares_tail[child] = True
         self._mark_changed(child, 0, n)
 
     def _write_block_is_shared(self, slot: int, num_tokens: int) -> bool:
+        """Only a fork shares a block that is still being written (a cached prefix is full blocks,
+        never written again), so other slots skip the reference-count look-up."""
+        if not self.shares_tail[slot]:
+            return False
         last = (num_tokens - 1) // self.geometry.block_size  # the block the newest token goes into
-        return last < self.num_blocks_of_slot[slot] and bool((self.allocator.ref_count[self.table[slot, :, last]] > 1).any())
+        if last >= self.num_blocks_of_slot[slot]:
+            self.shares_tail[slot] = False  # a new block: private from here on
+            return False
+        shared = bool((self.allocator.ref_count[self.table[slot, :, last]] > 1).any())
+        self.shares_tail[slot] = shared
+        return shared
 
     def blocks_to_write(self, slot: int, num_tokens: int) -> int:
         """Free blocks needed before the slot writes its token number `num_tokens`: a new block
-        at a block boundary, or a private copy of a shared partial block."""
+        at a block boundary, or a private copy of a shared partial block; mostly none."""
+        if (num_tokens - 1) % self.geometry.block_size and not self.shares_tail[slot]:
+            return 0  # the common case, checked first: the token goes into a block the slot owns
         cow = self.geometry.num_layers if self._write_block_is_shared(slot, num_tokens) else 0
         return self.blocks_needed(slot, num_tokens) + cow
 

@@ -127,16 +127,18 @@ class Scheduler:
 
     def _grow_running(self) -> list[Sequence]:
         """Make room for each running sequence's next token, preempting from the back if needed."""
-        queue, scheduled = list(self.running), []
+        queue, scheduled = deque(self.running), []
         while queue:
-            seq = queue.pop(0)
-            while self.cache.blocks_to_write(seq.slot, len(seq)) > self.cache.num_free_blocks:
+            seq = queue.popleft()
+            n = len(seq)
+            while (need := self.cache.blocks_to_write(seq.slot, n)) > self.cache.num_free_blocks:
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.cache.prepare_write(seq.slot, len(seq))
+                if need:
+                    self.cache.prepare_write(seq.slot, n)
                 scheduled.append(seq)
         self.running = scheduled
         return list(scheduled)  # a copy: finishing sequences edits self.running
@@ -160,7 +162,8 @@ class Scheduler:
         finished = []
         for seq, token in zip(seqs, tokens):
             seq.num_cached = len(seq)  # everything fed this step is now in the cache
-            self.cache.register(seq.slot, seq.token_ids, seq.num_cached)
+            if self.cache.completes_blocks(seq.slot, seq.num_cached):
+                self.cache.register(seq.slot, seq.token_ids, seq.num_cached)
             p = seq.params
             if token in self.stop_ids and not p.ignore_eos:
                 seq.finish_reason = "stop"
