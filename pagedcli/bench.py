@@ -222,7 +222,7 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
         "kv_blocks_total": geo.num_blocks,
         "kv_blocks_peak": peak_blocks,
         "kv_bytes_peak": peak_blocks * geo.block_bytes,
-        "kv_bytes_contiguous": peak_running * engine.max_model_len * geo.kv_bytes_per_token,
+        "kv_bytes_contiguous": peak_running * engine.cache.max_model_len * geo.kv_bytes_per_token,
         "preemptions": engine.scheduler.num_preemptions,
         "prefix_cache_hit_rate": engine.scheduler.prefix_hit_rate,
         "gpu_memory_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,

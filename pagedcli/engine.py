@@ -35,11 +35,10 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, cache: KVCache, max_slots: int, max_model_len: int, stop_ids):
+    def __init__(self, runner: ModelRunner, cache: KVCache, stop_ids):
         self.runner = runner
-        self.cache = cache
-        self.max_model_len = max_model_len
-        self.scheduler = Scheduler(cache, max_slots, max_model_len, set(stop_ids))
+        self.cache = cache  # its max_slots and max_model_len are the engine's
+        self.scheduler = Scheduler(cache, set(stop_ids))
         self.sequences: list[Sequence] = []
         self.num_steps = 0
 

@@ -113,7 +113,7 @@ def build_engine(model: Model, opts: EngineOptions) -> Engine:
         backend = TorchBackend(cache, config)
     llama = Llama(config, model.weights, backend)
     runner = ModelRunner(llama, cache, use_graphs=device.type == "cuda" and not opts.eager)
-    return Engine(runner, cache, opts.batch, max_model_len, model.source.stop_ids)
+    return Engine(runner, cache, model.source.stop_ids)
 
 
 @dataclass

@@ -40,14 +40,14 @@ class ModelRunner:
         self.cache.sync_device_table()
         self.cache.copy_pending_blocks()  # copy-on-write, before this step writes K/V
         slots = [s.slot for s in seqs]
+        if not is_prefill and self.graphs is not None:
+            return self.graphs.run(slots, [s.last_token for s in seqs], [len(s) - 1 for s in seqs])
         if is_prefill:
             new_tokens = [s.token_ids[s.num_cached:] for s in seqs]
             num_cached = [s.num_cached for s in seqs]
         else:
             new_tokens = [[s.last_token] for s in seqs]
             num_cached = [len(s) - 1 for s in seqs]
-        if self.graphs is not None and not is_prefill:
-            return self.graphs.run(slots, [t[0] for t in new_tokens], num_cached)
         batch = StepBatch.build(is_prefill, slots, new_tokens, num_cached, self.device)
         self.model.backend.prepare(batch)
         return self.model.forward(batch)

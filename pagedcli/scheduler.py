@@ -21,15 +21,14 @@ from pagedcli.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_slots: int, max_model_len: int, stop_ids: set[int],
-                 max_prefill_tokens: int = 8192):
+    def __init__(self, cache: KVCache, stop_ids: set[int], max_prefill_tokens: int = 8192):
         self.cache = cache
-        self.max_model_len = max_model_len
+        self.max_model_len = cache.max_model_len
         self.stop_ids = stop_ids
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of admission
-        self.free_slots = list(range(max_slots))
+        self.free_slots = list(range(cache.max_slots))
         self.num_preemptions = 0
         self.forks: dict[int, list[Sequence]] = {}  # parent id -> parallel samples waiting to share its blocks
         self.prompt_tokens = 0  # prompt tokens admitted (recomputations included)

@@ -90,7 +90,7 @@ ops = st.lists(st.one_of(
 def test_random_interleavings_keep_every_block_accounted_for(operations, blocks_per_layer, block_size, slots):
     geometry = CacheGeometry(block_size, 1, 4, CONFIG.num_layers, blocks_per_layer * CONFIG.num_layers, torch.float32)
     cache = KVCache(geometry, slots, max_model_len=64, shuffle_seed=0)
-    sched = Scheduler(cache, slots, 64, stop_ids=set())
+    sched = Scheduler(cache, stop_ids=set())
     seqs = []
 
     class Engine:  # what check_block_accounting reads
