@@ -122,6 +122,9 @@ def _download(repo_id: str) -> Path:
         raise UsageError(f"--model {repo_id}: no such folder here, and no such repository on the Hub "
                          f"(or it is private)", "pass a model folder, a Hub id, or `demo`") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RunError(f"--model {repo_id}: not in the local Hugging Face cache and the Hub cannot be reached "
-                       f"({first})", "connect once to download it, or pass a local folder") from None
+        from huggingface_hub import constants
+
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else (str(e).strip().splitlines() or [""])[0][:80]
+        raise RunError(f"--model {repo_id}: not in the local Hugging Face cache, and the Hub cannot be reached ({why})",
+                       "connect once to download it, log in with `hf auth login` if it is gated, "
+                       "or pass a local folder") from None

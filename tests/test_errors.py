@@ -124,3 +124,12 @@ def test_ctrl_c_keeps_what_was_printed(stories):
     assert "[2]" not in out, "a prompt that never ran was printed"
     assert out.startswith("[1] 'Once upon a time'\nOnce upon a time, there was")
     assert "Traceback" not in err and "interrupted" in err
+
+
+def test_a_hub_id_offline_says_how_to_get_it(tmp_path):
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-m", "pagedcli", "generate", "--model", "meta-llama/Llama-3.2-1B-Instruct",
+                          "hi"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 1 and out.stdout == ""
+    assert "HF_HUB_OFFLINE is set" in out.stderr and "hf auth login" in out.stderr and "local folder" in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
