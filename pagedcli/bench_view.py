@@ -49,8 +49,8 @@ def results_table(results: list[dict]) -> Group:
     """Two tables: speed against the roofline, and what the paged cache held."""
     r0 = results[0]
     speed = Table(title=f"{r0['model']} on {r0['device']} ({r0['dtype']})", title_justify="left",
-                  caption=f"prompts of {r0['input_len']} tokens, {r0['output_len']} new; roofline: weight and KV "
-                          f"bytes per step at {r0['bandwidth_gb_per_s']:,.0f} GB/s",
+                  caption=f"prompts {r0['input_len']} tokens, {r0['output_len']} new; roofline: weight + KV bytes "
+                          f"a step at {r0['bandwidth_gb_per_s']:,.0f} GB/s",
                   caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ["batch", "tokens/s", "decode\ntok/s", "step\nms", "roofline\nms", "of\nroofline", "GB/s",
                 "TTFT\np50 ms", "ITL\np50 ms"]:
