@@ -40,23 +40,14 @@ class EngineOptions:
     seed: int = 0  # random weights
 
 
-def cuda_status() -> tuple[bool, str]:
-    """Whether the CUDA path can run here, and if not, why."""
-    if not torch.cuda.is_available():
-        return False, "no CUDA GPU is visible to PyTorch"
-    try:
-        import cupy  # noqa: F401
-    except Exception:
-        return False, "CuPy is not installed (pip install \"pagedcli[cuda]\")"
-    return True, ""
-
-
 def pick_device(requested: str) -> torch.device:
     if requested not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device {requested!r} is not known", "use auto, cpu or cuda")
     if requested == "cpu":
         return torch.device("cpu")
-    ok, why = cuda_status()
+    from pagedcli.backends.cuda import cuda_available  # imports CuPy only when asked
+
+    ok, why = cuda_available()
     if requested == "cuda" and not ok:
         raise UsageError(f"--device cuda: {why}", "use --device cpu, or install pagedcli[cuda] on a machine with an NVIDIA GPU")
     return torch.device("cuda") if ok else torch.device("cpu")

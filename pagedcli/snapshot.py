@@ -64,16 +64,10 @@ class CacheSnapshot:
         return next((s for s in self.slots if s.slot == slot), None)
 
     @property
-    def wasted_token_slots(self) -> int:
-        """Internal fragmentation: token slots allocated but not (yet) written, over all layers."""
-        bs, layers = self.geometry.block_size, self.geometry.num_layers
-        return sum((s.num_blocks * bs - s.num_cached) * layers for s in self.slots)
-
-    @property
-    def contiguous_token_slots(self) -> int:
-        """What a contiguous cache reserving the maximum length per running sequence would hold
-        (the PagedAttention paper's comparison), over all layers."""
-        return len(self.slots) * self.max_model_len * self.geometry.num_layers
+    def contiguous_tokens(self) -> int:
+        """Token slots (one layer) a contiguous cache reserving the maximum length per running
+        sequence would hold: the PagedAttention paper's comparison."""
+        return len(self.slots) * self.max_model_len
 
 
 def take_snapshot(engine) -> CacheSnapshot:

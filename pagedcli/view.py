@@ -137,9 +137,8 @@ def waste_lines(snap: CacheSnapshot) -> list[Text]:
     contiguous cache reserving the maximum length for each sequence leaves unused: the comparison
     the PagedAttention paper makes. Tokens are counted in one layer; bytes over all layers.
 
-    Counted over the blocks in use, so a block shared by several sequences counts once (the
-    snapshot's `wasted_token_slots` counts it once per sequence). Only a sequence's last block
-    can be partial; forked sequences may share it until one writes into it."""
+    Counted over the blocks in use, so a block shared by several sequences counts once. Only a
+    sequence's last block can be partial; forked sequences may share it until one writes into it."""
     geo = snap.geometry
     bs = geo.block_size
     paged = snap.num_used_blocks // geo.num_layers * bs
@@ -149,7 +148,7 @@ def waste_lines(snap: CacheSnapshot) -> list[Text]:
             block = s.table[0][-1]
             last_fill[block] = max(last_fill.get(block, 0), s.fill(s.num_blocks - 1, bs))
     unused = sum(bs - fill for fill in last_fill.values())
-    contiguous = snap.contiguous_token_slots // geo.num_layers
+    contiguous = snap.contiguous_tokens
     held = sum(s.num_blocks for s in snap.slots) * bs
     shared = f", {held - paged:,} tokens held once for several sequences" if held > paged else ""
 

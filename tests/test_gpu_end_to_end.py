@@ -14,9 +14,9 @@ from pagedcli.sequence import SamplingParams
 
 
 def _cuda_ready() -> bool:
-    from pagedcli.loader import cuda_status
+    from pagedcli.backends.cuda import cuda_available
 
-    return cuda_status()[0]
+    return cuda_available()[0]
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_ready(), reason="needs CUDA and CuPy")]
