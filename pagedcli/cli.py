@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from pagedcli.errors import PagedCliError, RunError, UsageError
 
@@ -89,13 +90,13 @@ def friendly_errors(fn):
 
 
 def fail(e: PagedCliError):
-    err.print(f"[bold red]error:[/bold red] {e.message}" + (f" [dim]({e.hint})[/dim]" if e.hint else ""),
-              markup=True, soft_wrap=True)
+    hint = f" [dim]({escape(e.hint)})[/dim]" if e.hint else ""  # messages may hold [brackets]
+    err.print(f"[bold red]error:[/bold red] {escape(e.message)}{hint}", markup=True, soft_wrap=True)
     raise typer.Exit(e.exit_code)
 
 
 def notice(text: str) -> None:
-    err.print(f"[dim]{text}[/dim]", soft_wrap=True)
+    err.print(f"[dim]{escape(text)}[/dim]", soft_wrap=True)
 
 
 def engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager,
@@ -133,7 +134,7 @@ def start_requests(opts, prompts, prompt_file, chat, sampling: dict, samples, co
     seqs = gen.add_requests(loaded.engine, loaded.tokenizer, texts, params, use_chat, samples)
     for s in seqs:
         if s.error and s.id % samples == 0:  # one line per prompt, not per answer
-            err.print(f"[bold red]error:[/bold red] prompt {s.id // samples + 1}: {s.error}", soft_wrap=True)
+            err.print(f"[bold red]error:[/bold red] prompt {s.id // samples + 1}: {escape(s.error)}", soft_wrap=True)
     return loaded, seqs, use_chat
 
 

@@ -93,4 +93,5 @@ def test_cuda_without_a_gpu_is_one_line():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     code, _, stderr = run("--device", "cuda", "--model", "demo", "hi")
-    assert code == 2 and "--device cuda" in stderr and len(stderr.strip().splitlines()) == 1
+    assert code == 2 and "--device cuda" in stderr and "pagedcli[cuda]" in stderr
+    assert len(stderr.strip().splitlines()) == 1
