@@ -71,7 +71,7 @@ class Engine:
         logits = self.runner.run(seqs, is_prefill)
         if is_prefill:
             seqs, logits = self.scheduler.fork(seqs, logits)
-        tokens = sample(logits, seqs)
+        tokens = sample(logits, seqs, self.runner.model.backend.argmax)
         now = time.perf_counter()
         for seq in seqs:
             if seq.first_token_time is None:

@@ -1,10 +1,11 @@
 """The Llama network: one forward pass serves prefill and decode alike.
 
 Tokens come packed ([T]: a whole prompt per sequence at prefill, one token per sequence at decode).
-The GEMMs are plain torch (cuBLAS on a GPU) on fused q/k/v and gate/up weights; everything that is
-not a GEMM goes through the backend (torch reference or our CUDA kernels), which also puts K/V into
-the paged cache and reads them back through the block table. The order of operations and of
-roundings is Hugging Face's LlamaForCausalLM, so the two agree token for token.
+Each GEMM goes through the backend together with the step before or after it (the torch reference
+does them one by one; the CUDA backend fuses them into one kernel at small batches and uses cuBLAS
+at large ones), on fused q/k/v and gate/up weights. The backend also puts K/V into the paged cache
+and reads them back through the block table. The order of operations and of roundings is Hugging
+Face's LlamaForCausalLM, so the two agree token for token.
 """
 
 from __future__ import annotations
@@ -27,17 +28,17 @@ class Llama:
         """Returns the logits of each sequence's last new token: [B, vocab], float32."""
         c, w, be = self.config, self.w, self.backend
         T = batch.token_ids.shape[0]
-        x, residual = w.embed[batch.token_ids], None  # [T, hidden]
+        residual = w.embed[batch.token_ids]  # [T, hidden]: the residual stream, one row per token
         for layer, lw in enumerate(w.layers):
-            h, residual = be.add_rms_norm(x, residual, lw.input_norm, c.rms_norm_eps)
-            q, k, v = (h @ lw.qkv.T).split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+            qkv = be.norm_linear(residual, lw.input_norm, lw.qkv, c.rms_norm_eps)
+            q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
             q = be.rope_write_kv(
                 layer, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
                 v.view(T, c.num_kv_heads, c.head_dim), batch,
             )
-            x = be.attend(layer, q, batch).reshape(T, c.q_dim) @ lw.o.T
-            h, residual = be.add_rms_norm(x, residual, lw.post_norm, c.rms_norm_eps)
-            x = be.silu_mul(h @ lw.gate_up.T) @ lw.down.T
-        last = batch.last_index
-        h, _ = be.add_rms_norm(x[last], residual[last], w.norm, c.rms_norm_eps)
-        return (h @ w.lm_head.T).float()
+            residual = be.linear_add(be.attend(layer, q, batch).reshape(T, c.q_dim), lw.o, residual)
+            gate_up = be.norm_linear(residual, lw.post_norm, lw.gate_up, c.rms_norm_eps)
+            residual = be.silu_linear_add(gate_up, lw.down, residual)
+        if batch.is_prefill:  # decode has one token per sequence: every row is a last one
+            residual = residual[batch.last_index]
+        return be.logits(residual, w.norm, w.lm_head, c.rms_norm_eps)

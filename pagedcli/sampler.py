@@ -11,9 +11,10 @@ import torch
 from pagedcli.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits: [B, vocab] float32, row b for seqs[b]."""
-    tokens = logits.argmax(dim=-1)
+def sample(logits: torch.Tensor, seqs: list[Sequence], argmax=None) -> list[int]:
+    """logits: [B, vocab] float32, row b for seqs[b]. argmax: the backend's (a faster kernel on a
+    GPU), else torch's."""
+    tokens = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
     for b in sampled:
         tokens[b] = _draw(logits[b], seqs[b])

@@ -7,11 +7,11 @@ before the kernels run (through the caching allocator, and the split-KV scratch 
 element a kernel forgets to write shows up.
 
 Tolerances:
-- RoPE + K/V write, add_rms_norm's residual, silu_mul: the kernels round exactly where torch rounds,
+- RoPE + K/V write, silu_mul: the kernels round exactly where torch rounds,
   and the products/sums involved are exact in fp32 before that rounding, so we expect identical
   bits. We allow one unit in the last place (a different but correct rounding of an fp32 result,
   e.g. expf implementations) and require >= 99.9 % of the elements to be bit-identical.
-- add_rms_norm's normed output: the fp32 sum of squares is accumulated in another order than torch's
+- rms_norm's output: the fp32 sum of squares is accumulated in another order than torch's
   and rsqrtf may differ by an ulp, which can move the rounded normalised value by one bf16 ulp, and
   the weight multiply by one more: 2 ulps (relative 2^-6 in bf16) and >= 99 % identical.
 - decode attention: ours accumulates in fp32 and rounds once, so against an fp64 reference it is
@@ -19,6 +19,10 @@ Tolerances:
   fp16), 1e-5 relative (fp32). The torch reference (SDPA in bf16) itself rounds scores and
   probabilities to bf16 (relative errors ~2^-8 per term), so against it we only ask
   max |diff| <= 2e-2 max |ref|.
+- gemv (a GEMM with its RMSNorm, silu-mul or residual add): the input it stages rounds as above; the
+  products accumulate in fp32 in an order of their own, so against an fp64 product of the same
+  staged input the result is within an ulp of the dtype plus fp32 accumulation error (bounded by
+  K * 2^-24 * sum |w x|), and mostly identical after rounding.
 """
 
 from __future__ import annotations
@@ -253,25 +257,19 @@ def test_decode_attend_one_split_merges_all_chunks(monkeypatch):
 @pytest.mark.parametrize("geometry", ["llama1b", "stories-fp32", "fp16"])
 @pytest.mark.parametrize("hidden", [2048, 64, 100, 8192])
 @pytest.mark.parametrize("rows", [1, 7])
-@pytest.mark.parametrize("first_layer", [True, False])
-def test_add_rms_norm(geometry, hidden, rows, first_layer, monkeypatch):
+def test_rms_norm(geometry, hidden, rows, monkeypatch):
     s = Setup(geometry, [16], seed=6)
     x = s.randn(rows, hidden, scale=3.0)
-    residual = None if first_layer else s.randn(rows, hidden, scale=3.0)
     weight = s.randn(hidden, scale=0.5) + 1
-    normed_ref, res_ref = s.ref.add_rms_norm(x, residual, weight, 1e-5)
-    forbid_torch_fallback(monkeypatch, "add_rms_norm")
-    poison_allocator((rows, hidden), (rows, hidden), dtype=s.dtype)
-    normed, res = s.cuda.add_rms_norm(x, residual, weight, 1e-5)
+    ref = s.ref.rms_norm(x, weight, 1e-5)
+    forbid_torch_fallback(monkeypatch, "rms_norm")
+    poison_allocator((rows, hidden), dtype=s.dtype)
+    out = s.cuda.rms_norm(x, weight, 1e-5)
     torch.cuda.synchronize()
-    if first_layer:
-        assert res is x
-    else:
-        assert torch.equal(res, res_ref)  # one rounding of an exact sum: identical bits
     if s.dtype == torch.float32:  # an ulp of difference in the statistics shows in most outputs
-        assert_ulp_close(normed, normed_ref, ulps=8.0, min_identical=0.0)
+        assert_ulp_close(out, ref, ulps=8.0, min_identical=0.0)
     else:
-        assert_ulp_close(normed, normed_ref, ulps=2.0, min_identical=0.99)
+        assert_ulp_close(out, ref, ulps=2.0, min_identical=0.99)
 
 
 @pytest.mark.parametrize("geometry", ["llama1b", "stories-fp32", "fp16"])
@@ -301,17 +299,19 @@ def test_decode_step_in_cuda_graph_replays_with_new_contents():
     c = s.config
     batch = s.decode_batch(first)
     hidden = c.hidden_size
-    x, resid = s.randn(B, hidden), s.randn(B, hidden)
+    x = s.randn(B, hidden)
     weight = s.randn(hidden, scale=0.5) + 1
+    w_qkv = s.randn(c.q_dim + 2 * c.kv_dim, hidden, scale=0.05)
+    w_down = s.randn(hidden, c.intermediate_size, scale=0.05)
     q_in, k_in, v_in = s.qkv(B)
     gate_up = s.randn(B, 2 * c.intermediate_size)
 
-    def step():
+    def step():  # what a decode layer launches: norm + qkv GEMV, RoPE + K/V write, attention, silu + down GEMV
         be = s.cuda
         be.prepare(batch)
-        h, r = be.add_rms_norm(x, resid, weight, 1e-5)
+        qkv = be.norm_linear(x, weight, w_qkv, 1e-5)
         q = be.rope_write_kv(layer, q_in, k_in, v_in, batch)
-        return h, r, q, be.attend(layer, q, batch), be.silu_mul(gate_up)
+        return qkv, q, be.attend(layer, q, batch), be.silu_linear_add(gate_up, w_down, x.clone())
 
     side = torch.cuda.Stream()  # warm up on a side stream, as torch.cuda.graph's docs advise
     side.wait_stream(torch.cuda.current_stream())
@@ -339,9 +339,9 @@ def test_decode_step_in_cuda_graph_replays_with_new_contents():
     s.ref.prepare(fresh)
     q_ref = s.ref.rope_write_kv(layer, q_in, k_in, v_in, fresh)
     out_ref = s.ref.attend(layer, q_ref, fresh)
-    assert_ulp_close(replayed[2], q_ref)
+    assert_ulp_close(replayed[1], q_ref)
     ref64 = reference_attention_fp64(s, layer, q_ref, later, new_slots)
-    assert_attention_close(replayed[3], ref64, out_ref)
+    assert_attention_close(replayed[2], ref64, out_ref)
 
 
 # --- (e) padding rows --------------------------------------------------------------------------
@@ -378,3 +378,102 @@ def test_padding_rows_write_nothing_and_stay_finite():
     assert torch.equal(s.cache.pool, after_padded)
     assert torch.equal(q_rot[real], q_real)
     torch.testing.assert_close(out[real].float(), out_real.float(), rtol=2.0**-7, atol=1e-3)
+
+
+# --- (f) GEMV with its neighbours fused (small decode batches) -------------------------------------
+
+GEMV_OPS = {  # op -> (backend method, input width for a K-column weight)
+    "norm_linear": lambda K: K,
+    "logits": lambda K: K,
+    "linear_add": lambda K: K,
+    "silu_linear_add": lambda K: 2 * K,
+}
+
+
+def gemv_reference(s, op, x, weight, norm_weight, residual):
+    """fp64 product of the input as the reference backend stages it (same roundings), then the
+    dtype's rounding and the epilogue; also the bound on fp32 accumulation error."""
+    if op in ("norm_linear", "logits"):
+        staged = s.ref.rms_norm(x, norm_weight, 1e-5)
+    elif op == "silu_linear_add":
+        staged = s.ref.silu_mul(x)
+    else:
+        staged = x
+    exact = staged.double() @ weight.double().T
+    slack = weight.shape[1] * 2.0**-24 * (staged.double().abs() @ weight.double().abs().T)
+    return exact, slack
+
+
+@pytest.mark.parametrize("geometry", ["llama1b", "fp16", "stories-fp32"])
+@pytest.mark.parametrize("op", list(GEMV_OPS))
+@pytest.mark.parametrize("rows", [1, 3, 8])
+# (N, K): qkv's; K past a whole tile; more rows than the GPU's warps take at once (as the LM
+# head's); tiny
+@pytest.mark.parametrize("shape", [(3072, 2048), (1001, 2056), (20000, 256), (64, 8)])
+def test_gemv_matches_fp64_reference(geometry, op, rows, shape, monkeypatch):
+    N, K = shape
+    s = Setup(geometry, [16], seed=10)
+    if rows * K * s.dtype.itemsize > cuda_backend.GEMV_MAX_SHARED:
+        pytest.skip("past gemv.cu's staging limit: cuBLAS (test_gemv_falls_back_past_its_limits)")
+    x = s.randn(rows, GEMV_OPS[op](K), scale=2.0)
+    weight = s.randn(N, K, scale=K**-0.5)
+    norm_weight = s.randn(K, scale=0.5) + 1
+    # the residual is a slice of a larger buffer: the rows past it must stay untouched
+    buffer = s.randn(rows + 2, N)
+    residual = buffer[:rows]
+    guard = buffer[rows:].clone()
+    exact, slack = gemv_reference(s, op, x, weight, norm_weight, residual)
+    before = residual.clone()
+
+    forbid_torch_fallback(monkeypatch, op)
+    method = getattr(s.cuda, op)
+    if op in ("norm_linear", "logits"):
+        out = method(x, norm_weight, weight, 1e-5)
+    else:
+        out = method(x, weight, residual)
+    torch.cuda.synchronize()
+
+    assert torch.isfinite(out.float()).all()
+    if op == "logits":
+        assert out.dtype == torch.float32
+        out = out.to(s.dtype)  # the logits are the dtype's product, stored as float: exact
+    if op.endswith("_add"):
+        assert out.data_ptr() == residual.data_ptr()  # in place, as the layer expects
+        assert torch.equal(buffer[rows:], guard)
+        product = out.double() - before.double()  # what was added (both sides rounded)
+        rounding = ULP[s.dtype] * (before.double().abs() + exact.abs())
+    else:
+        product = out.double()
+        rounding = ULP[s.dtype] * exact.abs()
+    excess = ((product - exact).abs() - rounding - slack).max().item()
+    assert excess <= 0, f"{op}: off the fp64 product by {excess} beyond an ulp plus accumulation error"
+    if op in ("norm_linear", "logits") and s.dtype != torch.float32:  # fp32 has no rounding to agree on
+        identical = (out == exact.to(s.dtype)).float().mean().item()
+        assert identical >= 0.9, f"only {identical:.1%} identical to the rounded fp64 product"
+
+
+def test_gemv_falls_back_past_its_limits():
+    s = Setup("llama1b", [16], seed=11)
+    weight = s.randn(256, 2048)
+    norm_weight = s.randn(2048) + 1
+    many_rows = s.randn(cuda_backend.GEMV_MAX_ROWS + 1, 2048)
+    assert s.cuda._gemv("rms_norm_store", many_rows, weight, norm_weight, 1e-5) is None
+    ref = s.ref.norm_linear(many_rows, norm_weight, weight, 1e-5)
+    torch.testing.assert_close(s.cuda.norm_linear(many_rows, norm_weight, weight, 1e-5), ref, rtol=2**-7, atol=1e-2)
+    odd = s.randn(1, 2049)[:, 1:]  # a row that is not 16-byte aligned
+    assert s.cuda._gemv("rms_norm_store", odd, weight, norm_weight, 1e-5) is None
+
+
+# --- (g) greedy argmax -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("vocab", [128256, 4097, 5])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_argmax_matches_torch_including_ties(vocab, rows, monkeypatch):
+    s = Setup("llama1b", [16], seed=13)
+    logits = torch.randn(rows, vocab, generator=s.gen, device=DEVICE) - 5.0  # mostly negative
+    if vocab > 4:
+        logits[0, vocab - 1] = logits[0, 1] = 50.0  # a tie in different CTAs' chunks: the first wins
+        logits[-1, :] = -1.0  # all equal: index 0
+    forbid_torch_fallback(monkeypatch, "argmax")
+    for _ in range(2):  # the second launch finds its keys and counters reset
+        assert torch.equal(s.cuda.argmax(logits), logits.argmax(dim=-1))

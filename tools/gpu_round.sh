@@ -4,6 +4,7 @@
 #
 #   tools/prepare_gpu_assets.sh          # here: copy ../shared assets into .gpu/ (git-ignored)
 #   TRAIN=1 tools/gpu_round.sh           # there (the device tool carries .gpu/)
+#   TUNE=1 BENCH=0 TESTS=tests/test_cuda_kernels.py tools/gpu_round.sh   # kernels, tunables, profile
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedcli-out}
 mkdir -p "$OUT"
@@ -29,6 +30,11 @@ if [ -n "${TRAIN_PID:-}" ]; then
   wait "$TRAIN_PID"
   tail -5 "$OUT/train.log"
   tar czf "$OUT/demo.tgz" -C /tmp demo
+fi
+
+if [ "${TUNE:-0}" = 1 ]; then
+  log "batch-1 decode under the backend's tunables, then a kernel profile"
+  timeout "${TUNE_TIMEOUT:-240}" python3 tools/tune_decode.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.txt"
 fi
 
 if [ "${BENCH:-1}" = 1 ]; then

@@ -5,7 +5,11 @@ What runs where:
                       (prefill and decode alike);
 - `attend`         -> paged_attention.cu at decode (one split-KV kernel that also merges); prefill keeps
                       the inherited torch gather + SDPA, which also reads through the block table;
-- `add_rms_norm`, `silu_mul` -> elementwise.cu.
+- `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs;
+- `norm_linear`, `linear_add`, `silu_linear_add`, `logits` -> gemv.cu at batches of up to
+                      GEMV_MAX_ROWS rows: one kernel per GEMM with its RMSNorm, SiLU-mul or residual
+                      add fused in; larger batches use cuBLAS beside elementwise.cu's `rms_norm` and
+                      `silu_mul`.
 
 Kernels are compiled once per geometry (the `-D` defines from `CacheGeometry.defines()`, plus the
 head count and the dtype) and cached in-process; CuPy also caches the binaries on disk. Every
@@ -46,6 +50,15 @@ SPLIT_CTAS_PER_SM = 32  # cap on decode CTAs (per SM) when choosing the number o
 MIN_SPAN = 128  # fewest context tokens a decode split takes (shorter ones cost more than they save)
 KV_WRITE_THREADS = 128
 SILU_THREADS = 256
+ARGMAX_THREADS = 256
+ARGMAX_CHUNK = 4096  # logits per argmax CTA
+GEMV_ROW_BUCKETS = (1, 2, 4, 8)  # gemv.cu is compiled for these row counts; a batch takes the next one up
+GEMV_MAX_ROWS = GEMV_ROW_BUCKETS[-1]  # larger batches: cuBLAS (the GEMM is no longer a read of W alone)
+GEMV_THREADS = 256
+GEMV_UNROLL = 4  # 16-byte loads per lane per tile (and as many for the next tile, in flight meanwhile)
+GEMV_MIN_CTAS = 4  # CTAs per SM the registers must allow
+GEMV_CTAS_PER_SM = 4  # CTAs launched per SM, each looping over its rows: one wave
+GEMV_MAX_SHARED = 64 * 1024  # bytes of staged input per CTA (rows x K); more: cuBLAS
 VEC_BYTES = 16  # the kernels' vector width (uint4)
 COMPILE_OPTIONS = ("-std=c++17",)  # no fast math: expf/rsqrtf/division keep their accuracy
 
@@ -85,6 +98,13 @@ def kernel_source(name: str) -> str:
         return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
 
     return expand(name)
+
+
+def gemv_kernel_names():
+    """The kernels gemv.cu defines: one per row bucket and fused op (its GEMV_KERNELS macro)."""
+    for rows in GEMV_ROW_BUCKETS:
+        for op in ("rms_norm_store", "rms_norm_float", "plain_add", "silu_mul_add"):
+            yield f"gemv_{rows}_{op}"
 
 
 def heads_per_cta(gqa: int) -> int:
@@ -160,20 +180,24 @@ class CudaBackend(TorchBackend):
             ("ATTN_MIN_SPAN", MIN_SPAN),
             ("ATTN_MIN_CTAS", MIN_CTAS_SMALL_Q if self.heads_per_cta <= 4 else MIN_CTAS_LARGE_Q),
         )
+        gemv = dtype + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS))
         d = self.device_index
         self.kernels = {
             **_compile("kv_write.cu", model, ("rope_write_kv",), d),
             **_compile("paged_attention.cu", attention, ("paged_attention_decode",), d),
             **_compile("elementwise.cu", dtype,
-                       ("add_rms_norm_vec", "add_rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"), d),
+                       ("rms_norm_vec", "rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"), d),
+            **_compile("gemv.cu", gemv, tuple(gemv_kernel_names()), d),
+            **_compile("argmax.cu", dtype + (("ARGMAX_THREADS", ARGMAX_THREADS),), ("argmax_rows",), d),
         }
         self.decode_ctas_per_sm = self._resident_ctas("paged_attention_decode", ATTN_THREADS)  # for reports
         self._cupy_device = cupy.cuda.Device(d)
         self._streams: dict[int, object] = {}  # torch stream handle -> cupy.cuda.ExternalStream
         self._scratch: dict[int, tuple] = {}  # batch size -> (splits, partial out/max/sum, merge counters)
+        self._argmax_scratch: dict[int, tuple] = {}  # batch size -> (keys, counters), zero between launches
 
     # --- launching ----------------------------------------------------------------------------
-    def _launch(self, kernel: str, grid: tuple, block: tuple, args: tuple) -> None:
+    def _launch(self, kernel: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
         """Launch on torch's current stream (the capture stream while a CUDA graph is captured)."""
         import cupy
 
@@ -184,7 +208,7 @@ class CudaBackend(TorchBackend):
                 warnings.simplefilter("ignore", DeprecationWarning)
                 stream = self._streams[handle] = cupy.cuda.ExternalStream(handle, self.device_index)
         with self._cupy_device, stream:
-            self.kernels[kernel](grid, block, args)
+            self.kernels[kernel](grid, block, args, shared_mem=shared_mem)
 
     def _resident_ctas(self, kernel: str, threads: int) -> int:
         """CTAs of a compiled kernel one SM holds at once (registers, shared memory, threads)."""
@@ -287,25 +311,19 @@ class CudaBackend(TorchBackend):
         ))
         return out
 
-    def add_rms_norm(self, x, residual, weight, eps):
-        if not self._fusable(x, weight) or (residual is not None and not self._same(residual, x)):
-            return super().add_rms_norm(x, residual, weight, eps)
+    def rms_norm(self, x, weight, eps):
         hidden = x.shape[-1]
         rows = x.numel() // hidden if hidden else 0
-        if rows == 0 or hidden != weight.numel():
-            return super().add_rms_norm(x, residual, weight, eps)
+        if not self._fusable(x, weight) or rows == 0 or hidden != weight.numel():
+            return super().rms_norm(x, weight, eps)
         x, weight = x.contiguous(), weight.contiguous()
-        residual = residual.contiguous() if residual is not None else None
         out = torch.empty_like(x)
-        new_residual = torch.empty_like(x) if residual is not None else x
-        tensors = (x, weight, out) + ((residual, new_residual) if residual is not None else ())
-        vec = self.vec if hidden % self.vec == 0 and _aligned(*tensors) else 1
+        vec = self.vec if hidden % self.vec == 0 and _aligned(x, weight, out) else 1
         threads = min(1024, max(32, -(-hidden // vec // 32) * 32))
-        self._launch(f"add_rms_norm_{'vec' if vec > 1 else 'scalar'}", (rows,), (threads,), (
-            _ptr(x), _ptr(residual), _ptr(weight), _ptr(out),
-            _ptr(new_residual if residual is not None else None), np.int32(hidden), np.float32(eps),
+        self._launch(f"rms_norm_{'vec' if vec > 1 else 'scalar'}", (rows,), (threads,), (
+            _ptr(x), _ptr(weight), _ptr(out), np.int32(hidden), np.float32(eps),
         ))
-        return out, new_residual
+        return out
 
     def silu_mul(self, gate_up):
         if not self._fusable(gate_up) or gate_up.shape[-1] % 2:
@@ -323,14 +341,76 @@ class CudaBackend(TorchBackend):
         ))
         return out
 
+    def argmax(self, logits):
+        if not (logits.dtype == torch.float32 and logits.is_cuda and logits.device.index == self.device_index
+                and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[0] > 0):
+            return super().argmax(logits)
+        B, vocab = logits.shape
+        if B not in self._argmax_scratch:
+            z = {"device": logits.device}
+            self._argmax_scratch[B] = (torch.zeros(B, dtype=torch.int64, **z), torch.zeros(B, dtype=torch.int32, **z))
+        keys, counters = self._argmax_scratch[B]
+        tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
+        chunks = max(1, min(-(-vocab // ARGMAX_CHUNK), 4 * self.num_sms))
+        self._launch("argmax_rows", (chunks, B), (ARGMAX_THREADS,), (
+            _ptr(logits), np.int64(logits.stride(0)), np.int32(vocab), _ptr(tokens), _ptr(keys), _ptr(counters),
+        ))
+        return tokens
+
+    # --- GEMMs with what surrounds them: gemv.cu at small batches ---------------------------------
+    def norm_linear(self, x, norm_weight, weight, eps):
+        out = self._gemv("rms_norm_store", x, weight, norm_weight, eps)
+        return out if out is not None else super().norm_linear(x, norm_weight, weight, eps)
+
+    def logits(self, x, norm_weight, lm_head, eps):
+        out = self._gemv("rms_norm_float", x, lm_head, norm_weight, eps)
+        return out if out is not None else super().logits(x, norm_weight, lm_head, eps)
+
+    def linear_add(self, x, weight, residual):
+        out = self._gemv("plain_add", x, weight, residual=residual)
+        return out if out is not None else super().linear_add(x, weight, residual)
+
+    def silu_linear_add(self, gate_up, weight, residual):
+        out = self._gemv("silu_mul_add", gate_up, weight, residual=residual)
+        return out if out is not None else super().silu_linear_add(gate_up, weight, residual)
+
+    def _gemv(self, op: str, x, weight, norm_weight=None, eps=0.0, residual=None) -> torch.Tensor | None:
+        """x (or its RMSNorm / silu-mul, as `op` says) @ weight.T through gemv.cu; None when the
+        shapes are not gemv.cu's (too many rows, unaligned, other dtype): the caller uses cuBLAS."""
+        N, K = weight.shape
+        rows = x.shape[0] if x.dim() == 2 else 0
+        in_width = 2 * K if op == "silu_mul_add" else K
+        tensors = [t for t in (x, weight, norm_weight, residual) if t is not None]
+        if not (1 <= rows <= GEMV_MAX_ROWS and x.shape[1] == in_width and self._fusable(*tensors)
+                and K % self.vec == 0 and weight.is_contiguous() and x.stride(1) == 1
+                and x.stride(0) * x.element_size() % VEC_BYTES == 0 and _aligned(x, weight)
+                and (norm_weight is None or (norm_weight.is_contiguous() and _aligned(norm_weight)))):
+            return None
+        bucket = next(b for b in GEMV_ROW_BUCKETS if b >= rows)
+        shared = bucket * K * x.element_size()
+        if shared > GEMV_MAX_SHARED:
+            return None
+        if op.endswith("_add"):
+            if residual.shape != (rows, N) or not residual.is_contiguous():
+                return None
+            out = residual  # updated in place
+        else:
+            out = torch.empty((rows, N), dtype=torch.float32 if op.endswith("float") else x.dtype, device=x.device)
+        kernel = f"gemv_{bucket}_{op}"
+        if shared > 48 * 1024 and self.kernels[kernel].max_dynamic_shared_size_bytes < shared:
+            self.kernels[kernel].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED  # above CUDA's default 48 KiB
+        ctas = min(-(-N // (GEMV_THREADS // 32)), GEMV_CTAS_PER_SM * self.num_sms)
+        self._launch(kernel, (ctas,), (GEMV_THREADS,), (
+            _ptr(weight), np.int32(N), np.int32(K), np.int32(rows), _ptr(x), np.int64(x.stride(0)),
+            _ptr(norm_weight), np.float32(eps), _ptr(out), np.int64(out.stride(0)),
+        ), shared_mem=shared)
+        return out
+
     # --- helpers --------------------------------------------------------------------------------
     def _fusable(self, *tensors: torch.Tensor) -> bool:
         """Tensors our elementwise kernels take: the model dtype, on our GPU (else: torch fallback).
         (Compare device indices: torch.device("cuda") != torch.device("cuda", 0).)"""
         return all(t.dtype == self.dtype and t.is_cuda and t.device.index == self.device_index for t in tensors)
-
-    def _same(self, a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
     def _heads_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[T, heads, head_dim] with heads contiguous within a token (any token stride): the layout

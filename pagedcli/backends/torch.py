@@ -26,18 +26,38 @@ class TorchBackend:
         self.cos, self.sin = rope.cos.to(cache.geometry.dtype), rope.sin.to(cache.geometry.dtype)
         self._step: dict = {}  # per-step index tensors shared by all layers
 
-    # --- elementwise --------------------------------------------------------------------------
-    def add_rms_norm(self, x, residual, weight, eps):
-        """residual + x in x's dtype, then RMSNorm in float32, back to x's dtype before the weight
-        multiplies (transformers' order of roundings)."""
-        residual = x if residual is None else residual + x
-        r = residual.float()
+    # --- the layer's steps around its GEMMs ------------------------------------------------------
+    def rms_norm(self, x, weight, eps):
+        """RMSNorm in float32, back to x's dtype before the weight multiplies (transformers' order
+        of roundings)."""
+        r = x.float()
         r = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * r.to(x.dtype), residual
+        return weight * r.to(x.dtype)
 
     def silu_mul(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def norm_linear(self, x, norm_weight, weight, eps):
+        """RMSNorm(x) @ weight.T: the pre-norm of attention and of the MLP, with the GEMM after it."""
+        return self.rms_norm(x, norm_weight, eps) @ weight.T
+
+    def linear_add(self, x, weight, residual):
+        """residual + x @ weight.T: the attention output projection, back into the residual stream.
+        The residual may be updated in place: the caller uses only what is returned."""
+        return residual + x @ weight.T
+
+    def silu_linear_add(self, gate_up, weight, residual):
+        """residual + silu_mul(gate_up) @ weight.T: the MLP's down projection."""
+        return residual + self.silu_mul(gate_up) @ weight.T
+
+    def logits(self, x, norm_weight, lm_head, eps):
+        """The final norm and the LM head: float32 logits of the dtype's product."""
+        return self.norm_linear(x, norm_weight, lm_head, eps).float()
+
+    def argmax(self, logits):
+        """Greedy tokens: [B] int64, the first maximum of each row (as torch.argmax)."""
+        return logits.argmax(dim=-1)
 
     # --- positions and the cache --------------------------------------------------------------
     def prepare(self, batch: StepBatch) -> None:

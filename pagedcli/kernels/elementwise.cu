@@ -1,14 +1,14 @@
-// elementwise.cu: the two fused elementwise steps of a Llama layer.
+// elementwise.cu: the two elementwise steps of a Llama layer, for batches too large for gemv.cu
+// (which fuses them into its GEMV at small batches).
 //
-// add_rms_norm: new_residual = residual + x, normed = weight * RMSNorm(new_residual).
-// silu_mul:     out = silu(gate) * up, gate and up being the two halves of the last dimension.
+// rms_norm: out = weight * RMSNorm(x).
+// silu_mul: out = silu(gate) * up, gate and up being the two halves of the last dimension.
 //
-// At batch 1 a decode step is a few GEMMs and many tiny elementwise ops; fusing each group into one
-// kernel is what keeps the step near the weights' read time. Each kernel rounds where the torch
-// reference (pagedcli/backends/torch.py), computing in the model dtype, rounds:
-//   add_rms_norm: the sum rounded to the dtype; sum of squares in fp32 over the rounded residual;
-//                 the normalised value rounded, then multiplied by the weight and rounded again.
-//   silu_mul:     silu(gate) = gate / (1 + exp(-gate)) rounded, then times up, rounded.
+// Each kernel rounds where the torch reference (pagedcli/backends/torch.py), computing in the model
+// dtype, rounds:
+//   rms_norm: sum of squares in fp32; the normalised value rounded, then multiplied by the weight
+//             and rounded again.
+//   silu_mul: silu(gate) = gate / (1 + exp(-gate)) rounded, then times up, rounded.
 // __fmul_rn/__fadd_rn keep the compiler from fusing products and sums into FMAs where torch
 // computes them separately.
 //
@@ -19,35 +19,17 @@
 
 #define RMS_MAX_WARPS (1024 / WARP_SIZE)
 
-// residual + x for V elements from index i, rounded to the dtype (just x when residual is null).
+// One CTA per row. x, out: [rows, hidden] contiguous; weight: [hidden].
 template <int V>
-__device__ __forceinline__ void new_residual(const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
-                                             size_t i, float (&r)[V]) {
-    load_floats<V>(x + i, r);
-    if (residual != nullptr) {
-        float res[V];
-        load_floats<V>(residual + i, res);
-#pragma unroll
-        for (int j = 0; j < V; ++j) r[j] = round_to_dtype(__fadd_rn(res[j], r[j]));
-    }
-}
-
-// One CTA per row. x, residual, out, residual_out: [rows, hidden] contiguous; weight: [hidden].
-// residual == nullptr (the first layer): the residual stream starts as x itself, which the caller
-// returns as the new residual; residual_out is then unused.
-template <int V>
-__device__ __forceinline__ void add_rms_norm_impl(const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
-                                                  const scalar_t* __restrict__ weight, scalar_t* __restrict__ out,
-                                                  scalar_t* __restrict__ residual_out, int hidden, float eps) {
+__device__ __forceinline__ void rms_norm_impl(const scalar_t* __restrict__ x, const scalar_t* __restrict__ weight,
+                                              scalar_t* __restrict__ out, int hidden, float eps) {
     __shared__ float warp_sums[RMS_MAX_WARPS];
     const size_t base = (size_t)blockIdx.x * hidden;
 
-    // Pass 1: new residual (rounded to the dtype) and its sum of squares in fp32.
     float sum_sq = 0.0f;
     for (int i = threadIdx.x * V; i < hidden; i += blockDim.x * V) {
         float r[V];
-        new_residual<V>(x, residual, base + i, r);
-        if (residual != nullptr) store_floats<V>(residual_out + base + i, r);
+        load_floats<V>(x + base + i, r);
 #pragma unroll
         for (int j = 0; j < V; ++j) sum_sq = fmaf(r[j], r[j], sum_sq);
     }
@@ -58,11 +40,9 @@ __device__ __forceinline__ void add_rms_norm_impl(const scalar_t* __restrict__ x
     for (int w = 0; w < (int)(blockDim.x / WARP_SIZE); ++w) total += warp_sums[w];
     const float inv_rms = rsqrtf(__fadd_rn(total / (float)hidden, eps));
 
-    // Pass 2: recompute the residual from the inputs (bit for bit the same; re-reading our own
-    // output instead would need the inputs declared as possibly aliased).
     for (int i = threadIdx.x * V; i < hidden; i += blockDim.x * V) {
         float r[V], w[V];
-        new_residual<V>(x, residual, base + i, r);
+        load_floats<V>(x + base + i, r);
         load_floats<V>(weight + i, w);
 #pragma unroll
         for (int j = 0; j < V; ++j) r[j] = __fmul_rn(w[j], round_to_dtype(__fmul_rn(r[j], inv_rms)));
@@ -70,16 +50,16 @@ __device__ __forceinline__ void add_rms_norm_impl(const scalar_t* __restrict__ x
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_vec(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual, const scalar_t* __restrict__ weight,
-    scalar_t* __restrict__ out, scalar_t* __restrict__ residual_out, int hidden, float eps) {
-    add_rms_norm_impl<VEC>(x, residual, weight, out, residual_out, hidden, eps);
+extern "C" __global__ void __launch_bounds__(1024) rms_norm_vec(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ weight, scalar_t* __restrict__ out, int hidden,
+    float eps) {
+    rms_norm_impl<VEC>(x, weight, out, hidden, eps);
 }
 
-extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_scalar(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual, const scalar_t* __restrict__ weight,
-    scalar_t* __restrict__ out, scalar_t* __restrict__ residual_out, int hidden, float eps) {
-    add_rms_norm_impl<1>(x, residual, weight, out, residual_out, hidden, eps);
+extern "C" __global__ void __launch_bounds__(1024) rms_norm_scalar(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ weight, scalar_t* __restrict__ out, int hidden,
+    float eps) {
+    rms_norm_impl<1>(x, weight, out, hidden, eps);
 }
 
 // gate_up: [rows, 2 * inter] contiguous; out: [rows, inter]. Grid-stride over groups of V outputs.

@@ -1,0 +1,60 @@
+// argmax.cu: greedy decoding's argmax over each row of the float32 logits.
+//
+// torch's argmax reduces a 128k-wide row in one CTA (36 us on an H200 at batch 1, longer than
+// a transformer layer). Here each row is cut into gridDim.x chunks, one CTA each: the CTA reduces
+// its chunk to a key, and folds it into the row's key with one 64-bit atomicMax. The key orders by
+// value, then by the smaller index (torch returns the first maximum): (ordered float bits << 32) |
+// (0xffffffff - index). The last CTA of a row to finish writes the token and zeroes the row's key
+// and counter for the next launch.
+
+#include "common.cuh"
+
+#if !defined(ARGMAX_THREADS)
+#error "argmax.cu needs -DARGMAX_THREADS (pagedcli/backends/cuda.py)"
+#endif
+
+// Float bits as an unsigned integer that orders like the float (negative numbers reversed).
+__device__ __forceinline__ unsigned long long argmax_key(float value, int index) {
+    const unsigned int bits = __float_as_uint(value);
+    const unsigned int ordered = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+    return ((unsigned long long)ordered << 32) | (0xffffffffu - (unsigned int)index);
+}
+
+__device__ __forceinline__ unsigned long long warp_max_key(unsigned long long key) {
+#pragma unroll
+    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(FULL_MASK, key, off);
+        key = other > key ? other : key;
+    }
+    return key;
+}
+
+// grid (chunks, rows). logits: [rows, vocab], row_stride floats apart; tokens: [rows] int64.
+// keys, counters: [rows] each, zero before the launch and zero after it.
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(
+    const float* __restrict__ logits, long long row_stride, int vocab, long long* __restrict__ tokens,
+    unsigned long long* __restrict__ keys, unsigned int* __restrict__ counters) {
+    __shared__ unsigned long long warp_keys[ARGMAX_THREADS / WARP_SIZE];
+    const int row = blockIdx.y;
+    const int chunk = (vocab + gridDim.x - 1) / gridDim.x;
+    const int begin = blockIdx.x * chunk, end = min(vocab, begin + chunk);
+    const float* __restrict__ x = logits + row * row_stride;
+
+    unsigned long long best = 0;
+    for (int i = begin + threadIdx.x; i < end; i += ARGMAX_THREADS) {
+        const unsigned long long key = argmax_key(x[i], i);
+        best = key > best ? key : best;
+    }
+    best = warp_max_key(best);
+    if (threadIdx.x % WARP_SIZE == 0) warp_keys[threadIdx.x / WARP_SIZE] = best;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    for (int w = 1; w < ARGMAX_THREADS / WARP_SIZE; ++w) best = warp_keys[w] > best ? warp_keys[w] : best;
+    atomicMax(keys + row, best);
+    __threadfence();  // our key is in before we count ourselves done
+    if (atomicAdd(counters + row, 1u) == gridDim.x - 1) {  // the last CTA of this row
+        const unsigned long long final_key = atomicExch(keys + row, 0ull);
+        tokens[row] = (long long)(0xffffffffu - (unsigned int)(final_key & 0xffffffffu));
+        counters[row] = 0;
+    }
+}

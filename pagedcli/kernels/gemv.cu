@@ -1,0 +1,205 @@
+// gemv.cu: out = x @ W.T for a decode batch of a few rows (M <= GEMV_MAX_ROWS), fused with the
+// step before it and the step after it.
+//
+// At batch 1 a decode step is a chain of matrix-vector products: each weight byte is read once and
+// used M times, so the step costs the weights' read time plus whatever the chain wastes between
+// reads. At batch 1 on an H200, cuBLAS with separate norm/SiLU/add kernels reads qkv, o and down at
+// 1.3 to 2.4 TB/s. This kernel tries to keep the memory system busy from the first to the last byte:
+//   - one warp per weight row at a time, 16-byte loads, GEMV_UNROLL of them per lane in flight, and
+//     the next tile's loads issued before the current tile's arithmetic (double buffering in
+//     registers), across row boundaries too;
+//   - what comes before the product is done on the (small) input while it is staged in shared
+//     memory: RMSNorm (before qkv, gate/up and the LM head) or silu(gate) * up (before down);
+//     what comes after it is done as each row is written: the residual add (after o and down) or
+//     the float logits; the first weight tile is loaded before the input is staged.
+//
+// Rounding is the torch reference's: the input is rounded to the dtype after each elementwise step
+// as torch stores it (exactly elementwise.cu's formulas), products accumulate in fp32 (as cuBLAS),
+// and the result is rounded to the dtype once; the residual add rounds like torch's bf16 add.
+//
+// Shapes: W [N, K] row-major; `rows` input rows, at most the kernel's M; K % VEC == 0 and every row
+// 16-byte aligned (checked in Python, which falls back to cuBLAS otherwise). Dynamic shared memory:
+// M * K elements.
+
+#include "common.cuh"
+
+#if !defined(GEMV_THREADS) || !defined(GEMV_UNROLL) || !defined(GEMV_MIN_CTAS)
+#error "gemv.cu needs -DGEMV_THREADS -DGEMV_UNROLL -DGEMV_MIN_CTAS (pagedcli/backends/cuda.py)"
+#endif
+
+#define GEMV_WARPS (GEMV_THREADS / WARP_SIZE)
+#define TILE (WARP_SIZE * VEC * GEMV_UNROLL)  // elements of a row one warp reads per step
+
+// What the input rows are, before the product.
+#define IN_PLAIN 0     // x itself
+#define IN_RMS_NORM 1  // RMSNorm(residual) * norm_weight: in = the residual rows
+#define IN_SILU_MUL 2  // silu(gate) * up: in = the gate/up rows [gate (K) | up (K)]
+// What is written, after it.
+#define OUT_STORE 0  // out = x @ W.T, in the dtype
+#define OUT_ADD 1    // out += x @ W.T: out is the residual stream, updated in place
+#define OUT_FLOAT 2  // out = x @ W.T rounded to the dtype, stored as float (the logits)
+
+// in rows -> the M x K input of the product, in shared memory (each thread re-reads only the vectors
+// it wrote, except for the RMSNorm's sums, which cross a barrier).
+template <int M, int IN>
+__device__ __forceinline__ void stage_input(scalar_t* __restrict__ xs, int rows, const scalar_t* __restrict__ in,
+                                            long long in_stride, const scalar_t* __restrict__ norm_weight,
+                                            float eps, int K) {
+    const int vecs = K / VEC;
+    if constexpr (IN == IN_RMS_NORM) {
+        __shared__ float warp_sums[M][GEMV_WARPS];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float sum_sq = 0.0f;
+            for (int v = threadIdx.x; v < vecs && m < rows; v += GEMV_THREADS) {
+                const uint4 raw = *reinterpret_cast<const uint4*>(in + m * in_stride + v * VEC);
+                *reinterpret_cast<uint4*>(xs + (size_t)m * K + v * VEC) = raw;
+                float r[VEC];
+                unpack_vec(raw, r);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) sum_sq = fmaf(r[j], r[j], sum_sq);
+            }
+            sum_sq = warp_sum(sum_sq);
+            if (threadIdx.x % WARP_SIZE == 0) warp_sums[m][threadIdx.x / WARP_SIZE] = sum_sq;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float total = 0.0f;
+            for (int w = 0; w < GEMV_WARPS; ++w) total += warp_sums[m][w];
+            const float inv_rms = rsqrtf(__fadd_rn(total / (float)K, eps));
+            for (int v = threadIdx.x; v < vecs && m < rows; v += GEMV_THREADS) {
+                float r[VEC], w[VEC];
+                load_floats<VEC>(xs + (size_t)m * K + v * VEC, r);
+                load_floats<VEC>(norm_weight + v * VEC, w);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) r[j] = __fmul_rn(w[j], round_to_dtype(__fmul_rn(r[j], inv_rms)));
+                store_floats<VEC>(xs + (size_t)m * K + v * VEC, r);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            for (int v = threadIdx.x; v < vecs && m < rows; v += GEMV_THREADS) {
+                float x[VEC];
+                load_floats<VEC>(in + m * in_stride + v * VEC, x);
+                if constexpr (IN == IN_SILU_MUL) {
+                    float up[VEC];
+                    load_floats<VEC>(in + m * in_stride + K + v * VEC, up);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const float silu = round_to_dtype(__fdiv_rn(x[j], __fadd_rn(1.0f, expf(-x[j]))));
+                        x[j] = __fmul_rn(silu, up[j]);
+                    }
+                }
+                store_floats<VEC>(xs + (size_t)m * K + v * VEC, x);
+            }
+        }
+    }
+}
+
+// The GEMV_UNROLL vectors of row `row`, tile `tile` that this lane reads (zeros past K).
+__device__ __forceinline__ void load_tile(const scalar_t* __restrict__ W, int row, int tile, int K, int lane,
+                                          uint4 (&w)[GEMV_UNROLL]) {
+    const scalar_t* __restrict__ src = W + (size_t)row * K;
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; ++u) {
+        const int k = tile * TILE + (u * WARP_SIZE + lane) * VEC;
+        w[u] = k < K ? *reinterpret_cast<const uint4*>(src + k) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// M: the most input rows this instance takes (1, 2, 4, 8: one per CUDA-graph bucket); rows <= M.
+// grid: at most the CTAs the GPU holds at once (Python sizes it); warp w of CTA c takes rows
+// c * GEMV_WARPS + w, then every gridDim.x * GEMV_WARPS rows after it.
+// in: `rows` rows, in_stride elements apart; out: `rows` rows, out_stride elements apart (scalar_t,
+// or float for OUT_FLOAT); norm_weight and eps: for IN_RMS_NORM only.
+template <int M, int IN, int OUT>
+__device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int K, int rows,
+                                     const scalar_t* __restrict__ in, long long in_stride,
+                                     const scalar_t* __restrict__ norm_weight, float eps, void* out,
+                                     long long out_stride) {
+    extern __shared__ uint4 shared_input[];
+    scalar_t* __restrict__ xs = reinterpret_cast<scalar_t*>(shared_input);
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int row_step = gridDim.x * GEMV_WARPS;
+    const int tiles = (K + TILE - 1) / TILE;
+    int row = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP_SIZE;
+
+    // The first tile's loads go out before the input is staged: they are in flight meanwhile.
+    uint4 w[GEMV_UNROLL];
+    if (row < N) load_tile(W, row, 0, K, lane, w);
+    stage_input<M, IN>(xs, rows, in, in_stride, norm_weight, eps, K);
+    __syncthreads();
+
+    float acc[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+    for (int tile = 0; row < N;) {
+        // the next tile (this row's next, or the first of the warp's next row) is loaded before
+        // this tile's arithmetic
+        int next_row = row, next_tile = tile + 1;
+        if (next_tile == tiles) next_row += row_step, next_tile = 0;
+        uint4 next[GEMV_UNROLL];
+        if (next_row < N) load_tile(W, next_row, next_tile, K, lane, next);
+
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            const int k = tile * TILE + (u * WARP_SIZE + lane) * VEC;
+            if (k < K) {
+                float wf[VEC];
+                unpack_vec(w[u], wf);
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    if (M > 1 && m >= rows) break;
+                    float x[VEC];
+                    load_floats<VEC>(xs + (size_t)m * K + k, x);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) acc[m] = fmaf(wf[j], x[j], acc[m]);
+                }
+            }
+        }
+
+        if (next_tile == 0) {  // the row is complete: reduce across the warp, lane m writes row m
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const float total = warp_sum(acc[m]);
+                acc[m] = 0.0f;
+                if (lane == m && m < rows) {
+                    const size_t at = (size_t)m * out_stride + row;
+                    if constexpr (OUT == OUT_STORE) {
+                        static_cast<scalar_t*>(out)[at] = from_float(total);
+                    } else if constexpr (OUT == OUT_ADD) {
+                        scalar_t* const residual = static_cast<scalar_t*>(out) + at;
+                        *residual = from_float(__fadd_rn(to_float(*residual), round_to_dtype(total)));
+                    } else {
+                        static_cast<float*>(out)[at] = round_to_dtype(total);
+                    }
+                }
+            }
+        }
+        row = next_row, tile = next_tile;
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) w[u] = next[u];
+    }
+}
+
+// One kernel per (rows, input step, output step): gemv_<M>_<in>_<out>, e.g. gemv_1_rms_norm_store.
+#define GEMV_KERNEL(M, IN_NAME, IN, OUT_NAME, OUT)                                                           \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv_##M##_##IN_NAME##_##OUT_NAME( \
+        const scalar_t* __restrict__ W, int N, int K, int rows, const scalar_t* __restrict__ in,               \
+        long long in_stride, const scalar_t* __restrict__ norm_weight, float eps, void* out, long long out_stride) { \
+        gemv<M, IN, OUT>(W, N, K, rows, in, in_stride, norm_weight, eps, out, out_stride);                   \
+    }
+
+// The four combinations a Llama layer uses, for each batch-size bucket up to GEMV_MAX_ROWS.
+#define GEMV_KERNELS(M)                                    \
+    GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, store, OUT_STORE) \
+    GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, float, OUT_FLOAT) \
+    GEMV_KERNEL(M, plain, IN_PLAIN, add, OUT_ADD)           \
+    GEMV_KERNEL(M, silu_mul, IN_SILU_MUL, add, OUT_ADD)
+
+GEMV_KERNELS(1)
+GEMV_KERNELS(2)
+GEMV_KERNELS(4)
+GEMV_KERNELS(8)

@@ -1,0 +1,155 @@
+"""Batch-1 decode on the GPU under variants of the CUDA backend's tunables, then a kernel profile.
+
+    python3 tools/tune_decode.py [--output-len 256] [--profile-steps 32]
+
+Each variant sets module constants of pagedcli.backends.cuda, builds a fresh engine and times the
+workload `pagedcli bench` runs (random Llama-3.2-1B weights, 128-token prompt): the step as the
+engine sees it, and its CUDA graph replayed back to back (the GPU's part of it). Then each GEMM of
+a layer alone, ours against the cuBLAS path, and the kernels of one decode step with their time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+
+import torch
+
+import pagedcli.backends.cuda as cuda_backend
+from pagedcli.bench import Workload, measure_bandwidth, run_batch
+from pagedcli.loader import EngineOptions, build_engine, load_model
+from pagedcli.sequence import SamplingParams
+
+VARIANTS = {
+    "cublas (before)": {"GEMV_MAX_ROWS": 0},
+    "gemv (default)": {},
+    "attention: 4 split CTAs per SM": {"SPLIT_CTAS_PER_SM": 4},
+    "attention: min span 512": {"MIN_SPAN": 512},
+    "attention: 4 split CTAs per SM, min span 64": {"SPLIT_CTAS_PER_SM": 4, "MIN_SPAN": 64},
+    "gemv 3 ctas/sm": {"GEMV_CTAS_PER_SM": 3},
+}
+
+
+@contextlib.contextmanager
+def variant(settings: dict):
+    saved = {k: getattr(cuda_backend, k) for k in settings}
+    try:
+        for k, v in settings.items():
+            setattr(cuda_backend, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(cuda_backend, k, v)
+
+
+def graph_ms(graph, replays: int) -> float:
+    """Milliseconds per replay of a captured CUDA graph, replayed back to back after a warm-up."""
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def replay_ms(model, opts, replays: int = 200) -> float:
+    """GPU time of one batch-1 decode step: its CUDA graph replayed back to back (no host work
+    between steps), at a context of ~200 tokens."""
+    engine = build_engine(model, opts)
+    engine.runner.capture_graphs()
+    engine.add_request(list(range(1000, 1128)), SamplingParams(max_tokens=80, ignore_eos=True))
+    for _ in range(72):
+        engine.step()
+    return graph_ms(engine.runner.graphs.graph(1)[0], replays)
+
+
+def gemv_table(model, opts, calls: int = 20, replays: int = 10) -> None:
+    """Each GEMM of a layer at batch 1, alone: our fused GEMV against the cuBLAS path (our
+    norm/silu kernel, then torch.matmul), as a CUDA graph of `calls` back-to-back launches."""
+    from pagedcli.backends.torch import TorchBackend
+
+    engine = build_engine(model, opts)
+    be, w = engine.runner.model.backend, engine.runner.model.w
+    lw, dev, dtype = w.layers[0], model.device, model.dtype
+    K, inter = lw.qkv.shape[1], lw.down.shape[1]
+    x, attn = torch.randn(1, K, device=dev, dtype=dtype), torch.randn(1, lw.o.shape[1], device=dev, dtype=dtype)
+    gate_up = torch.randn(1, 2 * inter, device=dev, dtype=dtype)
+    residual = torch.zeros(1, K, device=dev, dtype=dtype)
+    ops = {
+        "qkv (rms_norm)": (lambda impl: impl.norm_linear(be, x, lw.input_norm, lw.qkv, 1e-5), lw.qkv),
+        "o (+residual)": (lambda impl: impl.linear_add(be, attn, lw.o, residual), lw.o),
+        "gate_up (rms_norm)": (lambda impl: impl.norm_linear(be, x, lw.post_norm, lw.gate_up, 1e-5), lw.gate_up),
+        "down (silu, +residual)": (lambda impl: impl.silu_linear_add(be, gate_up, lw.down, residual), lw.down),
+        "lm_head (rms_norm, float)": (lambda impl: impl.logits(be, x, w.norm, w.lm_head, 1e-5), w.lm_head),
+    }
+
+    def time_us(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        return graph_ms(graph, replays) * 1e3 / calls
+
+    print("\nGEMMs of a layer at batch 1, alone (us per call, GB/s of weights)")
+    for name, (call, weight) in ops.items():
+        nbytes = weight.numel() * weight.element_size()
+        times = {"gemv": time_us(lambda: call(type(be))), "cublas": time_us(lambda: call(TorchBackend))}
+        print(f"  {name:26s} {nbytes / 1e6:7.1f} MB  " + "  ".join(
+            f"{k} {t:7.2f} us {nbytes / t / 1e3:6.0f} GB/s" for k, t in times.items()), flush=True)
+
+
+def profile(model, opts, steps: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    engine = build_engine(model, opts)
+    engine.runner.capture_graphs()
+    seq = engine.add_request(list(range(1000, 1128)), SamplingParams(max_tokens=steps + 40, ignore_eos=True))
+    for _ in range(20):  # prefill and warm decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if getattr(e.device_type, "name", "") == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"\nkernels of {steps} decode steps (batch 1, context ~{len(seq)}): "
+          f"GPU busy {total / steps:.1f} us per step")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:20]:
+        print(f"  {e.self_device_time_total / steps:8.1f} us/step  {e.count // steps:4d}x  {e.key[:90]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--output-len", default="256")
+    ap.add_argument("--profile-steps", type=int, default=32)
+    ap.add_argument("--only", nargs="*", help="variant names to run (default: all)")
+    args = ap.parse_args()
+    opts = EngineOptions(model="random:llama-3.2-1b", device="cuda", batch=1)
+    model = load_model(opts)
+    bandwidth = measure_bandwidth(model.device)
+    work = Workload(input_len="128", output_len=args.output_len)
+    for name, settings in VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
+        with variant(settings):
+            r = run_batch(model, opts, 1, work, bandwidth)
+            gpu_ms = replay_ms(model, opts)
+        print(json.dumps({"variant": name, "decode_tokens_per_s": round(r["decode_tokens_per_s"], 1),
+                          "decode_step_ms": round(r["decode_step_ms"], 4), "graph_replay_ms": round(gpu_ms, 4),
+                          "roofline_fraction": round(r["roofline_fraction"], 3),
+                          "achieved_gb_per_s": round(r["achieved_gb_per_s"], 1)}), flush=True)
+    gemv_table(model, opts)
+    profile(model, opts, args.profile_steps)
+
+
+if __name__ == "__main__":
+    main()
