@@ -37,8 +37,8 @@ class Llama:
                 v.view(T, c.num_kv_heads, c.head_dim), batch,
             )
             residual = be.linear_add(be.attend(layer, q, batch).reshape(T, c.q_dim), lw.o, residual)
-            gate_up = be.norm_linear(residual, lw.post_norm, lw.gate_up, c.rms_norm_eps)
-            residual = be.silu_linear_add(gate_up, lw.down, residual)
+            act = be.norm_linear_silu(residual, lw.post_norm, lw.gate_up, c.rms_norm_eps)
+            residual = be.linear_add(act, lw.down, residual)
         if batch.is_prefill:  # decode has one token per sequence: every row is a last one
             residual = residual[batch.last_index]
         return be.logits(residual, w.norm, w.lm_head, c.rms_norm_eps)

@@ -70,7 +70,7 @@ def replay_ms(model, opts, replays: int = 200) -> float:
 
 def gemv_table(model, opts, calls: int = 20, replays: int = 10) -> None:
     """Each GEMM of a layer at batch 1, alone: our fused GEMV against the cuBLAS path (our
-    norm/silu kernel, then torch.matmul), as a CUDA graph of `calls` back-to-back launches."""
+    norm/silu kernels around torch.matmul), as a CUDA graph of `calls` back-to-back launches."""
     from pagedcli.backends.torch import TorchBackend
 
     engine = build_engine(model, opts)
@@ -78,13 +78,14 @@ def gemv_table(model, opts, calls: int = 20, replays: int = 10) -> None:
     lw, dev, dtype = w.layers[0], model.device, model.dtype
     K, inter = lw.qkv.shape[1], lw.down.shape[1]
     x, attn = torch.randn(1, K, device=dev, dtype=dtype), torch.randn(1, lw.o.shape[1], device=dev, dtype=dtype)
-    gate_up = torch.randn(1, 2 * inter, device=dev, dtype=dtype)
+    act = torch.randn(1, inter, device=dev, dtype=dtype)
     residual = torch.zeros(1, K, device=dev, dtype=dtype)
     ops = {
         "qkv (rms_norm)": (lambda impl: impl.norm_linear(be, x, lw.input_norm, lw.qkv, 1e-5), lw.qkv),
         "o (+residual)": (lambda impl: impl.linear_add(be, attn, lw.o, residual), lw.o),
-        "gate_up (rms_norm)": (lambda impl: impl.norm_linear(be, x, lw.post_norm, lw.gate_up, 1e-5), lw.gate_up),
-        "down (silu, +residual)": (lambda impl: impl.silu_linear_add(be, gate_up, lw.down, residual), lw.down),
+        "gate_up (rms_norm, silu_mul)": (
+            lambda impl: impl.norm_linear_silu(be, x, lw.post_norm, lw.gate_up, 1e-5), lw.gate_up),
+        "down (+residual)": (lambda impl: impl.linear_add(be, act, lw.down, residual), lw.down),
         "lm_head (rms_norm, float)": (lambda impl: impl.logits(be, x, w.norm, w.lm_head, 1e-5), w.lm_head),
     }
 

@@ -3,8 +3,9 @@
 - `prepare(batch)`: once per step, whatever index tensors the layers share;
 - `norm_linear(x, norm_weight, weight, eps)`: RMSNorm(x) @ weight.T (qkv and gate/up, after their
   pre-norm); `logits(...)`: the same for the final norm and the LM head, as float32;
-- `linear_add(x, weight, residual)`: residual + x @ weight.T (the attention output projection);
-- `silu_linear_add(gate_up, weight, residual)`: residual + (silu(gate) * up) @ weight.T (the MLP's down);
+- `norm_linear_silu(x, norm_weight, gate_up, eps)`: silu(gate) * up of RMSNorm(x) @ gate_up.T (the
+  MLP's first half);
+- `linear_add(x, weight, residual)`: residual + x @ weight.T (the o and down projections);
 - `argmax(logits)`: greedy tokens;
 - `rope_write_kv(layer, q, k, v, batch)`: rotary embedding on q and k, then k and v into their cache
   blocks through the block table; returns the rotated q;

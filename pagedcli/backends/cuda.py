@@ -6,7 +6,7 @@ What runs where:
 - `attend`         -> paged_attention.cu at decode (one split-KV kernel that also merges); prefill keeps
                       the inherited torch gather + SDPA, which also reads through the block table;
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs;
-- `norm_linear`, `linear_add`, `silu_linear_add`, `logits` -> gemv.cu at batches of up to
+- `norm_linear`, `norm_linear_silu`, `linear_add`, `logits` -> gemv.cu at batches of up to
                       GEMV_MAX_ROWS rows: one kernel per GEMM with its RMSNorm, SiLU-mul or residual
                       add fused in; larger batches use cuBLAS beside elementwise.cu's `rms_norm` and
                       `silu_mul`.
@@ -103,7 +103,7 @@ def kernel_source(name: str) -> str:
 def gemv_kernel_names():
     """The kernels gemv.cu defines: one per row bucket and fused op (its GEMV_KERNELS macro)."""
     for rows in GEMV_ROW_BUCKETS:
-        for op in ("rms_norm_store", "rms_norm_float", "plain_add", "silu_mul_add"):
+        for op in ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add"):
             yield f"gemv_{rows}_{op}"
 
 
@@ -366,22 +366,24 @@ class CudaBackend(TorchBackend):
         out = self._gemv("rms_norm_float", x, lm_head, norm_weight, eps)
         return out if out is not None else super().logits(x, norm_weight, lm_head, eps)
 
+    def norm_linear_silu(self, x, norm_weight, gate_up, eps):
+        out = self._gemv("rms_norm_silu_mul", x, gate_up, norm_weight, eps)
+        return out if out is not None else super().norm_linear_silu(x, norm_weight, gate_up, eps)
+
     def linear_add(self, x, weight, residual):
         out = self._gemv("plain_add", x, weight, residual=residual)
         return out if out is not None else super().linear_add(x, weight, residual)
 
-    def silu_linear_add(self, gate_up, weight, residual):
-        out = self._gemv("silu_mul_add", gate_up, weight, residual=residual)
-        return out if out is not None else super().silu_linear_add(gate_up, weight, residual)
-
     def _gemv(self, op: str, x, weight, norm_weight=None, eps=0.0, residual=None) -> torch.Tensor | None:
-        """x (or its RMSNorm / silu-mul, as `op` says) @ weight.T through gemv.cu; None when the
+        """x (or its RMSNorm) @ weight.T through gemv.cu, followed by what `op` says; None when the
         shapes are not gemv.cu's (too many rows, unaligned, other dtype): the caller uses cuBLAS."""
         N, K = weight.shape
         rows = x.shape[0] if x.dim() == 2 else 0
-        in_width = 2 * K if op == "silu_mul_add" else K
+        paired = op.endswith("silu_mul")  # a gate row and an up row make one output
+        units = N // 2 if paired else N
         tensors = [t for t in (x, weight, norm_weight, residual) if t is not None]
-        if not (1 <= rows <= GEMV_MAX_ROWS and x.shape[1] == in_width and self._fusable(*tensors)
+        if not (1 <= rows <= GEMV_MAX_ROWS and x.shape[1] == K and not (paired and N % 2)
+                and self._fusable(*tensors)
                 and K % self.vec == 0 and weight.is_contiguous() and x.stride(1) == 1
                 and x.stride(0) * x.element_size() % VEC_BYTES == 0 and _aligned(x, weight)
                 and (norm_weight is None or (norm_weight.is_contiguous() and _aligned(norm_weight)))):
@@ -395,11 +397,11 @@ class CudaBackend(TorchBackend):
                 return None
             out = residual  # updated in place
         else:
-            out = torch.empty((rows, N), dtype=torch.float32 if op.endswith("float") else x.dtype, device=x.device)
+            out = torch.empty((rows, units), dtype=torch.float32 if op.endswith("float") else x.dtype, device=x.device)
         kernel = f"gemv_{bucket}_{op}"
         if shared > 48 * 1024 and self.kernels[kernel].max_dynamic_shared_size_bytes < shared:
             self.kernels[kernel].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED  # above CUDA's default 48 KiB
-        ctas = min(-(-N // (GEMV_THREADS // 32)), GEMV_CTAS_PER_SM * self.num_sms)
+        ctas = min(-(-units // (GEMV_THREADS // 32)), GEMV_CTAS_PER_SM * self.num_sms)
         self._launch(kernel, (ctas,), (GEMV_THREADS,), (
             _ptr(weight), np.int32(N), np.int32(K), np.int32(rows), _ptr(x), np.int64(x.stride(0)),
             _ptr(norm_weight), np.float32(eps), _ptr(out), np.int64(out.stride(0)),

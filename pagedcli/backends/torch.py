@@ -47,9 +47,9 @@ class TorchBackend:
         The residual may be updated in place: the caller uses only what is returned."""
         return residual + x @ weight.T
 
-    def silu_linear_add(self, gate_up, weight, residual):
-        """residual + silu_mul(gate_up) @ weight.T: the MLP's down projection."""
-        return residual + self.silu_mul(gate_up) @ weight.T
+    def norm_linear_silu(self, x, norm_weight, gate_up, eps):
+        """silu(gate) * up of RMSNorm(x) @ gate_up.T: the MLP's first half, with its pre-norm."""
+        return self.silu_mul(self.norm_linear(x, norm_weight, gate_up, eps))
 
     def logits(self, x, norm_weight, lm_head, eps):
         """The final norm and the LM head: float32 logits of the dtype's product."""

@@ -9,9 +9,11 @@
 //     the next tile's loads issued before the current tile's arithmetic (double buffering in
 //     registers), across row boundaries too;
 //   - what comes before the product is done on the (small) input while it is staged in shared
-//     memory: RMSNorm (before qkv, gate/up and the LM head) or silu(gate) * up (before down);
-//     what comes after it is done as each row is written: the residual add (after o and down) or
-//     the float logits; the first weight tile is loaded before the input is staged.
+//     memory: RMSNorm (before qkv, gate/up and the LM head); what comes after it is done as each
+//     row is written: the residual add (after o and down), the float logits, or silu(gate) * up
+//     (after gate/up: one warp computes gate row i and up row i one after the other, so only the
+//     activation is written and down reads half as much); the first weight tile is loaded before
+//     the input is staged.
 //
 // Rounding is the torch reference's: the input is rounded to the dtype after each elementwise step
 // as torch stores it (exactly elementwise.cu's formulas), products accumulate in fp32 (as cuBLAS),
@@ -33,11 +35,11 @@
 // What the input rows are, before the product.
 #define IN_PLAIN 0     // x itself
 #define IN_RMS_NORM 1  // RMSNorm(residual) * norm_weight: in = the residual rows
-#define IN_SILU_MUL 2  // silu(gate) * up: in = the gate/up rows [gate (K) | up (K)]
 // What is written, after it.
-#define OUT_STORE 0  // out = x @ W.T, in the dtype
-#define OUT_ADD 1    // out += x @ W.T: out is the residual stream, updated in place
-#define OUT_FLOAT 2  // out = x @ W.T rounded to the dtype, stored as float (the logits)
+#define OUT_STORE 0     // out = x @ W.T, in the dtype
+#define OUT_ADD 1       // out += x @ W.T: out is the residual stream, updated in place
+#define OUT_FLOAT 2     // out = x @ W.T rounded to the dtype, stored as float (the logits)
+#define OUT_SILU_MUL 3  // W = [gate (N/2 rows) | up (N/2 rows)]: out [rows, N/2] = silu(gate) * up
 
 // in rows -> the M x K input of the product, in shared memory (each thread re-reads only the vectors
 // it wrote, except for the RMSNorm's sums, which cross a barrier).
@@ -81,18 +83,8 @@ __device__ __forceinline__ void stage_input(scalar_t* __restrict__ xs, int rows,
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             for (int v = threadIdx.x; v < vecs && m < rows; v += GEMV_THREADS) {
-                float x[VEC];
-                load_floats<VEC>(in + m * in_stride + v * VEC, x);
-                if constexpr (IN == IN_SILU_MUL) {
-                    float up[VEC];
-                    load_floats<VEC>(in + m * in_stride + K + v * VEC, up);
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        const float silu = round_to_dtype(__fdiv_rn(x[j], __fadd_rn(1.0f, expf(-x[j]))));
-                        x[j] = __fmul_rn(silu, up[j]);
-                    }
-                }
-                store_floats<VEC>(xs + (size_t)m * K + v * VEC, x);
+                *reinterpret_cast<uint4*>(xs + (size_t)m * K + v * VEC) =
+                    *reinterpret_cast<const uint4*>(in + m * in_stride + v * VEC);
             }
         }
     }
@@ -109,9 +101,18 @@ __device__ __forceinline__ void load_tile(const scalar_t* __restrict__ W, int ro
     }
 }
 
+// silu(gate) * up with the reference's roundings: gate and up rounded as the GEMM's outputs, silu
+// rounded, the product rounded (elementwise.cu's formula).
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+    const float g = round_to_dtype(gate);
+    const float silu = round_to_dtype(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
+    return __fmul_rn(silu, round_to_dtype(up));
+}
+
 // M: the most input rows this instance takes (1, 2, 4, 8: one per CUDA-graph bucket); rows <= M.
-// grid: at most the CTAs the GPU holds at once (Python sizes it); warp w of CTA c takes rows
-// c * GEMV_WARPS + w, then every gridDim.x * GEMV_WARPS rows after it.
+// A warp works on one unit at a time: one weight row, or with OUT_SILU_MUL two (gate row i, then
+// up row i, at N/2 rows' distance). grid: at most the CTAs the GPU holds at once (Python sizes it);
+// warp w of CTA c takes unit c * GEMV_WARPS + w, then every gridDim.x * GEMV_WARPS units after it.
 // in: `rows` rows, in_stride elements apart; out: `rows` rows, out_stride elements apart (scalar_t,
 // or float for OUT_FLOAT); norm_weight and eps: for IN_RMS_NORM only.
 template <int M, int IN, int OUT>
@@ -119,29 +120,34 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
                                      const scalar_t* __restrict__ in, long long in_stride,
                                      const scalar_t* __restrict__ norm_weight, float eps, void* out,
                                      long long out_stride) {
+    constexpr int ROWS_PER_UNIT = OUT == OUT_SILU_MUL ? 2 : 1;
     extern __shared__ uint4 shared_input[];
     scalar_t* __restrict__ xs = reinterpret_cast<scalar_t*>(shared_input);
     const int lane = threadIdx.x % WARP_SIZE;
-    const int row_step = gridDim.x * GEMV_WARPS;
+    const int units = N / ROWS_PER_UNIT, unit_step = gridDim.x * GEMV_WARPS;
     const int tiles = (K + TILE - 1) / TILE;
-    int row = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP_SIZE;
+    const auto weight_row = [&](int unit, int part) { return unit + part * units; };
+    int unit = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP_SIZE;
 
     // The first tile's loads go out before the input is staged: they are in flight meanwhile.
     uint4 w[GEMV_UNROLL];
-    if (row < N) load_tile(W, row, 0, K, lane, w);
+    if (unit < units) load_tile(W, weight_row(unit, 0), 0, K, lane, w);
     stage_input<M, IN>(xs, rows, in, in_stride, norm_weight, eps, K);
     __syncthreads();
 
-    float acc[M];
+    float acc[M], first[M];  // first: the gate rows' results while the up rows are computed
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-    for (int tile = 0; row < N;) {
-        // the next tile (this row's next, or the first of the warp's next row) is loaded before
-        // this tile's arithmetic
-        int next_row = row, next_tile = tile + 1;
-        if (next_tile == tiles) next_row += row_step, next_tile = 0;
+    for (int m = 0; m < M; ++m) acc[m] = first[m] = 0.0f;
+    for (int part = 0, tile = 0; unit < units;) {
+        // the next tile (this row's next, the unit's next row, or the warp's next unit) is loaded
+        // before this tile's arithmetic
+        int next_unit = unit, next_part = part, next_tile = tile + 1;
+        if (next_tile == tiles) {
+            next_tile = 0;
+            if (++next_part == ROWS_PER_UNIT) next_part = 0, next_unit += unit_step;
+        }
         uint4 next[GEMV_UNROLL];
-        if (next_row < N) load_tile(W, next_row, next_tile, K, lane, next);
+        if (next_unit < units) load_tile(W, weight_row(next_unit, next_part), next_tile, K, lane, next);
 
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
@@ -160,31 +166,38 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
             }
         }
 
-        if (next_tile == 0) {  // the row is complete: reduce across the warp, lane m writes row m
+        if (next_tile == 0) {  // a row is complete: reduce across the warp, lane m writes row m
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 const float total = warp_sum(acc[m]);
                 acc[m] = 0.0f;
+                if (OUT == OUT_SILU_MUL && part == 0) {  // the gate: kept until the up row is done
+                    first[m] = total;
+                    continue;
+                }
                 if (lane == m && m < rows) {
-                    const size_t at = (size_t)m * out_stride + row;
+                    const size_t at = (size_t)m * out_stride + unit;
                     if constexpr (OUT == OUT_STORE) {
                         static_cast<scalar_t*>(out)[at] = from_float(total);
                     } else if constexpr (OUT == OUT_ADD) {
                         scalar_t* const residual = static_cast<scalar_t*>(out) + at;
                         *residual = from_float(__fadd_rn(to_float(*residual), round_to_dtype(total)));
-                    } else {
+                    } else if constexpr (OUT == OUT_FLOAT) {
                         static_cast<float*>(out)[at] = round_to_dtype(total);
+                    } else {
+                        static_cast<scalar_t*>(out)[at] = from_float(silu_mul(first[m], total));
                     }
                 }
             }
         }
-        row = next_row, tile = next_tile;
+        unit = next_unit, part = next_part, tile = next_tile;
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) w[u] = next[u];
     }
 }
 
-// One kernel per (rows, input step, output step): gemv_<M>_<in>_<out>, e.g. gemv_1_rms_norm_store.
+// One kernel per (rows, input step, output step): gemv_<M>_<in>_<out>, e.g. gemv_1_rms_norm_store;
+// pagedcli/backends/cuda.py's gemv_kernel_names() lists the same.
 #define GEMV_KERNEL(M, IN_NAME, IN, OUT_NAME, OUT)                                                           \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv_##M##_##IN_NAME##_##OUT_NAME( \
         const scalar_t* __restrict__ W, int N, int K, int rows, const scalar_t* __restrict__ in,               \
@@ -193,11 +206,11 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
     }
 
 // The four combinations a Llama layer uses, for each batch-size bucket up to GEMV_MAX_ROWS.
-#define GEMV_KERNELS(M)                                    \
-    GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, store, OUT_STORE) \
-    GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, float, OUT_FLOAT) \
-    GEMV_KERNEL(M, plain, IN_PLAIN, add, OUT_ADD)           \
-    GEMV_KERNEL(M, silu_mul, IN_SILU_MUL, add, OUT_ADD)
+#define GEMV_KERNELS(M)                                          \
+    GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, store, OUT_STORE)       \
+    GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, float, OUT_FLOAT)       \
+    GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, silu_mul, OUT_SILU_MUL) \
+    GEMV_KERNEL(M, plain, IN_PLAIN, add, OUT_ADD)
 
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)
