@@ -30,12 +30,7 @@ class Llama:
         T = batch.token_ids.shape[0]
         residual = w.embed[batch.token_ids]  # [T, hidden]: the residual stream, one row per token
         for layer, lw in enumerate(w.layers):
-            qkv = be.norm_linear(residual, lw.input_norm, lw.qkv, c.rms_norm_eps)
-            q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
-            q = be.rope_write_kv(
-                layer, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
-                v.view(T, c.num_kv_heads, c.head_dim), batch,
-            )
+            q = be.attention_inputs(layer, residual, lw.input_norm, lw.qkv, c.rms_norm_eps, batch)
             residual = be.linear_add(be.attend(layer, q, batch).reshape(T, c.q_dim), lw.o, residual)
             act = be.norm_linear_silu(residual, lw.post_norm, lw.gate_up, c.rms_norm_eps)
             residual = be.linear_add(act, lw.down, residual)

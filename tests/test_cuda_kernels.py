@@ -475,3 +475,40 @@ def test_argmax_matches_torch_including_ties(vocab, rows, monkeypatch):
     forbid_torch_fallback(monkeypatch, "argmax")
     for _ in range(2):  # the second launch finds its keys and counters reset
         assert torch.equal(s.cuda.argmax(logits), logits.argmax(dim=-1))
+
+
+# --- (h) the qkv GEMV with RoPE and the K/V write fused -------------------------------------------
+
+@pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32", "stories-fp32"])
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_fused_attention_inputs_equal_gemv_then_kv_write(geometry, phase, monkeypatch):
+    """The fused kernel's q and pool bytes are those of norm_linear followed by kv_write.cu: the
+    same sums, rounded the same way, written to the same rows (padding rows write nothing)."""
+    lengths = [40, 17, 300]
+    s = Setup(geometry, lengths, seed=14)
+    c, layer = s.config, 1
+    if phase == "decode":
+        batch = s.decode_batch(lengths)
+        batch.positions[1], batch.context_lens[1] = -1, 0  # a padding row
+    else:  # a small prefill: the last 3 and 2 tokens of two sequences
+        batch = StepBatch.build(True, s.slots[:2], [[5, 6, 7], [8, 9]], [37, 15], torch.device(DEVICE))
+    T = batch.token_ids.shape[0]
+    x = s.randn(T, c.hidden_size, scale=2.0)
+    qkv = s.randn(c.q_dim + 2 * c.kv_dim, c.hidden_size, scale=c.hidden_size**-0.5)
+    norm_weight = s.randn(c.hidden_size) + 1
+    pool0 = s.cache.pool.clone()
+
+    s.cuda.prepare(batch)
+    q, k, v = s.cuda.norm_linear(x, norm_weight, qkv, 1e-5).split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+    q_ref = s.cuda.rope_write_kv(layer, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
+                                 v.view(T, c.num_kv_heads, c.head_dim), batch)
+    torch.cuda.synchronize()
+    pool_ref = s.cache.pool.clone()
+    assert not torch.equal(pool_ref, pool0)  # the step wrote K/V
+
+    s.cache.pool.copy_(pool0)
+    forbid_torch_fallback(monkeypatch, "attention_inputs")
+    q_fused = s.cuda.attention_inputs(layer, x, norm_weight, qkv, 1e-5, batch)
+    torch.cuda.synchronize()
+    assert torch.equal(q_fused, q_ref)
+    assert torch.equal(s.cache.pool, pool_ref)

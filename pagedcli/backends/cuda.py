@@ -6,10 +6,11 @@ What runs where:
 - `attend`         -> paged_attention.cu at decode (one split-KV kernel that also merges); prefill keeps
                       the inherited torch gather + SDPA, which also reads through the block table;
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs;
-- `norm_linear`, `norm_linear_silu`, `linear_add`, `logits` -> gemv.cu at batches of up to
-                      GEMV_MAX_ROWS rows: one kernel per GEMM with its RMSNorm, SiLU-mul or residual
-                      add fused in; larger batches use cuBLAS beside elementwise.cu's `rms_norm` and
-                      `silu_mul`.
+- `attention_inputs`, `norm_linear_silu`, `linear_add`, `logits` (and `norm_linear`) -> gemv.cu at
+                      batches of up to
+                      GEMV_MAX_ROWS rows: one kernel per GEMM with its RMSNorm, SiLU-mul, residual
+                      add or RoPE and K/V write fused in; larger batches use cuBLAS beside
+                      elementwise.cu's `rms_norm` and `silu_mul`, and kv_write.cu.
 
 Kernels are compiled once per geometry (the `-D` defines from `CacheGeometry.defines()`, plus the
 head count and the dtype) and cached in-process; CuPy also caches the binaries on disk. Every
@@ -103,7 +104,7 @@ def kernel_source(name: str) -> str:
 def gemv_kernel_names():
     """The kernels gemv.cu defines: one per row bucket and fused op (its GEMV_KERNELS macro)."""
     for rows in GEMV_ROW_BUCKETS:
-        for op in ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add"):
+        for op in ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv"):
             yield f"gemv_{rows}_{op}"
 
 
@@ -180,7 +181,7 @@ class CudaBackend(TorchBackend):
             ("ATTN_MIN_SPAN", MIN_SPAN),
             ("ATTN_MIN_CTAS", MIN_CTAS_SMALL_Q if self.heads_per_cta <= 4 else MIN_CTAS_LARGE_Q),
         )
-        gemv = dtype + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS))
+        gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS))
         d = self.device_index
         self.kernels = {
             **_compile("kv_write.cu", model, ("rope_write_kv",), d),
@@ -276,19 +277,33 @@ class CudaBackend(TorchBackend):
         q_out = torch.empty((T, self.num_heads, self.head_dim), dtype=self.dtype, device=q.device)
         if T == 0:
             return q_out
-        table, slot_stride, max_blocks = self._layer_table(layer)
-        positions = batch.positions if batch.positions.dtype == torch.int64 else batch.positions.long()
-        token_seq = batch.token_seq if batch.token_seq.dtype == torch.int64 else batch.token_seq.long()
-        slots = batch.slots if batch.slots.dtype == torch.int32 else batch.slots.int()
         geo = self.cache.geometry  # work items per token: rotary pairs of q and k, V elements
         items = (self.num_heads + geo.num_kv_heads) * self.head_dim // 2 + geo.kv_dim
         self._launch("rope_write_kv", (T, -(-items // KV_WRITE_THREADS)), (KV_WRITE_THREADS,), (
             _ptr(q), _ptr(k), _ptr(v), np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0)),
+        ) + self._rope_kv_args(layer, batch, q_out))
+        return q_out
+
+    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch):
+        geo = self.cache.geometry
+        T = x.shape[0] if x.dim() == 2 else 0
+        if T == batch.positions.shape[0] and qkv.shape[0] == (self.num_heads + 2 * geo.num_kv_heads) * self.head_dim:
+            q_out = torch.empty((T, self.num_heads, self.head_dim), dtype=self.dtype, device=x.device)
+            if self._gemv("rms_norm_rope_kv", x, qkv, norm_weight, eps, rope_kv=(layer, batch, q_out)) is not None:
+                return q_out
+        return super().attention_inputs(layer, x, norm_weight, qkv, eps, batch)
+
+    def _rope_kv_args(self, layer: int, batch: StepBatch, q_out: torch.Tensor) -> tuple:
+        """kv_write.cu's arguments after q, k and v (gemv.cu's qkv epilogue takes the same)."""
+        table, slot_stride, max_blocks = self._layer_table(layer)
+        positions = batch.positions if batch.positions.dtype == torch.int64 else batch.positions.long()
+        token_seq = batch.token_seq if batch.token_seq.dtype == torch.int64 else batch.token_seq.long()
+        slots = batch.slots if batch.slots.dtype == torch.int32 else batch.slots.int()
+        return (
             _ptr(q_out), _ptr(self.cache.pool), table, slot_stride, max_blocks,
             _ptr(positions), _ptr(token_seq), _ptr(slots),
             _ptr(self.cos), _ptr(self.sin), np.int32(self.cos.shape[0]),
-        ))
-        return q_out
+        )
 
     def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         if batch.is_prefill:
@@ -374,12 +389,14 @@ class CudaBackend(TorchBackend):
         out = self._gemv("plain_add", x, weight, residual=residual)
         return out if out is not None else super().linear_add(x, weight, residual)
 
-    def _gemv(self, op: str, x, weight, norm_weight=None, eps=0.0, residual=None) -> torch.Tensor | None:
+    def _gemv(self, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
+              rope_kv: tuple | None = None) -> torch.Tensor | None:
         """x (or its RMSNorm) @ weight.T through gemv.cu, followed by what `op` says; None when the
-        shapes are not gemv.cu's (too many rows, unaligned, other dtype): the caller uses cuBLAS."""
+        shapes are not gemv.cu's (too many rows, unaligned, other dtype): the caller uses cuBLAS.
+        rope_kv: (layer, batch, q_out) for the qkv epilogue, which returns q_out."""
         N, K = weight.shape
         rows = x.shape[0] if x.dim() == 2 else 0
-        paired = op.endswith("silu_mul")  # a gate row and an up row make one output
+        paired = op.endswith(("silu_mul", "rope_kv"))  # units of two rows make one output pair
         units = N // 2 if paired else N
         tensors = [t for t in (x, weight, norm_weight, residual) if t is not None]
         if not (1 <= rows <= GEMV_MAX_ROWS and x.shape[1] == K and not (paired and N % 2)
@@ -396,16 +413,19 @@ class CudaBackend(TorchBackend):
             if residual.shape != (rows, N) or not residual.is_contiguous():
                 return None
             out = residual  # updated in place
+        elif rope_kv is not None:
+            out = rope_kv[2]
         else:
             out = torch.empty((rows, units), dtype=torch.float32 if op.endswith("float") else x.dtype, device=x.device)
+        tail = (_ptr(out), np.int64(out.stride(0))) if rope_kv is None else self._rope_kv_args(*rope_kv)
         kernel = f"gemv_{bucket}_{op}"
         if shared > 48 * 1024 and self.kernels[kernel].max_dynamic_shared_size_bytes < shared:
             self.kernels[kernel].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED  # above CUDA's default 48 KiB
         ctas = min(-(-units // (GEMV_THREADS // 32)), GEMV_CTAS_PER_SM * self.num_sms)
         self._launch(kernel, (ctas,), (GEMV_THREADS,), (
             _ptr(weight), np.int32(N), np.int32(K), np.int32(rows), _ptr(x), np.int64(x.stride(0)),
-            _ptr(norm_weight), np.float32(eps), _ptr(out), np.int64(out.stride(0)),
-        ), shared_mem=shared)
+            _ptr(norm_weight), np.float32(eps),
+        ) + tail, shared_mem=shared)
         return out
 
     # --- helpers --------------------------------------------------------------------------------

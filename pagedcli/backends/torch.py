@@ -21,6 +21,7 @@ class TorchBackend:
 
     def __init__(self, cache: KVCache, config: ModelConfig):
         self.cache = cache
+        self.config = config
         self.block_size = cache.geometry.block_size
         rope = RotaryTable(config, cache.max_model_len, cache.device)
         self.cos, self.sin = rope.cos.to(cache.geometry.dtype), rope.sin.to(cache.geometry.dtype)
@@ -46,6 +47,14 @@ class TorchBackend:
         """residual + x @ weight.T: the attention output projection, back into the residual stream.
         The residual may be updated in place: the caller uses only what is returned."""
         return residual + x @ weight.T
+
+    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch):
+        """RMSNorm(x) @ qkv.T, then RoPE on q and k and k, v into the cache: the rotated queries,
+        [T, heads, head_dim]."""
+        T, c = x.shape[0], self.config
+        q, k, v = self.norm_linear(x, norm_weight, qkv, eps).split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        return self.rope_write_kv(layer, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
+                                  v.view(T, c.num_kv_heads, c.head_dim), batch)
 
     def norm_linear_silu(self, x, norm_weight, gate_up, eps):
         """silu(gate) * up of RMSNorm(x) @ gate_up.T: the MLP's first half, with its pre-norm."""

@@ -12,8 +12,9 @@
 //     memory: RMSNorm (before qkv, gate/up and the LM head); what comes after it is done as each
 //     row is written: the residual add (after o and down), the float logits, or silu(gate) * up
 //     (after gate/up: one warp computes gate row i and up row i one after the other, so only the
-//     activation is written and down reads half as much); the first weight tile is loaded before
-//     the input is staged.
+//     activation is written and down reads half as much), or RoPE and the K/V write (after qkv: a
+//     warp computes the two rows of a rotary pair, rotates them and writes q, or k and v into their
+//     cache block, as kv_write.cu does); the first weight tile is loaded before the input is staged.
 //
 // Rounding is the torch reference's: the input is rounded to the dtype after each elementwise step
 // as torch stores it (exactly elementwise.cu's formulas), products accumulate in fp32 (as cuBLAS),
@@ -23,7 +24,7 @@
 // 16-byte aligned (checked in Python, which falls back to cuBLAS otherwise). Dynamic shared memory:
 // M * K elements.
 
-#include "common.cuh"
+#include "rope_kv.cuh"
 
 #if !defined(GEMV_THREADS) || !defined(GEMV_UNROLL) || !defined(GEMV_MIN_CTAS)
 #error "gemv.cu needs -DGEMV_THREADS -DGEMV_UNROLL -DGEMV_MIN_CTAS (pagedcli/backends/cuda.py)"
@@ -40,6 +41,54 @@
 #define OUT_ADD 1       // out += x @ W.T: out is the residual stream, updated in place
 #define OUT_FLOAT 2     // out = x @ W.T rounded to the dtype, stored as float (the logits)
 #define OUT_SILU_MUL 3  // W = [gate (N/2 rows) | up (N/2 rows)]: out [rows, N/2] = silu(gate) * up
+#define OUT_ROPE_KV 4   // W = qkv: rotated q to RopeKV::q_out, rotated k and v into the pool
+
+// Where OUT_ROPE_KV puts its results (kv_write.cu's arguments): row m of the input is token m.
+struct RopeKV {
+    scalar_t* q_out;  // [rows, NUM_HEADS, HEAD_DIM]
+    unsigned char* pool;
+    const int* table;  // this layer's block table
+    long long table_slot_stride;
+    int max_blocks;
+    const long long* positions;  // [rows]; negative: a padding row (q zeros, nothing written)
+    const long long* token_seq;  // [rows]: the sequence of each token
+    const int* slots;            // [sequences]
+    const scalar_t* cos_table;
+    const scalar_t* sin_table;
+    int max_positions;
+};
+
+// Token m's two outputs of rotary pair `unit` (head unit / HALF_DIM, element unit % HALF_DIM of
+// the qkv projection), as the GEMM would have stored them: rotated into q_out, or into the pool.
+__device__ __forceinline__ void rope_write_pair(const RopeKV& kv, int m, int unit, float x1, float x2) {
+    const int head = unit / HALF_DIM, d = unit % HALF_DIM;
+    const long long pos = kv.positions[m];
+    const bool valid = pos >= 0 && pos < kv.max_positions;
+    float out1 = 0.0f, out2 = 0.0f;
+    if (valid && head < NUM_HEADS + NUM_KV_HEADS) {
+        const scalar_t* cos_row = kv.cos_table + pos * HEAD_DIM;
+        const scalar_t* sin_row = kv.sin_table + pos * HEAD_DIM;
+        rotate_pair(x1, x2, to_float(cos_row[d]), to_float(cos_row[d + HALF_DIM]), to_float(sin_row[d]),
+                    to_float(sin_row[d + HALF_DIM]), out1, out2);
+    }
+    scalar_t* dst;
+    if (head < NUM_HEADS) {  // q: zeros for a padding row
+        dst = kv.q_out + ((size_t)m * NUM_HEADS + head) * HEAD_DIM;
+    } else {
+        unsigned char* const row =
+            valid ? kv_row(kv.pool, kv.table, kv.table_slot_stride, kv.max_blocks, kv.slots[kv.token_seq[m]], pos)
+                  : nullptr;
+        if (row == nullptr) return;
+        if (head < NUM_HEADS + NUM_KV_HEADS) {
+            dst = reinterpret_cast<scalar_t*>(row) + (head - NUM_HEADS) * HEAD_DIM;
+        } else {  // v: as it is
+            dst = reinterpret_cast<scalar_t*>(row + V_OFFSET) + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM;
+            out1 = x1, out2 = x2;
+        }
+    }
+    dst[d] = from_float(out1);
+    dst[d + HALF_DIM] = from_float(out2);
+}
 
 // in rows -> the M x K input of the product, in shared memory (each thread re-reads only the vectors
 // it wrote, except for the RMSNorm's sums, which cross a barrier).
@@ -110,23 +159,25 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
 }
 
 // M: the most input rows this instance takes (1, 2, 4, 8: one per CUDA-graph bucket); rows <= M.
-// A warp works on one unit at a time: one weight row, or with OUT_SILU_MUL two (gate row i, then
-// up row i, at N/2 rows' distance). grid: at most the CTAs the GPU holds at once (Python sizes it);
+// A warp works on one unit at a time: one weight row, or two with OUT_SILU_MUL (gate row i, then
+// up row i, N/2 rows apart) and OUT_ROPE_KV (element d of a head, then element d + HEAD_DIM/2). grid: at most the CTAs the GPU holds at once (Python sizes it);
 // warp w of CTA c takes unit c * GEMV_WARPS + w, then every gridDim.x * GEMV_WARPS units after it.
 // in: `rows` rows, in_stride elements apart; out: `rows` rows, out_stride elements apart (scalar_t,
-// or float for OUT_FLOAT); norm_weight and eps: for IN_RMS_NORM only.
+// or float for OUT_FLOAT); norm_weight and eps: for IN_RMS_NORM only; kv: for OUT_ROPE_KV only.
 template <int M, int IN, int OUT>
 __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int K, int rows,
                                      const scalar_t* __restrict__ in, long long in_stride,
                                      const scalar_t* __restrict__ norm_weight, float eps, void* out,
-                                     long long out_stride) {
-    constexpr int ROWS_PER_UNIT = OUT == OUT_SILU_MUL ? 2 : 1;
+                                     long long out_stride, const RopeKV& kv) {
+    constexpr int ROWS_PER_UNIT = OUT == OUT_SILU_MUL || OUT == OUT_ROPE_KV ? 2 : 1;
     extern __shared__ uint4 shared_input[];
     scalar_t* __restrict__ xs = reinterpret_cast<scalar_t*>(shared_input);
     const int lane = threadIdx.x % WARP_SIZE;
     const int units = N / ROWS_PER_UNIT, unit_step = gridDim.x * GEMV_WARPS;
     const int tiles = (K + TILE - 1) / TILE;
-    const auto weight_row = [&](int unit, int part) { return unit + part * units; };
+    // a unit's rows: `span` units make a run of 2 * span rows, its first rows then its second rows
+    const int span = OUT == OUT_ROPE_KV ? HALF_DIM : units;
+    const auto weight_row = [&](int unit, int part) { return (unit / span) * 2 * span + unit % span + part * span; };
     int unit = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP_SIZE;
 
     // The first tile's loads go out before the input is staged: they are in flight meanwhile.
@@ -171,7 +222,7 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
             for (int m = 0; m < M; ++m) {
                 const float total = warp_sum(acc[m]);
                 acc[m] = 0.0f;
-                if (OUT == OUT_SILU_MUL && part == 0) {  // the gate: kept until the up row is done
+                if (ROWS_PER_UNIT == 2 && part == 0) {  // kept until the unit's second row is done
                     first[m] = total;
                     continue;
                 }
@@ -184,8 +235,10 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
                         *residual = from_float(__fadd_rn(to_float(*residual), round_to_dtype(total)));
                     } else if constexpr (OUT == OUT_FLOAT) {
                         static_cast<float*>(out)[at] = round_to_dtype(total);
-                    } else {
+                    } else if constexpr (OUT == OUT_SILU_MUL) {
                         static_cast<scalar_t*>(out)[at] = from_float(silu_mul(first[m], total));
+                    } else {
+                        rope_write_pair(kv, m, unit, round_to_dtype(first[m]), round_to_dtype(total));
                     }
                 }
             }
@@ -202,15 +255,29 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv_##M##_##IN_NAME##_##OUT_NAME( \
         const scalar_t* __restrict__ W, int N, int K, int rows, const scalar_t* __restrict__ in,               \
         long long in_stride, const scalar_t* __restrict__ norm_weight, float eps, void* out, long long out_stride) { \
-        gemv<M, IN, OUT>(W, N, K, rows, in, in_stride, norm_weight, eps, out, out_stride);                   \
+        gemv<M, IN, OUT>(W, N, K, rows, in, in_stride, norm_weight, eps, out, out_stride, RopeKV{});         \
     }
 
-// The four combinations a Llama layer uses, for each batch-size bucket up to GEMV_MAX_ROWS.
+// qkv with RoPE and the K/V write: kv_write.cu's arguments instead of an output.
+#define GEMV_ROPE_KV_KERNEL(M)                                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv_##M##_rms_norm_rope_kv(      \
+        const scalar_t* __restrict__ W, int N, int K, int rows, const scalar_t* __restrict__ in,               \
+        long long in_stride, const scalar_t* __restrict__ norm_weight, float eps, scalar_t* q_out,           \
+        unsigned char* pool, const int* table, long long table_slot_stride, int max_blocks,                   \
+        const long long* positions, const long long* token_seq, const int* slots, const scalar_t* cos_table,  \
+        const scalar_t* sin_table, int max_positions) {                                                        \
+        const RopeKV kv{q_out, pool, table, table_slot_stride, max_blocks, positions, token_seq, slots,       \
+                        cos_table, sin_table, max_positions};                                                  \
+        gemv<M, IN_RMS_NORM, OUT_ROPE_KV>(W, N, K, rows, in, in_stride, norm_weight, eps, nullptr, 0, kv);    \
+    }
+
+// The combinations a Llama layer uses, for each batch-size bucket up to GEMV_MAX_ROWS.
 #define GEMV_KERNELS(M)                                          \
     GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, store, OUT_STORE)       \
     GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, float, OUT_FLOAT)       \
     GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, silu_mul, OUT_SILU_MUL) \
-    GEMV_KERNEL(M, plain, IN_PLAIN, add, OUT_ADD)
+    GEMV_KERNEL(M, plain, IN_PLAIN, add, OUT_ADD)                 \
+    GEMV_ROPE_KV_KERNEL(M)
 
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)

@@ -6,45 +6,12 @@
 // row p % BLOCK_SIZE. A block is [2][BLOCK_SIZE][NUM_KV_HEADS][HEAD_DIM]: K rows, then V rows
 // at V_OFFSET bytes.
 //
-// RoPE pairs element i with i + HEAD_DIM/2 ("rotate half", as Hugging Face Llama), so each thread
-// takes one pair and produces both outputs. The rounding order is the reference's in the model
-// dtype (pagedcli/rope.py: x * cos + rotate_half(x) * sin): each product rounded to the dtype, then
-// their sum rounded. The products of two bf16/fp16 numbers are exact in float, so the results match
-// torch bit for bit; __fmul_rn/__fadd_rn keep the compiler from fusing them into an FMA (which
-// would change the fp32 results).
+// RoPE's pairs and roundings, and the pool's layout: rope_kv.cuh.
 //
 // Tokens whose position is negative (padding rows of a CUDA-graph bucket) write nothing to the
 // pool; their rotated q is zeros, so that what follows stays finite.
 
-#include "common.cuh"
-
-#if !defined(BLOCK_SIZE) || !defined(NUM_KV_HEADS) || !defined(HEAD_DIM) || !defined(KV_DIM)
-#error "kv_write.cu needs -DBLOCK_SIZE -DNUM_KV_HEADS -DHEAD_DIM -DKV_DIM (CacheGeometry.defines())"
-#endif
-#if !defined(BLOCK_BYTES) || !defined(V_OFFSET)
-#error "kv_write.cu needs -DBLOCK_BYTES -DV_OFFSET (CacheGeometry.defines())"
-#endif
-#if !defined(NUM_HEADS)
-#error "kv_write.cu needs -DNUM_HEADS (the model's query heads)"
-#endif
-
-static_assert(KV_DIM == NUM_KV_HEADS * HEAD_DIM, "KV_DIM must be NUM_KV_HEADS * HEAD_DIM");
-static_assert(V_OFFSET == BLOCK_SIZE * KV_DIM * (int)sizeof(scalar_t), "V_OFFSET does not match the dtype");
-static_assert(BLOCK_BYTES == 2 * V_OFFSET, "BLOCK_BYTES must be K + V");
-static_assert(HEAD_DIM % 2 == 0, "rotary embedding needs an even head_dim");
-
-#define HALF_DIM (HEAD_DIM / 2)
-
-// out1 = x1*cos1 - x2*sin1, out2 = x2*cos2 + x1*sin2, with the reference's roundings.
-__device__ __forceinline__ void rotate_pair(float x1, float x2, float c1, float c2, float s1, float s2,
-                                            float& out1, float& out2) {
-    const float a1 = round_to_dtype(__fmul_rn(x1, c1));
-    const float b1 = round_to_dtype(__fmul_rn(x2, s1));  // rotate_half gives -x2: -(x2*s1), exactly
-    const float a2 = round_to_dtype(__fmul_rn(x2, c2));
-    const float b2 = round_to_dtype(__fmul_rn(x1, s2));
-    out1 = round_to_dtype(__fsub_rn(a1, b1));
-    out2 = round_to_dtype(__fadd_rn(a2, b2));
-}
+#include "rope_kv.cuh"
 
 // Work items of one token: a rotary pair of each q head, then of each k head, then each V element.
 // Consecutive threads take consecutive items, so a warp's loads and stores are contiguous.
@@ -73,25 +40,17 @@ extern "C" __global__ void rope_write_kv(
     const bool valid = pos >= 0 && pos < max_positions;
     scalar_t* __restrict__ q_dst = q_out + t * (NUM_HEADS * HEAD_DIM);
 
-    // Where this token's K/V row goes. An unassigned block (-1) is never written.
-    int physical = -1;
-    int row = 0;
-    if (valid) {
-        const int logical_block = (int)(pos / BLOCK_SIZE);
-        row = (int)(pos % BLOCK_SIZE);
-        const int slot = slots[token_seq[t]];
-        physical = logical_block < max_blocks ? table[slot * table_slot_stride + logical_block] : -1;
-    }
+    // Where this token's K/V row goes (nowhere for padding, or an unassigned block).
     unsigned char* const row_base =
-        pool + (size_t)max(physical, 0) * BLOCK_BYTES + (size_t)row * KV_DIM * sizeof(scalar_t);
+        valid ? kv_row(pool, table, table_slot_stride, max_blocks, slots[token_seq[t]], pos) : nullptr;
     scalar_t* const k_dst = reinterpret_cast<scalar_t*>(row_base);
-    scalar_t* const v_dst = reinterpret_cast<scalar_t*>(row_base + V_OFFSET);
+    scalar_t* const v_dst = row_base != nullptr ? reinterpret_cast<scalar_t*>(row_base + V_OFFSET) : nullptr;
     const scalar_t* __restrict__ cos_row = cos_table + (valid ? pos : 0) * HEAD_DIM;
     const scalar_t* __restrict__ sin_row = sin_table + (valid ? pos : 0) * HEAD_DIM;
 
     for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < TOKEN_ITEMS; i += gridDim.y * blockDim.x) {
         if (i >= Q_PAIRS + K_PAIRS) {  // V is copied as it is
-            if (physical >= 0) v_dst[i - Q_PAIRS - K_PAIRS] = v[t * v_stride + (i - Q_PAIRS - K_PAIRS)];
+            if (row_base != nullptr) v_dst[i - Q_PAIRS - K_PAIRS] = v[t * v_stride + (i - Q_PAIRS - K_PAIRS)];
             continue;
         }
         const int head = i / HALF_DIM;  // q heads first, then k heads
@@ -106,7 +65,7 @@ extern "C" __global__ void rope_write_kv(
             }
             src = q + t * q_stride + head * HEAD_DIM;
         } else {
-            if (physical < 0) continue;
+            if (row_base == nullptr) continue;
             src = k + t * k_stride + (head - NUM_HEADS) * HEAD_DIM;
             dst = k_dst + (head - NUM_HEADS) * HEAD_DIM;
         }

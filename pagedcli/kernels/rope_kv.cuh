@@ -1,0 +1,53 @@
+// rope_kv.cuh: what kv_write.cu and gemv.cu's qkv epilogue share: the geometry, the rotary pair
+// with the reference's roundings, and where a token's K/V row lives in the paged pool.
+//
+// RoPE pairs element i with i + HEAD_DIM/2 ("rotate half", as Hugging Face Llama). The rounding
+// order is the reference's in the model dtype (pagedcli/rope.py: x * cos + rotate_half(x) * sin):
+// each product rounded to the dtype, then their sum rounded. The products of two bf16/fp16
+// numbers are exact in float, so the results match torch bit for bit; __fmul_rn/__fadd_rn keep the
+// compiler from fusing them into an FMA (which would change the fp32 results).
+//
+// A block is [2][BLOCK_SIZE][NUM_KV_HEADS][HEAD_DIM]: K rows, then V rows at V_OFFSET bytes.
+#pragma once
+
+#include "common.cuh"
+
+#if !defined(BLOCK_SIZE) || !defined(NUM_KV_HEADS) || !defined(HEAD_DIM) || !defined(KV_DIM)
+#error "needs -DBLOCK_SIZE -DNUM_KV_HEADS -DHEAD_DIM -DKV_DIM (CacheGeometry.defines())"
+#endif
+#if !defined(BLOCK_BYTES) || !defined(V_OFFSET)
+#error "needs -DBLOCK_BYTES -DV_OFFSET (CacheGeometry.defines())"
+#endif
+#if !defined(NUM_HEADS)
+#error "needs -DNUM_HEADS (the model's query heads)"
+#endif
+
+static_assert(KV_DIM == NUM_KV_HEADS * HEAD_DIM, "KV_DIM must be NUM_KV_HEADS * HEAD_DIM");
+static_assert(V_OFFSET == BLOCK_SIZE * KV_DIM * (int)sizeof(scalar_t), "V_OFFSET does not match the dtype");
+static_assert(BLOCK_BYTES == 2 * V_OFFSET, "BLOCK_BYTES must be K + V");
+static_assert(HEAD_DIM % 2 == 0, "rotary embedding needs an even head_dim");
+
+#define HALF_DIM (HEAD_DIM / 2)
+
+// out1 = x1*cos1 - x2*sin1, out2 = x2*cos2 + x1*sin2, with the reference's roundings.
+__device__ __forceinline__ void rotate_pair(float x1, float x2, float c1, float c2, float s1, float s2,
+                                            float& out1, float& out2) {
+    const float a1 = round_to_dtype(__fmul_rn(x1, c1));
+    const float b1 = round_to_dtype(__fmul_rn(x2, s1));  // rotate_half gives -x2: -(x2*s1), exactly
+    const float a2 = round_to_dtype(__fmul_rn(x2, c2));
+    const float b2 = round_to_dtype(__fmul_rn(x1, s2));
+    out1 = round_to_dtype(__fsub_rn(a1, b1));
+    out2 = round_to_dtype(__fadd_rn(a2, b2));
+}
+
+// The pool row (K at the returned address, V at + V_OFFSET) of the token at position `pos` of the
+// sequence in `slot`, or nullptr when its block is not assigned (-1) or past the table.
+// table: this layer's block table, table[slot * table_slot_stride + logical_block].
+__device__ __forceinline__ unsigned char* kv_row(unsigned char* pool, const int* __restrict__ table,
+                                                 long long table_slot_stride, int max_blocks, int slot,
+                                                 long long pos) {
+    const int logical_block = (int)(pos / BLOCK_SIZE);
+    const int physical = logical_block < max_blocks ? table[slot * table_slot_stride + logical_block] : -1;
+    if (physical < 0) return nullptr;
+    return pool + (size_t)physical * BLOCK_BYTES + (size_t)(pos % BLOCK_SIZE) * KV_DIM * sizeof(scalar_t);
+}
