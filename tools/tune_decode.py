@@ -68,40 +68,43 @@ def replay_ms(model, opts, replays: int = 200) -> float:
     return graph_ms(engine.runner.graphs.graph(1)[0], replays)
 
 
-def gemv_table(model, opts, calls: int = 20, replays: int = 10) -> None:
+def gemv_table(model, opts, calls: int = 32, replays: int = 10) -> None:
     """Each GEMM of a layer at batch 1, alone: our fused GEMV against the cuBLAS path (our
     norm/silu kernels around torch.matmul), as a CUDA graph of `calls` back-to-back launches."""
     from pagedcli.backends.torch import TorchBackend
 
     engine = build_engine(model, opts)
     be, w = engine.runner.model.backend, engine.runner.model.w
-    lw, dev, dtype = w.layers[0], model.device, model.dtype
-    K, inter = lw.qkv.shape[1], lw.down.shape[1]
-    x, attn = torch.randn(1, K, device=dev, dtype=dtype), torch.randn(1, lw.o.shape[1], device=dev, dtype=dtype)
+    layers, dev, dtype = w.layers, model.device, model.dtype
+    K, inter = layers[0].qkv.shape[1], layers[0].down.shape[1]
+    x, attn = torch.randn(1, K, device=dev, dtype=dtype), torch.randn(1, layers[0].o.shape[1], device=dev, dtype=dtype)
     act = torch.randn(1, inter, device=dev, dtype=dtype)
     residual = torch.zeros(1, K, device=dev, dtype=dtype)
+    # call i uses layer i's weights: every layer's copy together is larger than L2, as in a real step
     ops = {
-        "qkv (rms_norm)": (lambda impl: impl.norm_linear(be, x, lw.input_norm, lw.qkv, 1e-5), lw.qkv),
-        "o (+residual)": (lambda impl: impl.linear_add(be, attn, lw.o, residual), lw.o),
+        "qkv (rms_norm)": (lambda impl, i: impl.norm_linear(be, x, layers[i].input_norm, layers[i].qkv, 1e-5),
+                           layers[0].qkv),
+        "o (+residual)": (lambda impl, i: impl.linear_add(be, attn, layers[i].o, residual), layers[0].o),
         "gate_up (rms_norm, silu_mul)": (
-            lambda impl: impl.norm_linear_silu(be, x, lw.post_norm, lw.gate_up, 1e-5), lw.gate_up),
-        "down (+residual)": (lambda impl: impl.linear_add(be, act, lw.down, residual), lw.down),
-        "lm_head (rms_norm, float)": (lambda impl: impl.logits(be, x, w.norm, w.lm_head, 1e-5), w.lm_head),
+            lambda impl, i: impl.norm_linear_silu(be, x, layers[i].post_norm, layers[i].gate_up, 1e-5),
+            layers[0].gate_up),
+        "down (+residual)": (lambda impl, i: impl.linear_add(be, act, layers[i].down, residual), layers[0].down),
+        "lm_head (rms_norm, float)": (lambda impl, i: impl.logits(be, x, w.norm, w.lm_head, 1e-5), w.lm_head),
     }
 
-    def time_us(fn) -> float:
-        fn()
+    def time_us(call, impl) -> float:
+        call(impl, 0)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
+            for i in range(calls):
+                call(impl, i % len(layers))
         return graph_ms(graph, replays) * 1e3 / calls
 
     print("\nGEMMs of a layer at batch 1, alone (us per call, GB/s of weights)")
     for name, (call, weight) in ops.items():
         nbytes = weight.numel() * weight.element_size()
-        times = {"gemv": time_us(lambda: call(type(be))), "cublas": time_us(lambda: call(TorchBackend))}
+        times = {"gemv": time_us(call, type(be)), "cublas": time_us(call, TorchBackend)}
         print(f"  {name:26s} {nbytes / 1e6:7.1f} MB  " + "  ".join(
             f"{k} {t:7.2f} us {nbytes / t / 1e3:6.0f} GB/s" for k, t in times.items()), flush=True)
 
