@@ -34,7 +34,8 @@ fi
 
 if [ "${TUNE:-0}" = 1 ]; then
   log "batch-1 decode under the backend's tunables, then a kernel profile"
-  timeout "${TUNE_TIMEOUT:-240}" python3 tools/tune_decode.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.txt"
+  eval "tune_args=(${TUNE_ARGS:-})"  # quoted words stay whole: TUNE_ARGS='--only "gemv (default)"'
+  timeout "${TUNE_TIMEOUT:-240}" python3 tools/tune_decode.py "${tune_args[@]}" 2>&1 | tee "$OUT/tune.txt"
 fi
 
 if [ "${BENCH:-1}" = 1 ]; then

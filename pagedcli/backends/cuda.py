@@ -1,16 +1,15 @@
 """The CUDA backend: our own kernels (pagedcli/kernels/*.cu), compiled at run time by CuPy.
 
 What runs where:
-- `rope_write_kv`  -> kv_write.cu: RoPE on q and k fused with the K/V write into the paged pool
-                      (prefill and decode alike);
+- `attention_inputs`, `norm_linear_silu`, `linear_add`, `logits` (and `norm_linear`)
+                   -> gemv.cu for up to GEMV_MAX_ROWS rows (decode at small batches): one kernel per
+                      GEMM with its RMSNorm, RoPE and K/V write, SiLU-mul or residual add fused in;
+                      more rows: cuBLAS beside elementwise.cu's `rms_norm` and `silu_mul`, and
+                      `rope_write_kv`;
+- `rope_write_kv`  -> kv_write.cu: RoPE on q and k fused with the K/V write into the paged pool;
 - `attend`         -> paged_attention.cu at decode (one split-KV kernel that also merges); prefill keeps
                       the inherited torch gather + SDPA, which also reads through the block table;
-- `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs;
-- `attention_inputs`, `norm_linear_silu`, `linear_add`, `logits` (and `norm_linear`) -> gemv.cu at
-                      batches of up to
-                      GEMV_MAX_ROWS rows: one kernel per GEMM with its RMSNorm, SiLU-mul, residual
-                      add or RoPE and K/V write fused in; larger batches use cuBLAS beside
-                      elementwise.cu's `rms_norm` and `silu_mul`, and kv_write.cu.
+- `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs.
 
 Kernels are compiled once per geometry (the `-D` defines from `CacheGeometry.defines()`, plus the
 head count and the dtype) and cached in-process; CuPy also caches the binaries on disk. Every
