@@ -160,8 +160,9 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
 
 // M: the most input rows this instance takes (1, 2, 4, 8: one per CUDA-graph bucket); rows <= M.
 // A warp works on one unit at a time: one weight row, or two with OUT_SILU_MUL (gate row i, then
-// up row i, N/2 rows apart) and OUT_ROPE_KV (element d of a head, then element d + HEAD_DIM/2). grid: at most the CTAs the GPU holds at once (Python sizes it);
-// warp w of CTA c takes unit c * GEMV_WARPS + w, then every gridDim.x * GEMV_WARPS units after it.
+// up row i, N/2 rows apart) and OUT_ROPE_KV (element d of a head, then element d + HEAD_DIM/2).
+// grid: at most the CTAs the GPU holds at once (Python sizes it); warp w of CTA c takes unit
+// c * GEMV_WARPS + w, then every gridDim.x * GEMV_WARPS units after it.
 // in: `rows` rows, in_stride elements apart; out: `rows` rows, out_stride elements apart (scalar_t,
 // or float for OUT_FLOAT); norm_weight and eps: for IN_RMS_NORM only; kv: for OUT_ROPE_KV only.
 template <int M, int IN, int OUT>
