@@ -44,8 +44,8 @@ class TorchBackend:
         return self.rms_norm(x, norm_weight, eps) @ weight.T
 
     def linear_add(self, x, weight, residual):
-        """residual + x @ weight.T: the attention output projection, back into the residual stream.
-        The residual may be updated in place: the caller uses only what is returned."""
+        """residual + x @ weight.T: the o and down projections, back into the residual stream. The
+        residual may be updated in place (the CUDA backend does): callers use only what is returned."""
         return residual + x @ weight.T
 
     def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch):
