@@ -26,10 +26,6 @@ class StepBatch:
     num_new: list[int]  # host copies, for shapes
     context_lens_host: list[int]
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.num_new)
-
     @classmethod
     def build(cls, is_prefill: bool, slots: list[int], token_ids: list[list[int]], num_cached: list[int],
               device: torch.device) -> "StepBatch":

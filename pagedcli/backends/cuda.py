@@ -165,6 +165,8 @@ class CudaBackend(TorchBackend):
         self.head_dim = geo.head_dim
         self.vec = VEC_BYTES // geo.itemsize  # elements in a 16-byte vector
         self.heads_per_cta = heads_per_cta(config.num_heads // config.num_kv_heads)
+        small_q = self.heads_per_cta <= 4  # q and its sums in registers leave room for more rows and CTAs
+        self._attn_min_ctas = MIN_CTAS_SMALL_Q if small_q else MIN_CTAS_LARGE_Q
         self.scale_log2 = np.float32(math.log2(math.e) / math.sqrt(geo.head_dim))
         self.max_context = cache.max_blocks_per_seq * geo.block_size  # the block table's width in tokens
         self.num_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
@@ -175,10 +177,10 @@ class CudaBackend(TorchBackend):
             ("HEADS_PER_CTA", self.heads_per_cta),
             ("PARTITION_SIZE", PARTITION_SIZE),
             ("ATTN_THREADS", ATTN_THREADS),
-            ("ATTN_UNROLL", UNROLL_SMALL_Q if self.heads_per_cta <= 4 else UNROLL_LARGE_Q),
+            ("ATTN_UNROLL", UNROLL_SMALL_Q if small_q else UNROLL_LARGE_Q),
             ("ATTN_STAGES", ATTN_STAGES),
             ("ATTN_MIN_SPAN", MIN_SPAN),
-            ("ATTN_MIN_CTAS", MIN_CTAS_SMALL_Q if self.heads_per_cta <= 4 else MIN_CTAS_LARGE_Q),
+            ("ATTN_MIN_CTAS", self._attn_min_ctas),
         )
         gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS))
         d = self.device_index
@@ -190,6 +192,8 @@ class CudaBackend(TorchBackend):
             **_compile("gemv.cu", gemv, tuple(gemv_kernel_names()), d),
             **_compile("argmax.cu", dtype + (("ARGMAX_THREADS", ARGMAX_THREADS),), ("argmax_rows",), d),
         }
+        for name in gemv_kernel_names():  # staged inputs may pass CUDA's default 48 KiB of shared memory
+            self.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED
         self.decode_ctas_per_sm = self._resident_ctas("paged_attention_decode", ATTN_THREADS)  # for reports
         self._cupy_device = cupy.cuda.Device(d)
         self._streams: dict[int, object] = {}  # torch stream handle -> cupy.cuda.ExternalStream
@@ -223,7 +227,7 @@ class CudaBackend(TorchBackend):
             by_threads = props["maxThreadsPerMultiProcessor"] // threads
             return max(1, min(by_regs, by_smem, by_threads))
         except Exception:  # attributes missing in this CuPy: what the launch bounds promise
-            return MIN_CTAS_SMALL_Q if self.heads_per_cta <= 4 else MIN_CTAS_LARGE_Q
+            return self._attn_min_ctas
 
     def num_splits(self, batch_size: int) -> int:
         """Splits of the decode kernel for a batch size: enough CTAs to fill the GPU at small batches
@@ -260,8 +264,8 @@ class CudaBackend(TorchBackend):
 
     # --- the backend interface ----------------------------------------------------------------
     def prepare(self, batch: StepBatch) -> None:
-        if batch.is_prefill:
-            super().prepare(batch)  # the inherited prefill attention needs the torch index tensors
+        if batch.is_prefill:  # the inherited prefill attention needs the torch index tensors
+            self._step = self._attention_indices(batch)
         else:
             self._step = {}  # decode needs nothing from the host: the batch tensors go to the kernels
             self._scratch_for(batch.slots.shape[0])
@@ -287,20 +291,17 @@ class CudaBackend(TorchBackend):
         geo = self.cache.geometry
         T = x.shape[0] if x.dim() == 2 else 0
         if T == batch.positions.shape[0] and qkv.shape[0] == (self.num_heads + 2 * geo.num_kv_heads) * self.head_dim:
-            q_out = torch.empty((T, self.num_heads, self.head_dim), dtype=self.dtype, device=x.device)
-            if self._gemv("rms_norm_rope_kv", x, qkv, norm_weight, eps, rope_kv=(layer, batch, q_out)) is not None:
-                return q_out
+            q = self._gemv("rms_norm_rope_kv", x, qkv, norm_weight, eps, rope_kv=(layer, batch))
+            if q is not None:
+                return q
         return super().attention_inputs(layer, x, norm_weight, qkv, eps, batch)
 
     def _rope_kv_args(self, layer: int, batch: StepBatch, q_out: torch.Tensor) -> tuple:
         """kv_write.cu's arguments after q, k and v (gemv.cu's qkv epilogue takes the same)."""
         table, slot_stride, max_blocks = self._layer_table(layer)
-        positions = batch.positions if batch.positions.dtype == torch.int64 else batch.positions.long()
-        token_seq = batch.token_seq if batch.token_seq.dtype == torch.int64 else batch.token_seq.long()
-        slots = batch.slots if batch.slots.dtype == torch.int32 else batch.slots.int()
-        return (
+        return (  # the batch's index tensors have the kernels' types (StepBatch's declared dtypes)
             _ptr(q_out), _ptr(self.cache.pool), table, slot_stride, max_blocks,
-            _ptr(positions), _ptr(token_seq), _ptr(slots),
+            _ptr(batch.positions), _ptr(batch.token_seq), _ptr(batch.slots),
             _ptr(self.cos), _ptr(self.sin), np.int32(self.cos.shape[0]),
         )
 
@@ -316,10 +317,8 @@ class CudaBackend(TorchBackend):
             return out
         splits, part_out, part_max, part_sum, counters = self._scratch_for(B)
         table, slot_stride, _ = self._layer_table(layer)
-        context_lens = batch.context_lens if batch.context_lens.dtype == torch.int32 else batch.context_lens.int()
-        slots = batch.slots if batch.slots.dtype == torch.int32 else batch.slots.int()
         self._launch("paged_attention_decode", (splits, self.num_heads // self.heads_per_cta, B), (ATTN_THREADS,), (
-            _ptr(out), _ptr(q), _ptr(self.cache.pool), table, slot_stride, _ptr(slots), _ptr(context_lens),
+            _ptr(out), _ptr(q), _ptr(self.cache.pool), table, slot_stride, _ptr(batch.slots), _ptr(batch.context_lens),
             np.int32(self.max_context), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(counters),
             self.scale_log2,
         ))
@@ -392,7 +391,7 @@ class CudaBackend(TorchBackend):
               rope_kv: tuple | None = None) -> torch.Tensor | None:
         """x (or its RMSNorm) @ weight.T through gemv.cu, followed by what `op` says; None when the
         shapes are not gemv.cu's (too many rows, unaligned, other dtype): the caller uses cuBLAS.
-        rope_kv: (layer, batch, q_out) for the qkv epilogue, which returns q_out."""
+        rope_kv: (layer, batch) for the qkv epilogue, which returns the rotated q."""
         N, K = weight.shape
         rows = x.shape[0] if x.dim() == 2 else 0
         paired = op.endswith(("silu_mul", "rope_kv"))  # units of two rows make one output pair
@@ -413,13 +412,11 @@ class CudaBackend(TorchBackend):
                 return None
             out = residual  # updated in place
         elif rope_kv is not None:
-            out = rope_kv[2]
+            out = torch.empty((rows, self.num_heads, self.head_dim), dtype=self.dtype, device=x.device)
         else:
             out = torch.empty((rows, units), dtype=torch.float32 if op.endswith("float") else x.dtype, device=x.device)
-        tail = (_ptr(out), np.int64(out.stride(0))) if rope_kv is None else self._rope_kv_args(*rope_kv)
+        tail = (_ptr(out), np.int64(out.stride(0))) if rope_kv is None else self._rope_kv_args(*rope_kv, out)
         kernel = f"gemv_{bucket}_{op}"
-        if shared > 48 * 1024 and self.kernels[kernel].max_dynamic_shared_size_bytes < shared:
-            self.kernels[kernel].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED  # above CUDA's default 48 KiB
         ctas = min(-(-units // (GEMV_THREADS // 32)), GEMV_CTAS_PER_SM * self.num_sms)
         self._launch(kernel, (ctas,), (GEMV_THREADS,), (
             _ptr(weight), np.int32(N), np.int32(K), np.int32(rows), _ptr(x), np.int64(x.stride(0)),

@@ -41,6 +41,11 @@ class TorchBackend:
 
     def norm_linear(self, x, norm_weight, weight, eps):
         """RMSNorm(x) @ weight.T: the pre-norm of attention and of the MLP, with the GEMM after it."""
+        return self._norm_then_matmul(x, norm_weight, weight, eps)
+
+    def _norm_then_matmul(self, x, norm_weight, weight, eps):
+        # the composites below build on this, not on norm_linear: a backend that fuses norm_linear
+        # and falls back to these composites has already found its fused kernel does not apply
         return self.rms_norm(x, norm_weight, eps) @ weight.T
 
     def linear_add(self, x, weight, residual):
@@ -52,17 +57,17 @@ class TorchBackend:
         """RMSNorm(x) @ qkv.T, then RoPE on q and k and k, v into the cache: the rotated queries,
         [T, heads, head_dim]."""
         T, c = x.shape[0], self.config
-        q, k, v = self.norm_linear(x, norm_weight, qkv, eps).split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        q, k, v = self._norm_then_matmul(x, norm_weight, qkv, eps).split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
         return self.rope_write_kv(layer, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
                                   v.view(T, c.num_kv_heads, c.head_dim), batch)
 
     def norm_linear_silu(self, x, norm_weight, gate_up, eps):
         """silu(gate) * up of RMSNorm(x) @ gate_up.T: the MLP's first half, with its pre-norm."""
-        return self.silu_mul(self.norm_linear(x, norm_weight, gate_up, eps))
+        return self.silu_mul(self._norm_then_matmul(x, norm_weight, gate_up, eps))
 
     def logits(self, x, norm_weight, lm_head, eps):
         """The final norm and the LM head: float32 logits of the dtype's product."""
-        return self.norm_linear(x, norm_weight, lm_head, eps).float()
+        return self._norm_then_matmul(x, norm_weight, lm_head, eps).float()
 
     def argmax(self, logits):
         """Greedy tokens: [B] int64, the first maximum of each row (as torch.argmax)."""
@@ -72,6 +77,21 @@ class TorchBackend:
     def prepare(self, batch: StepBatch) -> None:
         """Index tensors for this step's RoPE, K/V writes, gathers and mask; built once, used by
         every layer."""
+        self._step = self._rope_indices(batch) | self._attention_indices(batch)
+
+    def _rope_indices(self, batch: StepBatch) -> dict:
+        """What rope_write_kv needs: each new token's rotary row and where its K/V go."""
+        slots = batch.slots.long()
+        return {
+            "cos": self.cos[batch.positions], "sin": self.sin[batch.positions],
+            "token_slot": slots[batch.token_seq],
+            "token_block": batch.positions // self.block_size,
+            "token_offset": batch.positions % self.block_size,
+        }
+
+    def _attention_indices(self, batch: StepBatch) -> dict:
+        """What attend needs: the keys each sequence gathers through its blocks, the causal mask,
+        and the way from packed tokens to padded rows and back."""
         dev = batch.token_ids.device
         Lq, Lk = max(batch.num_new), max(batch.context_lens_host)
         key_pos = torch.arange(Lk, device=dev)
@@ -83,19 +103,14 @@ class TorchBackend:
         q_valid = row[None, :] < num_new[:, None]
         mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < ctx[:, None, None])
         mask |= ~q_valid[:, :, None] & (key_pos == 0)  # padding rows see one key: no NaN
-        slots = batch.slots.long()
-        self._step = dict(
-            cos=self.cos[batch.positions], sin=self.sin[batch.positions],
-            token_slot=slots[batch.token_seq],
-            token_block=batch.positions // self.block_size,
-            token_offset=batch.positions % self.block_size,
-            key_block=(key_pos // self.block_size).clamp(max=self.cache.max_blocks_per_seq - 1),
-            key_offset=key_pos % self.block_size,
-            slots=slots,
-            mask=mask[:, None],  # [B, 1, Lq, Lk]
-            pad_index=(starts[:, None] + row[None, :]).clamp(max=batch.token_ids.numel() - 1),
-            token_row=torch.arange(batch.token_ids.numel(), device=dev) - starts[batch.token_seq],
-        )
+        return {
+            "key_block": (key_pos // self.block_size).clamp(max=self.cache.max_blocks_per_seq - 1),
+            "key_offset": key_pos % self.block_size,
+            "slots": batch.slots.long(),
+            "mask": mask[:, None],  # [B, 1, Lq, Lk]
+            "pad_index": (starts[:, None] + row[None, :]).clamp(max=batch.token_ids.numel() - 1),
+            "token_row": torch.arange(batch.token_ids.numel(), device=dev) - starts[batch.token_seq],
+        }
 
     def rope_write_kv(self, layer: int, q, k, v, batch: StepBatch):
         s = self._step

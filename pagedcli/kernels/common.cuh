@@ -136,3 +136,24 @@ __device__ __forceinline__ float neg_infinity() { return __int_as_float(0xff8000
 
 // Smallest power of two >= n (n >= 1), for compile-time lane counts.
 __host__ __device__ constexpr int next_pow2(int n) { return n <= 1 ? 1 : 2 * next_pow2((n + 1) / 2); }
+
+// --- the layer's elementwise formulas, rounded where the torch reference rounds ----------------
+// (pagedcli/backends/torch.py computes in the model dtype; elementwise.cu and gemv.cu both use these.)
+// __fmul_rn/__fadd_rn keep the compiler from fusing products and sums into FMAs where torch computes
+// them separately.
+
+// RMSNorm's 1 / rms from the fp32 sum of squares of n elements.
+__device__ __forceinline__ float rms_inverse(float sum_sq, int n, float eps) {
+    return rsqrtf(__fadd_rn(sum_sq / (float)n, eps));
+}
+
+// weight * RMSNorm(x): the normalised value rounded, then multiplied by the weight (the caller's
+// store rounds again).
+__device__ __forceinline__ float rms_scale(float x, float weight, float inv_rms) {
+    return __fmul_rn(weight, round_to_dtype(__fmul_rn(x, inv_rms)));
+}
+
+// silu(gate) * up: silu = gate / (1 + exp(-gate)) rounded, then times up (the caller's store rounds).
+__device__ __forceinline__ float silu_times(float gate, float up) {
+    return __fmul_rn(round_to_dtype(__fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate)))), up);
+}

@@ -4,13 +4,8 @@
 // rms_norm: out = weight * RMSNorm(x).
 // silu_mul: out = silu(gate) * up, gate and up being the two halves of the last dimension.
 //
-// Each kernel rounds where the torch reference (pagedcli/backends/torch.py), computing in the model
-// dtype, rounds:
-//   rms_norm: sum of squares in fp32; the normalised value rounded, then multiplied by the weight
-//             and rounded again.
-//   silu_mul: silu(gate) = gate / (1 + exp(-gate)) rounded, then times up, rounded.
-// __fmul_rn/__fadd_rn keep the compiler from fusing products and sums into FMAs where torch
-// computes them separately.
+// Each kernel rounds where the torch reference (pagedcli/backends/torch.py) rounds: the formulas are
+// common.cuh's rms_inverse, rms_scale and silu_times, which gemv.cu uses too.
 //
 // Each kernel comes in two widths: V = VEC (16-byte loads; rows must be a whole number of vectors
 // and 16-byte aligned, which the Python side checks) and V = 1 (any shape).
@@ -38,14 +33,14 @@ __device__ __forceinline__ void rms_norm_impl(const scalar_t* __restrict__ x, co
     __syncthreads();
     float total = 0.0f;
     for (int w = 0; w < (int)(blockDim.x / WARP_SIZE); ++w) total += warp_sums[w];
-    const float inv_rms = rsqrtf(__fadd_rn(total / (float)hidden, eps));
+    const float inv_rms = rms_inverse(total, hidden, eps);
 
     for (int i = threadIdx.x * V; i < hidden; i += blockDim.x * V) {
         float r[V], w[V];
         load_floats<V>(x + base + i, r);
         load_floats<V>(weight + i, w);
 #pragma unroll
-        for (int j = 0; j < V; ++j) r[j] = __fmul_rn(w[j], round_to_dtype(__fmul_rn(r[j], inv_rms)));
+        for (int j = 0; j < V; ++j) r[j] = rms_scale(r[j], w[j], inv_rms);
         store_floats<V>(out + base + i, r);
     }
 }
@@ -75,10 +70,7 @@ __device__ __forceinline__ void silu_mul_impl(const scalar_t* __restrict__ gate_
         load_floats<V>(g_src, g);
         load_floats<V>(g_src + inter, u);
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const float silu = round_to_dtype(__fdiv_rn(g[j], __fadd_rn(1.0f, expf(-g[j]))));
-            g[j] = __fmul_rn(silu, u[j]);
-        }
+        for (int j = 0; j < V; ++j) g[j] = silu_times(g[j], u[j]);
         store_floats<V>(out + i, g);
     }
 }

@@ -17,7 +17,7 @@
 //     cache block, as kv_write.cu does); the first weight tile is loaded before the input is staged.
 //
 // Rounding is the torch reference's: the input is rounded to the dtype after each elementwise step
-// as torch stores it (exactly elementwise.cu's formulas), products accumulate in fp32 (as cuBLAS),
+// as torch stores it (common.cuh's formulas, as in elementwise.cu), products accumulate in fp32 (as cuBLAS),
 // and the result is rounded to the dtype once; the residual add rounds like torch's bf16 add.
 //
 // Shapes: W [N, K] row-major; `rows` input rows, at most the kernel's M; K % VEC == 0 and every row
@@ -118,13 +118,13 @@ __device__ __forceinline__ void stage_input(scalar_t* __restrict__ xs, int rows,
         for (int m = 0; m < M; ++m) {
             float total = 0.0f;
             for (int w = 0; w < GEMV_WARPS; ++w) total += warp_sums[m][w];
-            const float inv_rms = rsqrtf(__fadd_rn(total / (float)K, eps));
+            const float inv_rms = rms_inverse(total, K, eps);
             for (int v = threadIdx.x; v < vecs && m < rows; v += GEMV_THREADS) {
                 float r[VEC], w[VEC];
                 load_floats<VEC>(xs + (size_t)m * K + v * VEC, r);
                 load_floats<VEC>(norm_weight + v * VEC, w);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) r[j] = __fmul_rn(w[j], round_to_dtype(__fmul_rn(r[j], inv_rms)));
+                for (int j = 0; j < VEC; ++j) r[j] = rms_scale(r[j], w[j], inv_rms);
                 store_floats<VEC>(xs + (size_t)m * K + v * VEC, r);
             }
         }
@@ -150,12 +150,9 @@ __device__ __forceinline__ void load_tile(const scalar_t* __restrict__ W, int ro
     }
 }
 
-// silu(gate) * up with the reference's roundings: gate and up rounded as the GEMM's outputs, silu
-// rounded, the product rounded (elementwise.cu's formula).
+// silu(gate) * up of the GEMM's gate and up outputs, each rounded as torch would have stored it.
 __device__ __forceinline__ float silu_mul(float gate, float up) {
-    const float g = round_to_dtype(gate);
-    const float silu = round_to_dtype(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
-    return __fmul_rn(silu, round_to_dtype(up));
+    return silu_times(round_to_dtype(gate), round_to_dtype(up));
 }
 
 // M: the most input rows this instance takes (1, 2, 4, 8: one per CUDA-graph bucket); rows <= M.

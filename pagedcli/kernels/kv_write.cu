@@ -3,10 +3,9 @@
 // One row of CTAs per new token t (T tokens in the step: a whole prompt per sequence at prefill, one
 // token per sequence at decode). Token t belongs to sequence b = token_seq[t] and sits at position
 // p = positions[t]; its K and V go to physical block table[slots[b]][layer][p / BLOCK_SIZE],
-// row p % BLOCK_SIZE. A block is [2][BLOCK_SIZE][NUM_KV_HEADS][HEAD_DIM]: K rows, then V rows
-// at V_OFFSET bytes.
+// row p % BLOCK_SIZE (the block layout: geometry.cuh).
 //
-// RoPE's pairs and roundings, and the pool's layout: rope_kv.cuh.
+// RoPE's pairs and roundings, and the pool row's address: rope_kv.cuh.
 //
 // Tokens whose position is negative (padding rows of a CUDA-graph bucket) write nothing to the
 // pool; their rotated q is zeros, so that what follows stays finite.

@@ -34,26 +34,12 @@
 // Every K/V access goes through the block table: token i of a sequence is row i % BLOCK_SIZE of
 // physical block table[slot][layer][i / BLOCK_SIZE].
 
-#include "common.cuh"
+#include "geometry.cuh"
 
-#if !defined(BLOCK_SIZE) || !defined(NUM_KV_HEADS) || !defined(HEAD_DIM) || !defined(KV_DIM)
-#error "paged_attention.cu needs -DBLOCK_SIZE -DNUM_KV_HEADS -DHEAD_DIM -DKV_DIM (CacheGeometry.defines())"
-#endif
-#if !defined(BLOCK_BYTES) || !defined(V_OFFSET)
-#error "paged_attention.cu needs -DBLOCK_BYTES -DV_OFFSET (CacheGeometry.defines())"
-#endif
-#if !defined(NUM_HEADS)
-#error "paged_attention.cu needs -DNUM_HEADS (the model's query heads)"
-#endif
 #if !defined(HEADS_PER_CTA) || !defined(PARTITION_SIZE) || !defined(ATTN_THREADS) || !defined(ATTN_UNROLL) || \
     !defined(ATTN_STAGES) || !defined(ATTN_MIN_CTAS) || !defined(ATTN_MIN_SPAN)
 #error "paged_attention.cu needs -DHEADS_PER_CTA -DPARTITION_SIZE -DATTN_THREADS -DATTN_UNROLL -DATTN_STAGES -DATTN_MIN_CTAS -DATTN_MIN_SPAN (backends/cuda.py)"
 #endif
-
-static_assert(KV_DIM == NUM_KV_HEADS * HEAD_DIM, "KV_DIM must be NUM_KV_HEADS * HEAD_DIM");
-static_assert(V_OFFSET == BLOCK_SIZE * KV_DIM * (int)sizeof(scalar_t), "V_OFFSET does not match the dtype");
-static_assert(BLOCK_BYTES == 2 * V_OFFSET, "BLOCK_BYTES must be K + V");
-static_assert(NUM_HEADS % NUM_KV_HEADS == 0, "query heads must be a multiple of kv heads");
 
 constexpr int GQA = NUM_HEADS / NUM_KV_HEADS;  // query heads per kv head
 static_assert(GQA % HEADS_PER_CTA == 0, "HEADS_PER_CTA must divide the GQA group");

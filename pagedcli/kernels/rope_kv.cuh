@@ -1,30 +1,15 @@
-// rope_kv.cuh: what kv_write.cu and gemv.cu's qkv epilogue share: the geometry, the rotary pair
-// with the reference's roundings, and where a token's K/V row lives in the paged pool.
+// rope_kv.cuh: what kv_write.cu and gemv.cu's qkv epilogue share: the rotary pair with the
+// reference's roundings, and where a token's K/V row lives in the paged pool (geometry.cuh).
 //
 // RoPE pairs element i with i + HEAD_DIM/2 ("rotate half", as Hugging Face Llama). The rounding
 // order is the reference's in the model dtype (pagedcli/rope.py: x * cos + rotate_half(x) * sin):
 // each product rounded to the dtype, then their sum rounded. The products of two bf16/fp16
 // numbers are exact in float, so the results match torch bit for bit; __fmul_rn/__fadd_rn keep the
 // compiler from fusing them into an FMA (which would change the fp32 results).
-//
-// A block is [2][BLOCK_SIZE][NUM_KV_HEADS][HEAD_DIM]: K rows, then V rows at V_OFFSET bytes.
 #pragma once
 
-#include "common.cuh"
+#include "geometry.cuh"
 
-#if !defined(BLOCK_SIZE) || !defined(NUM_KV_HEADS) || !defined(HEAD_DIM) || !defined(KV_DIM)
-#error "needs -DBLOCK_SIZE -DNUM_KV_HEADS -DHEAD_DIM -DKV_DIM (CacheGeometry.defines())"
-#endif
-#if !defined(BLOCK_BYTES) || !defined(V_OFFSET)
-#error "needs -DBLOCK_BYTES -DV_OFFSET (CacheGeometry.defines())"
-#endif
-#if !defined(NUM_HEADS)
-#error "needs -DNUM_HEADS (the model's query heads)"
-#endif
-
-static_assert(KV_DIM == NUM_KV_HEADS * HEAD_DIM, "KV_DIM must be NUM_KV_HEADS * HEAD_DIM");
-static_assert(V_OFFSET == BLOCK_SIZE * KV_DIM * (int)sizeof(scalar_t), "V_OFFSET does not match the dtype");
-static_assert(BLOCK_BYTES == 2 * V_OFFSET, "BLOCK_BYTES must be K + V");
 static_assert(HEAD_DIM % 2 == 0, "rotary embedding needs an even head_dim");
 
 #define HALF_DIM (HEAD_DIM / 2)
