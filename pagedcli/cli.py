@@ -117,19 +117,20 @@ def start_requests(opts, prompts, prompt_file, chat, sampling: dict, samples, co
     from pagedcli.sequence import SamplingParams
 
     given = {k for k, v in sampling.items() if v is not None}
-    defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
-    params = SamplingParams(**{**sampling, **{k: defaults[k] for k in defaults if k not in given}})
+    params = SamplingParams(**{k: sampling[k] for k in given})  # the rest: SamplingParams' defaults
     gen.check_sampling(params)
     if samples < 1:
         raise UsageError(f"--n {samples}: needs at least one answer per prompt")
     texts = gen.read_prompts(prompts or [], prompt_file)
-    loaded = load(opts, notice)
-    if loaded.tokenizer is None:
-        raise UsageError(f"--model {loaded.source.name} has no tokenizer",
-                         f"{command} needs a model folder with tokenizer.json")
+
+    def check(source, tokenizer) -> None:  # before the weights are read
+        if tokenizer is None:
+            raise UsageError(f"--model {source.name} has no tokenizer", f"{command} needs a model folder with tokenizer.json")
+        if chat and not tokenizer.has_chat_template:
+            raise UsageError(f"--chat: model {source.name} has no chat template", "use --raw")
+
+    loaded = load(opts, notice, check)
     use_chat = loaded.tokenizer.has_chat_template if chat is None else chat
-    if use_chat and not loaded.tokenizer.has_chat_template:
-        raise UsageError(f"--chat: model {loaded.source.name} has no chat template", "use --raw")
     params = gen.sampling_defaults(params, loaded.source.generation_config, given)
     seqs = gen.add_requests(loaded.engine, loaded.tokenizer, texts, params, use_chat, samples)
     for s in seqs:
@@ -288,7 +289,7 @@ def bench(
                           prefix_caching)
     loaded = load_model(opts, notice)
     if kernel:
-        _kernel_bench(loaded, json_output)
+        _kernel_bench(loaded, json_output, bandwidth)
         return
     gbps = bandwidth or b.measure_bandwidth(loaded.device)
     hf = None
@@ -309,9 +310,10 @@ def bench(
         notice(f"plot saved to {plot_file}")
 
 
-def _kernel_bench(loaded, json_output: bool) -> None:
+def _kernel_bench(loaded, json_output: bool, bandwidth: float | None) -> None:
     if loaded.device.type != "cuda":
         raise UsageError("--kernel times our CUDA kernel", "run it on a machine with an NVIDIA GPU and CuPy")
+    from pagedcli.bench import measure_bandwidth
     from pagedcli.bench_view import kernel_table
     from pagedcli.kernel_bench import bench_decode_kernel
 
@@ -322,13 +324,7 @@ def _kernel_bench(loaded, json_output: bool) -> None:
         for r in rows:
             print(json.dumps(r), flush=True)
     else:
-        Console().print(kernel_table(rows, measure_bandwidth_gbps(loaded.device)))
-
-
-def measure_bandwidth_gbps(device) -> float:
-    from pagedcli.bench import measure_bandwidth
-
-    return measure_bandwidth(device)
+        Console().print(kernel_table(rows, bandwidth or measure_bandwidth(loaded.device)))
 
 
 def _int_list(text: str, name: str) -> list[int]:

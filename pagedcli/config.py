@@ -33,7 +33,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    torch_dtype: str = "float32"
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -93,8 +92,7 @@ class ModelConfig:
                 rope_scaling=rope if rope_type == "llama3" else None,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 bos_token_id=d.get("bos_token_id"),
-                eos_token_ids=_as_ids(d.get("eos_token_id")),
-                torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+                eos_token_ids=token_ids(d.get("eos_token_id")),
                 raw=d,
             )
         except KeyError as e:
@@ -113,16 +111,24 @@ class ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise UsageError(f"{path} not found", "a model folder needs a config.json")
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RunError(f"{path} is not valid JSON ({e})") from None
+        d = read_json(path)
         if not isinstance(d, dict):
             raise RunError(f"{path} is not a JSON object")
         return cls.from_dict(d, source=str(path))
 
 
-def _as_ids(value) -> tuple[int, ...]:
+def read_json(path: Path) -> dict:
+    """A model folder's JSON file: {} when it is absent, a one-line error when it is broken."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunError(f"{path} is not valid JSON ({e})") from None
+
+
+def token_ids(value) -> tuple[int, ...]:
+    """An `eos_token_id` entry (none, one id, or a list) as a tuple."""
     if value is None:
         return ()
     if isinstance(value, int):

@@ -39,6 +39,10 @@ class EngineOptions:
     prefix_caching: bool = True
     seed: int = 0  # random weights
 
+    def __post_init__(self):  # checked here, so before anything slow is loaded
+        if self.batch < 1:
+            raise UsageError(f"--batch {self.batch}: needs at least one slot", "use --batch 1 or more")
+
 
 def pick_device(requested: str) -> torch.device:
     if requested not in ("auto", "cpu", "cuda"):
@@ -72,11 +76,14 @@ class Model:
     dtype: torch.dtype
 
 
-def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None) -> Model:
+def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None,
+               check: Callable[[ModelSource, Tokenizer | None], None] = lambda *_: None) -> Model:
+    """`check(source, tokenizer)` may refuse the model before its weights are read."""
     device = pick_device(opts.device)
     dtype = pick_dtype(opts.dtype, device)
     source = resolve_model(opts.model, notice)
     tokenizer = Tokenizer(source.folder) if source.has_tokenizer else None
+    check(source, tokenizer)
     if source.random:
         weights = random_weights(source.config, dtype, device, opts.seed)
     else:
@@ -88,8 +95,6 @@ def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: No
 
 def build_engine(model: Model, opts: EngineOptions) -> Engine:
     """A fresh cache, backend and engine around already loaded weights."""
-    if opts.batch < 1:
-        raise UsageError(f"--batch {opts.batch}: needs at least one slot", "use --batch 1 or more")
     config, device = model.source.config, model.device
     cache_bytes = parse_size(opts.cache_size or DEFAULT_CACHE[device.type])
     geometry = CacheGeometry.build(config, model.dtype, opts.block_size, opts.num_blocks, cache_bytes)
@@ -114,8 +119,7 @@ class Loaded(Model):
     engine: Engine
 
 
-def load(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None) -> Loaded:
-    if opts.batch < 1:  # before the (slow) load
-        raise UsageError(f"--batch {opts.batch}: needs at least one slot", "use --batch 1 or more")
-    model = load_model(opts, notice)
+def load(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None,
+         check: Callable[[ModelSource, Tokenizer | None], None] = lambda *_: None) -> Loaded:
+    model = load_model(opts, notice, check)
     return Loaded(**vars(model), engine=build_engine(model, opts))

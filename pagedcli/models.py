@@ -10,13 +10,12 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pagedcli.config import ModelConfig
+from pagedcli.config import ModelConfig, read_json, token_ids
 from pagedcli.errors import RunError, UsageError
 
 DATA = Path(__file__).parent / "data"
@@ -36,10 +35,7 @@ class ModelSource:
 
     @property
     def stop_ids(self) -> set[int]:
-        ids = set(self.config.eos_token_ids)
-        eos = self.generation_config.get("eos_token_id")
-        ids |= {eos} if isinstance(eos, int) else set(eos or [])
-        return ids
+        return set(self.config.eos_token_ids) | set(token_ids(self.generation_config.get("eos_token_id")))
 
     @property
     def has_tokenizer(self) -> bool:
@@ -74,12 +70,7 @@ def resolve_model(spec: str | None, notice: Callable[[str], None] = lambda _: No
 def _from_folder(folder: Path, name: str) -> ModelSource:
     folder = Path(folder)
     config = ModelConfig.from_file(folder / "config.json")
-    gen_path = folder / "generation_config.json"
-    try:
-        gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RunError(f"{gen_path} is not valid JSON ({e})") from None
-    return ModelSource(name, config, folder, generation_config=gen)
+    return ModelSource(name, config, folder, generation_config=read_json(folder / "generation_config.json"))
 
 
 def _random(spec: str) -> ModelSource:

@@ -32,9 +32,6 @@ class TextPrinter:
         """Take in the tokens `seq` gained since the last call."""
         self.pending[seq.id] += self.decoders[seq.id].catch_up(seq.output_token_ids)
 
-    def text(self, seq: Sequence) -> str:
-        return self.decoders[seq.id].text
-
     def flush(self) -> None:
         """Print what can be printed now: the current answer's new text, then every following
         answer that is already finished."""
@@ -84,9 +81,6 @@ class JsonPrinter:
     def update(self, seq: Sequence) -> None:
         self.decoders[seq.id].catch_up(seq.output_token_ids)
 
-    def text(self, seq: Sequence) -> str:
-        return self.decoders[seq.id].text
-
     def flush(self) -> None:
         while self.current < len(self.seqs) and self.seqs[self.current].is_finished:
             record = self.record(self.seqs[self.current])
@@ -105,7 +99,7 @@ class JsonPrinter:
             "prompt": seq.prompt,
             "prompt_token_ids": seq.prompt_token_ids,
             "token_ids": seq.output_token_ids,
-            "text": self.text(seq),
+            "text": self.decoders[seq.id].text,
             "finish_reason": seq.finish_reason,
         }
         if seq.error:

@@ -3,12 +3,12 @@ transformers renders it (jinja2, sandboxed), and incremental detokenization for 
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from pagedcli.config import read_json
 from pagedcli.errors import RunError, UsageError
 
 
@@ -22,7 +22,7 @@ class Tokenizer:
             self.tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception for a bad file
             raise RunError(f"{path} could not be read ({e})") from None
-        config = _read_json(folder / "tokenizer_config.json")
+        config = read_json(folder / "tokenizer_config.json")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.add_bos = bool(config.get("add_bos_token", False))
@@ -107,21 +107,12 @@ class StreamDecoder:
         return ""
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RunError(f"{path} is not valid JSON ({e})") from None
-
-
 def _read_template(folder: Path) -> str | None:
     """transformers >= 4.43 may keep the template beside tokenizer_config.json."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
-    return _read_json(folder / "chat_template.json").get("chat_template")
+    return read_json(folder / "chat_template.json").get("chat_template")
 
 
 def _token_text(value) -> str | None:

@@ -89,6 +89,21 @@ def test_missing_tokenizer(model_copy):
     assert_one_line(code, err, 2, "tokenizer")
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (["--model", "random:llama-3.2-1b"], "has no tokenizer"),  # 2.5 GB of weights it need not fill
+    (["--chat"], "has no chat template"),
+])
+def test_a_model_that_cannot_serve_the_command_is_refused_before_its_weights(stories, args, fragment,
+                                                                              monkeypatch):
+    def no_weights(*_):
+        raise AssertionError("weights were loaded for a model the command refuses")
+
+    monkeypatch.setattr("pagedcli.loader.random_weights", no_weights)
+    monkeypatch.setattr("pagedcli.loader.load_weights", no_weights)
+    code, _, err = generate("--model", str(stories), *args, "hi")
+    assert_one_line(code, err, 2, fragment)
+
+
 @pytest.mark.parametrize("args, code, fragment", [
     (["--block-size", "12"], 2, "--block-size 12"),
     (["--num-blocks", "3"], 2, "one block per layer"),
