@@ -236,11 +236,7 @@ def _warm_up(engine: Engine, requests: list) -> None:
     """Graphs captured, kernels compiled, allocator and cuBLAS warm: none of it in the timing."""
     engine.generate([r.prompt_token_ids for r in requests], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.runner.capture_graphs()
-    engine.sequences.clear()
-    engine.num_steps = 0
-    engine.scheduler.num_preemptions = 0
-    engine.scheduler.prompt_tokens = engine.scheduler.cached_prompt_tokens = 0
-    engine.cache.forget_cached_prefixes()  # the timed run must not find the warm-up's blocks
+    engine.reset()  # the timed run must not count the warm-up, nor find its blocks
 
 
 def plot(results: list[dict], path: Path) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pagedcli.config import CacheGeometry
-from pagedcli.prefix_cache import PrefixCache, block_hashes
+from pagedcli.prefix_cache import PrefixCache, extend_block_hashes
 
 UNASSIGNED = -1
 
@@ -95,7 +95,7 @@ class KVCache:
                                         on_reuse=self.prefix_cache.forget if prefix_caching else None)
         self.table = np.full((max_slots, geometry.num_layers, self.max_blocks_per_seq), UNASSIGNED, np.int32)
         self.num_blocks_of_slot = [0] * max_slots  # logical blocks held, the same in every layer
-        self.slot_hashes: list[list[int]] = [[] for _ in range(max_slots)]  # hashes of each slot's full blocks
+        self.num_offered = [0] * max_slots  # the slot's full blocks offered to the prefix cache so far
         self.shares_tail = [False] * max_slots  # the slot's partial last block may be shared (after a fork)
         self.pending_copies: list[tuple[np.ndarray, list[int]]] = []  # copy-on-write: (from, to) blocks
         self.num_copied_blocks = 0  # copy-on-write copies so far (all layers)
@@ -133,56 +133,56 @@ class KVCache:
             self.allocator.release(self.table[slot, :, :n].ravel().tolist())
         self.table[slot, :, :n] = UNASSIGNED
         self.num_blocks_of_slot[slot] = 0
-        self.slot_hashes[slot] = []
+        self.num_offered[slot] = 0
         self.shares_tail[slot] = False
         self._mark_changed(slot, 0, n)
 
     # --- prefix caching -------------------------------------------------------------------
-    def cached_prefix(self, token_ids: list[int]) -> list[tuple[int, ...]]:
-        """Rows (a physical block per layer) of the cached full blocks that begin `token_ids`;
-        never all of it, since the last token must be computed to give the next token's logits."""
+    # `seq` below is a Sequence: its token_ids, and block_hashes, the memo of their block hashes.
+    def cached_prefix(self, seq) -> list[tuple[int, ...]]:
+        """Rows (a physical block per layer) of the cached full blocks that begin `seq`'s tokens;
+        never all of them, since the last token must be computed to give the next token's logits."""
         if self.prefix_cache is None:
             return []
-        bs = self.geometry.block_size
-        return self.prefix_cache.lookup(block_hashes(token_ids, bs, (len(token_ids) - 1) // bs))
+        limit = (len(seq) - 1) // self.geometry.block_size
+        if len(seq.block_hashes) < limit:
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.geometry.block_size, limit)
+        return self.prefix_cache.lookup(seq.block_hashes, limit)
 
     def blocks_to_admit(self, num_tokens: int, prefix: list[tuple[int, ...]]) -> int:
         """Free blocks that admitting a sequence with this cached prefix uses up: new blocks for
         the rest, and the cached ones that sit in the free list (unowned, kept for reuse)."""
         new = (self.geometry.blocks_for(num_tokens) - len(prefix)) * self.geometry.num_layers
-        return new + sum(1 for row in prefix for b in row if self.allocator.ref_count[b] == 0)
+        return new + (int((self.allocator.ref_count[np.asarray(prefix)] == 0).sum()) if prefix else 0)
 
-    def admit(self, slot: int, token_ids: list[int], prefix: list[tuple[int, ...]]) -> None:
+    def admit(self, slot: int, num_tokens: int, prefix: list[tuple[int, ...]]) -> None:
         """Give a fresh slot its cached prefix blocks (shared) and new blocks for the rest."""
         for i, row in enumerate(prefix):
             self.allocator.share(row)
             self.table[slot, :, i] = row
         self.num_blocks_of_slot[slot] = len(prefix)
         self._mark_changed(slot, 0, len(prefix))
-        bs = self.geometry.block_size
-        self.slot_hashes[slot] = block_hashes(token_ids, bs, len(prefix))
-        self.grow(slot, len(token_ids))
+        self.num_offered[slot] = len(prefix)  # found in the cache: nothing to offer
+        self.grow(slot, num_tokens)
 
     def forget_cached_prefixes(self) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache = PrefixCache()
             self.allocator.on_reuse = self.prefix_cache.forget
-            self.slot_hashes = [[] for _ in range(self.max_slots)]
+            self.num_offered = [0] * self.max_slots
 
-    def completes_blocks(self, slot: int, num_cached: int) -> bool:
-        """Whether the slot has full blocks the prefix cache has not been offered yet."""
-        return self.prefix_cache is not None and num_cached // self.geometry.block_size > len(self.slot_hashes[slot])
-
-    def register(self, slot: int, token_ids: list[int], num_cached: int) -> None:
-        """Offer the slot's newly completed full blocks to the prefix cache."""
-        if not self.completes_blocks(slot, num_cached):
-            return
-        bs, hashes = self.geometry.block_size, self.slot_hashes[slot]
-        done, full = len(hashes), num_cached // bs
-        new = block_hashes(token_ids[done * bs:], bs, full - done, parent=hashes[-1] if hashes else None)
-        for i, h in enumerate(new, start=done):
-            self.prefix_cache.insert(h, tuple(self.table[slot, :, i].tolist()))
-        hashes.extend(new)
+    def register(self, slot: int, seq, num_cached: int) -> None:
+        """Offer the slot's newly completed full blocks (of its first `num_cached` tokens, which
+        are in the cache) to the prefix cache."""
+        full = num_cached // self.geometry.block_size
+        done = self.num_offered[slot]
+        if self.prefix_cache is None or full <= done:
+            return  # the common case, checked first: no block was completed
+        if len(seq.block_hashes) < full:
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.geometry.block_size, full)
+        for i in range(done, full):
+            self.prefix_cache.insert(seq.block_hashes[i], tuple(self.table[slot, :, i].tolist()))
+        self.num_offered[slot] = full
 
     # --- sharing between sequences: fork and copy-on-write ----------------------------------
     def fork(self, parent: int, child: int) -> None:
@@ -191,7 +191,7 @@ class KVCache:
         self.allocator.share(self.table[parent, :, :n].ravel().tolist())
         self.table[child, :, :n] = self.table[parent, :, :n]
         self.num_blocks_of_slot[child] = n
-        self.slot_hashes[child] = list(self.slot_hashes[parent])
+        self.num_offered[child] = self.num_offered[parent]
         self.shares_tail[parent] = self.shares_tail[child] = True
         self._mark_changed(child, 0, n)
 

@@ -177,6 +177,11 @@ class CacheGeometry:
     def pool_shape(self) -> tuple[int, ...]:
         return (self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
+    @property
+    def pool_tokens(self) -> int:
+        """The longest sequence the pool holds: one sequence alone, every layer's blocks."""
+        return (self.num_blocks // self.num_layers) * self.block_size
+
     def blocks_for(self, num_tokens: int) -> int:
         """Logical blocks a sequence of `num_tokens` occupies in one layer."""
         return math.ceil(num_tokens / self.block_size)

@@ -88,6 +88,17 @@ class Engine:
             self.step()
         return seqs
 
+    def reset(self) -> None:
+        """Forget what ran (its sequences, counters and cached prefixes); compiled kernels, captured
+        graphs and allocations stay warm. Only between runs: nothing may be unfinished."""
+        assert not self.has_unfinished, "reset with requests still running"
+        self.sequences.clear()
+        self.num_steps = 0
+        self.scheduler.num_preemptions = 0
+        self.scheduler.prompt_tokens = self.scheduler.cached_prompt_tokens = 0
+        self.cache.num_copied_blocks = 0
+        self.cache.forget_cached_prefixes()
+
     def abort_all(self) -> None:
         """Finish every unfinished request now (Ctrl-C): every block goes back."""
         forked = [c for children in self.scheduler.forks.values() for c in children]

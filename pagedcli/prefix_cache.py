@@ -11,13 +11,14 @@ until the allocator hands it out again, least recently freed first.
 from __future__ import annotations
 
 
-def block_hashes(token_ids: list[int], block_size: int, num_blocks: int, parent: int | None = None) -> list[int]:
-    """Chained hashes of the first `num_blocks` full blocks of `token_ids`."""
-    hashes, h = [], parent
-    for i in range(num_blocks):
+def extend_block_hashes(hashes: list[int], token_ids: list[int], block_size: int, num_blocks: int) -> None:
+    """Grow `hashes`, the chained hashes of the first full blocks of `token_ids`, to `num_blocks`
+    entries. A sequence keeps its list for its whole life (tokens are only ever appended, so the
+    hashes stay true), and each block is hashed once."""
+    h = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_blocks):
         h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size])))
         hashes.append(h)
-    return hashes
 
 
 class PrefixCache:
@@ -25,10 +26,10 @@ class PrefixCache:
         self.rows: dict[int, tuple[int, ...]] = {}  # hash -> physical block of each layer
         self.hash_of: dict[int, int] = {}  # physical block -> the hash whose row holds it
 
-    def lookup(self, hashes: list[int]) -> list[tuple[int, ...]]:
-        """The rows of the longest run of known hashes from the start."""
+    def lookup(self, hashes: list[int], limit: int) -> list[tuple[int, ...]]:
+        """The rows of the longest run of known hashes from the start, at most `limit`."""
         rows = []
-        for h in hashes:
+        for h in hashes[:limit]:
             row = self.rows.get(h)
             if row is None:
                 break

@@ -35,8 +35,8 @@ def _draw(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest prefix reaching top_p
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= p.top_p  # keep the smallest prefix reaching top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=seq.generator)[0]

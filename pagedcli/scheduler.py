@@ -58,7 +58,11 @@ class Scheduler:
         slot wait at the head of the queue (and find the prompt's full blocks in the prefix cache)."""
         joined, rows = [], []
         for row, parent in enumerate(seqs):
-            for child in self.forks.pop(parent.id, []):
+            children = self.forks.pop(parent.id, [])
+            if children:  # the prompt's full blocks, offered once and hashed once for all samples
+                self.cache.register(parent.slot, parent, len(parent))
+            for child in children:
+                child.block_hashes = list(parent.block_hashes)
                 if not self.free_slots:
                     self.waiting.appendleft(child)
                     continue
@@ -76,10 +80,9 @@ class Scheduler:
     def why_unrunnable(self, prompt_len: int) -> str | None:
         if prompt_len == 0:
             return "the prompt is empty"
-        geo = self.cache.geometry
-        pool_tokens = (geo.num_blocks // geo.num_layers) * geo.block_size  # one sequence alone in the pool
-        if prompt_len + 1 > min(self.max_model_len, pool_tokens):
-            limit = min(self.max_model_len, pool_tokens)
+        pool_tokens = self.cache.geometry.pool_tokens
+        limit = min(self.max_model_len, pool_tokens)
+        if prompt_len + 1 > limit:
             why = ("the whole pool holds", "use a larger --cache-size or --num-blocks") if pool_tokens <= limit else (
                 "the maximum length is", "shorten the prompt")
             return f"the prompt has {prompt_len} tokens; with one new token that is more than {why[0]} {limit} ({why[1]})"
@@ -104,12 +107,12 @@ class Scheduler:
             n = len(seq)  # a preempted sequence is recomputed: prompt and output so far
             if admitted and tokens + n > self.max_prefill_tokens:
                 break
-            prefix = self.cache.cached_prefix(seq.token_ids)
+            prefix = self.cache.cached_prefix(seq)
             if self.cache.blocks_to_admit(n, prefix) > self.cache.num_free_blocks:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             slot = self.free_slots.pop(0)
-            self.cache.admit(slot, seq.token_ids, prefix)
+            self.cache.admit(slot, n, prefix)
             seq.slot, seq.status = slot, Status.RUNNING
             seq.num_cached = len(prefix) * self.cache.geometry.block_size  # computed already
             self.prompt_tokens += n
@@ -140,7 +143,7 @@ class Scheduler:
                     self.cache.prepare_write(seq.slot, n)
                 scheduled.append(seq)
         self.running = scheduled
-        return list(scheduled)  # a copy: finishing sequences edits self.running
+        return scheduled
 
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)
@@ -161,8 +164,7 @@ class Scheduler:
         finished = []
         for seq, token in zip(seqs, tokens):
             seq.num_cached = len(seq)  # everything fed this step is now in the cache
-            if self.cache.completes_blocks(seq.slot, seq.num_cached):
-                self.cache.register(seq.slot, seq.token_ids, seq.num_cached)
+            self.cache.register(seq.slot, seq, seq.num_cached)
             p = seq.params
             if token in self.stop_ids and not p.ignore_eos:
                 seq.finish_reason = "stop"
@@ -171,8 +173,11 @@ class Scheduler:
                 if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
                     seq.finish_reason = "length"
             if seq.finish_reason:
-                self.finish(seq)
+                self._free(seq)
+                seq.status = Status.FINISHED
                 finished.append(seq)
+        if finished:  # one pass over the running list, however many finished
+            self.running = [s for s in self.running if not s.is_finished]
         return finished
 
     def finish(self, seq: Sequence) -> None:

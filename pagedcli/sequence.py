@@ -42,6 +42,7 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop", "length" or "error"
         self.error: str | None = None
         self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # chained hashes of its full blocks, as far as computed (prefix_cache.py)
         self.generator: torch.Generator | None = None  # made on the logits' device at first sampling
         # timing, for bench and the live view
         self.arrival_time = time.perf_counter()
