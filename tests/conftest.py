@@ -56,6 +56,12 @@ def hf_checkpoint(folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Path:
+    """hf_checkpoint's default model, saved once for every test that only reads it."""
+    return hf_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
 @pytest.fixture
 def make_engine():
     from pagedcli.loader import EngineOptions, load

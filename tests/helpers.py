@@ -1,10 +1,23 @@
-"""Test helpers: the transformers oracle and block-accounting checks."""
+"""Test helpers: the transformers oracle, block-accounting checks, and the CLI run in-process."""
 
 from __future__ import annotations
 
 from collections import Counter
 
 import torch
+
+
+def invoke(*args) -> tuple[int, str, str]:
+    """`pagedcli *args` in-process: (exit code, stdout, stderr). An exception the CLI did not turn
+    into a clean exit is raised again, so that the test shows its traceback."""
+    from typer.testing import CliRunner
+
+    from pagedcli.cli import app
+
+    result = CliRunner().invoke(app, list(args))
+    if result.exit_code == 1 and result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
 
 
 def hf_model(folder, dtype=torch.float32, device="cpu"):

@@ -7,18 +7,14 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
-from pagedcli.cli import app
+from helpers import invoke
 
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
 
 
 def run(*args):
-    result = CliRunner().invoke(app, ["generate", *args])
-    if result.exit_code == 1 and result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
+    return invoke("generate", *args)
 
 
 def test_the_readme_story_command(stories):

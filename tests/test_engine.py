@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import random
 
-import pytest
 
-from conftest import hf_checkpoint
 from helpers import check_block_accounting
 from pagedcli.sequence import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return hf_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 def test_finished_slot_is_refilled_at_once(tiny, make_engine):

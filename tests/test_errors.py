@@ -12,14 +12,12 @@ import sys
 import time
 
 import pytest
-from typer.testing import CliRunner
 
-from pagedcli.cli import app
+from helpers import invoke
 
 
 def generate(*args):
-    r = CliRunner().invoke(app, ["generate", *args])
-    return r.exit_code, r.stdout, r.stderr
+    return invoke("generate", *args)
 
 
 @pytest.fixture

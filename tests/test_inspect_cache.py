@@ -7,18 +7,14 @@ import json
 
 import pytest
 from rich.console import Console
-from typer.testing import CliRunner
 
-from pagedcli.cli import app
+from helpers import invoke
 
 PROMPTS = ["Once upon a time", "Tom and his dog", "The sun"]
 
 
 def inspect(*args):
-    result = CliRunner().invoke(app, ["inspect-cache", *args])
-    if result.exit_code == 1 and result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
+    return invoke("inspect-cache", *args)
 
 
 def inspect_json(stories, *args) -> dict:

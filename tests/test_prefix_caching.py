@@ -6,17 +6,11 @@ import random
 
 import pytest
 
-from conftest import hf_checkpoint
-from helpers import check_block_accounting
+from helpers import check_block_accounting, invoke
 from pagedcli.sequence import SamplingParams
 from test_oracle import assert_matches_hf
 
 SYSTEM = list(range(40, 40 + 37))  # a shared 37-token prefix: two full blocks of 16 and a partial one
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return hf_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 def prompts_with_shared_prefix(n, seed=0):
@@ -132,13 +126,9 @@ def test_preemption_with_shared_blocks_keeps_accounting(tiny, make_engine):
 
 # --- as a user sees it -----------------------------------------------------------------------------
 def cli(*args):
-    from typer.testing import CliRunner
-
-    from pagedcli.cli import app
-
-    r = CliRunner().invoke(app, list(args))
-    assert r.exit_code == 0, r.stderr
-    return r.stdout
+    code, stdout, stderr = invoke(*args)
+    assert code == 0, stderr
+    return stdout
 
 
 def test_generate_n_answers_share_and_equal_separate_seeded_runs(stories):

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import random
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import hf_checkpoint
 from helpers import check_block_accounting
 from pagedcli.cache import KVCache
 from pagedcli.config import CacheGeometry, ModelConfig
@@ -16,11 +14,6 @@ from pagedcli.scheduler import Scheduler
 from pagedcli.sequence import SamplingParams, Sequence, Status
 
 import torch
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return hf_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 def run_alone(make_engine, folder, prompts, params_list):

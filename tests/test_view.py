@@ -15,9 +15,8 @@ import time
 import pytest
 import torch
 from rich.console import Console
-from typer.testing import CliRunner
 
-from pagedcli.cli import app
+from helpers import invoke
 from pagedcli.config import CacheGeometry
 from pagedcli.snapshot import CacheSnapshot, SlotView, WaitingView
 from pagedcli.view import LiveView, block_cells, render
@@ -121,8 +120,7 @@ def test_live_view_redraws_on_a_wall_clock_budget_and_ends_with_the_pool_free(st
 
 
 def generate(*args):
-    result = CliRunner().invoke(app, ["generate", *args])
-    return result.exit_code, result.stdout, result.stderr
+    return invoke("generate", *args)
 
 
 def test_live_without_a_terminal_is_plain_output(stories):
