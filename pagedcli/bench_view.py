@@ -7,6 +7,8 @@ from rich import progress as rp
 from rich.console import Group
 from rich.table import Table
 
+from pagedcli.view import human_bytes
+
 
 class Progress:
     """A Rich progress bar per batch size (on stderr, only on a terminal)."""
@@ -39,10 +41,8 @@ def _widest(header: str) -> int:
     return max(len(line) for line in header.split("\n"))
 
 
-def _bytes(n):
-    if n is None:
-        return "-"
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+def _bytes(n) -> str:
+    return "-" if n is None else human_bytes(n)  # None: not measured (no GPU)
 
 
 def results_table(results: list[dict]) -> Group:

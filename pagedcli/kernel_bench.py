@@ -49,7 +49,7 @@ def _config(num_heads: int, num_kv_heads: int, head_dim: int, max_len: int, dtyp
     }, source="kernel_bench")
 
 
-def _time_ms(calls: list) -> float:
+def time_ms(calls: list) -> float:
     """Median milliseconds of one call. `calls` are closures over different data, used in turn."""
     for c in calls:  # warm up (and allocate whatever the calls allocate) outside the graph
         c()
@@ -129,7 +129,7 @@ def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads
             sdpa_calls = [lambda i=i: F.scaled_dot_product_attention(*i, enable_gqa=True) for i in sdpa_inputs]
             step, q = steps[0]
             diff = (backend.attend(0, q, step).float() - sdpa_calls[0]().squeeze(2).float()).abs().max().item()
-            paged_ms, sdpa_ms = _time_ms(paged_calls), _time_ms(sdpa_calls)
+            paged_ms, sdpa_ms = time_ms(paged_calls), time_ms(sdpa_calls)
 
             moved = kv_bytes + 2 * batch * num_heads * head_dim * itemsize  # K, V, q in, out
             rows.append(dict(

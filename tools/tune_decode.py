@@ -57,21 +57,29 @@ def graph_ms(graph, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
+def decoding_engine(model, opts, steps: int, max_tokens: int):
+    """An engine with graphs captured, `steps` steps into one 128-token request: the prefill and
+    `steps - 1` decode steps."""
+    engine = build_engine(model, opts)
+    engine.runner.capture_graphs()
+    seq = engine.add_request(list(range(1000, 1128)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    for _ in range(steps):
+        engine.step()
+    return engine, seq
+
+
 def replay_ms(model, opts, replays: int = 200) -> float:
     """GPU time of one batch-1 decode step: its CUDA graph replayed back to back (no host work
     between steps), at a context of ~200 tokens."""
-    engine = build_engine(model, opts)
-    engine.runner.capture_graphs()
-    engine.add_request(list(range(1000, 1128)), SamplingParams(max_tokens=80, ignore_eos=True))
-    for _ in range(72):
-        engine.step()
+    engine, _ = decoding_engine(model, opts, steps=72, max_tokens=80)
     return graph_ms(engine.runner.graphs.graph(1)[0], replays)
 
 
-def gemv_table(model, opts, calls: int = 32, replays: int = 10) -> None:
+def gemv_table(model, opts) -> None:
     """Each GEMM of a layer at batch 1, alone: our fused GEMV against the cuBLAS path (our
-    norm/silu kernels around torch.matmul), as a CUDA graph of `calls` back-to-back launches."""
+    norm/silu kernels around torch.matmul), timed as kernel_bench times the attention kernel."""
     from pagedcli.backends.torch import TorchBackend
+    from pagedcli.kernel_bench import time_ms
 
     engine = build_engine(model, opts)
     be, w = engine.runner.model.backend, engine.runner.model.w
@@ -93,13 +101,7 @@ def gemv_table(model, opts, calls: int = 32, replays: int = 10) -> None:
     }
 
     def time_us(call, impl) -> float:
-        call(impl, 0)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                call(impl, i % len(layers))
-        return graph_ms(graph, replays) * 1e3 / calls
+        return time_ms([lambda i=i: call(impl, i) for i in range(len(layers))]) * 1e3
 
     print("\nGEMMs of a layer at batch 1, alone (us per call, GB/s of weights)")
     for name, (call, weight) in ops.items():
@@ -113,11 +115,7 @@ def profile(model, opts, steps: int) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    engine = build_engine(model, opts)
-    engine.runner.capture_graphs()
-    seq = engine.add_request(list(range(1000, 1128)), SamplingParams(max_tokens=steps + 40, ignore_eos=True))
-    for _ in range(20):  # prefill and warm decode steps
-        engine.step()
+    engine, seq = decoding_engine(model, opts, steps=20, max_tokens=steps + 40)
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
