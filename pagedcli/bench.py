@@ -224,6 +224,8 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
         "kv_bytes_peak": peak_blocks * geo.block_bytes,
         "kv_bytes_contiguous": peak_running * engine.cache.max_model_len * geo.kv_bytes_per_token,
         "preemptions": engine.scheduler.num_preemptions,
+        "overlap": engine.overlap,
+        "decode_steps_queued_ahead": engine.num_launched_ahead,
         "prefix_cache_hit_rate": engine.scheduler.prefix_hit_rate,
         "gpu_memory_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

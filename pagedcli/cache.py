@@ -236,7 +236,8 @@ class KVCache:
         src = torch.tensor(np.concatenate([s for s, _ in self.pending_copies]), dtype=torch.long)
         dst = torch.tensor([b for _, d in self.pending_copies for b in d], dtype=torch.long)
         self.pending_copies.clear()
-        self.pool[dst.to(self.device)] = self.pool[src.to(self.device)]
+        # non_blocking: pageable memory is staged at once, and the host need not wait for the GPU
+        self.pool[dst.to(self.device, non_blocking=True)] = self.pool[src.to(self.device, non_blocking=True)]
 
     def blocks_of(self, slot: int, layer: int) -> list[int]:
         return self.table[slot, layer, : self.num_blocks_of_slot[slot]].tolist()
@@ -257,5 +258,5 @@ class KVCache:
         index = np.concatenate(self._changed)
         self._changed.clear()
         packed = np.stack([index, self.table.ravel()[index].astype(np.int64)])
-        packed = torch.from_numpy(packed).to(self.device)
+        packed = torch.from_numpy(packed).to(self.device, non_blocking=True)  # no wait for a step in flight
         self.device_table.view(-1)[packed[0]] = packed[1].to(torch.int32)

@@ -48,6 +48,8 @@ MaxModelLen = Annotated[Optional[int], typer.Option(help="Longest sequence, prom
                                                     "capped by what the pool holds.")]
 Eager = Annotated[bool, typer.Option(help="No CUDA graphs (slower; for debugging).")]
 PrefixCaching = Annotated[bool, typer.Option(help="Reuse the cached blocks of prompt prefixes seen before.")]
+Overlap = Annotated[bool, typer.Option(help="On a GPU, queue the next decode step before this one's tokens reach "
+                                       "the host, so Python's work per step hides behind the GPU's.")]
 
 # --- prompts and sampling, shared by generate and inspect-cache ----------------------------------
 Prompts = Annotated[Optional[list[str]], typer.Argument(help="Prompts; several run together.")]
@@ -100,12 +102,12 @@ def notice(text: str) -> None:
 
 
 def engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager,
-                   prefix_caching):
+                   prefix_caching, overlap=True):
     from pagedcli.loader import EngineOptions
 
     return EngineOptions(model=model, device=device, dtype=dtype, batch=batch, block_size=block_size,
                          num_blocks=num_blocks, cache_size=cache_size, max_model_len=max_model_len, eager=eager,
-                         prefix_caching=prefix_caching)
+                         prefix_caching=prefix_caching, overlap=overlap)
 
 
 def start_requests(opts, prompts, prompt_file, chat, sampling: dict, samples, command: str):
@@ -164,13 +166,14 @@ def generate(
     max_model_len: MaxModelLen = None,
     eager: Eager = False,
     prefix_caching: PrefixCaching = True,
+    overlap: Overlap = True,
 ):
     """Generate text for one or more prompts, streamed as it comes."""
     from pagedcli import generate as gen
     from pagedcli.output import JsonPrinter, TextPrinter
 
     opts = engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager,
-                          prefix_caching)
+                          prefix_caching, overlap)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, ignore_eos=ignore_eos,
                     seed=seed)
     loaded, seqs, use_chat = start_requests(opts, prompts, prompt_file, chat, sampling, samples, "generate")
@@ -230,7 +233,7 @@ def inspect_cache(
         raise UsageError(f"--slot {slot} is out of range",
                          f"--batch {batch} gives " + ("slot 0 only" if batch == 1 else f"slots 0 to {batch - 1}"))
     opts = engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager,
-                          prefix_caching)
+                          prefix_caching, overlap=False)  # the cache as each step left it, no step ahead
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, ignore_eos=ignore_eos,
                     seed=seed)
     loaded, _, _ = start_requests(opts, prompts, prompt_file, chat, sampling, samples, "inspect-cache")
@@ -272,6 +275,7 @@ def bench(
     max_model_len: MaxModelLen = None,
     eager: Eager = False,
     prefix_caching: PrefixCaching = True,
+    overlap: Overlap = True,
 ):
     """Measure speed, memory and bandwidth against the hardware's roofline."""
     from pagedcli import bench as b
@@ -286,7 +290,7 @@ def bench(
     workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file, prefix_len)
     b.parse_len(input_len, "--input-len"), b.parse_len(output_len, "--output-len")
     opts = engine_options(model, device, dtype, max(batches), block_size, num_blocks, cache_size, max_model_len, eager,
-                          prefix_caching)
+                          prefix_caching, overlap)
     loaded = load_model(opts, notice)
     if kernel:
         _kernel_bench(loaded, json_output, bandwidth)

@@ -7,12 +7,22 @@
 
 Each step returns a StepOutput saying what happened, which the CLI streams, the live view
 draws and the benchmark times.
+
+Overlap (on a GPU): a decode step's forward pass and sampling are only queued on the device; the
+host learns the tokens when it needs them. Before it waits for them, the engine queues the next
+decode step, which takes those tokens straight from device memory, and plans it as if every
+sequence goes on (its blocks are taken one token early). So the host's bookkeeping for step n
+runs while the GPU computes step n + 1, and the GPU never waits for Python. A sequence that a
+stop token ends at step n has computed one token in vain at step n + 1, which is dropped (vLLM's
+async scheduling does the same). Prefills, admissions and preemptions are never planned ahead.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from pagedcli.cache import KVCache
 from pagedcli.runner import ModelRunner
@@ -34,13 +44,35 @@ class StepOutput:
     num_running: int = 0  # sequences holding a slot during the step
 
 
+@dataclass
+class Launched:
+    """A step queued on the device: its sampled tokens exist there, and are on their way to the host."""
+
+    is_prefill: bool
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [len(seqs)] int64 on the device: what the next step feeds without a round trip
+    host_tokens: torch.Tensor  # the same on the host (pinned memory on a GPU), once `ready` has passed
+    ready: torch.cuda.Event | None  # None on the CPU: the tokens are there already
+    num_tokens: int
+    used_blocks: int
+    num_running: int
+
+    def tokens_on_host(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()  # this step only: a step queued after it keeps running
+        return self.host_tokens.tolist()
+
+
 class Engine:
-    def __init__(self, runner: ModelRunner, cache: KVCache, stop_ids):
+    def __init__(self, runner: ModelRunner, cache: KVCache, stop_ids, overlap: bool = False):
         self.runner = runner
         self.cache = cache  # its max_slots and max_model_len are the engine's
         self.scheduler = Scheduler(cache, set(stop_ids))
         self.sequences: list[Sequence] = []
         self.num_steps = 0
+        self.overlap = overlap  # queue the next decode step before this one's tokens are on the host
+        self.in_flight: Launched | None = None  # a decode step queued ahead, finished by the next step()
+        self.num_launched_ahead = 0
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
         seq = Sequence(len(self.sequences), prompt_token_ids, params, prompt)
@@ -62,24 +94,62 @@ class Engine:
 
     def step(self) -> StepOutput:
         start = time.perf_counter()
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            return StepOutput(is_prefill, [], [])
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            seqs, is_prefill = self.scheduler.schedule()
+            if not seqs:
+                return StepOutput(is_prefill, [], [])
+            step = self._launch(seqs, is_prefill)
+        if self.overlap and not step.is_prefill:
+            ahead = self.scheduler.schedule_ahead(step.seqs)
+            if ahead:
+                self.in_flight = self._launch(ahead, False, after=step)
+                self.num_launched_ahead += 1
+        return self._finish(step, start)
+
+    def _launch(self, seqs: list[Sequence], is_prefill: bool, after: Launched | None = None) -> Launched:
+        """Queue the forward pass and the sampling of one step. `after`: the decode step still in
+        flight whose tokens this (decode) step feeds, taken from the device."""
         num_tokens = sum(len(s) - s.num_cached for s in seqs) if is_prefill else len(seqs)
         used_blocks = self.cache.geometry.num_blocks - self.cache.num_free_blocks
         num_running = len(self.scheduler.running)
-        logits = self.runner.run(seqs, is_prefill)
+        feed = None
+        if after is not None:  # `seqs` are `after.seqs` less the ones that end with it, in order
+            if len(seqs) == len(after.seqs):
+                feed = after.tokens
+            else:
+                row = {s.id: i for i, s in enumerate(after.seqs)}
+                feed = after.tokens[torch.tensor([row[s.id] for s in seqs]).to(after.tokens.device, non_blocking=True)]
+        logits = self.runner.run(seqs, is_prefill, feed)
         if is_prefill:
             seqs, logits = self.scheduler.fork(seqs, logits)
         tokens = sample(logits, seqs, self.runner.model.backend.argmax)
+        if tokens.is_cuda:
+            host, ready = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True), torch.cuda.Event()
+            host.copy_(tokens, non_blocking=True)
+            ready.record()
+        else:
+            host, ready = tokens, None
+        return Launched(is_prefill, seqs, tokens, host, ready, num_tokens, used_blocks, num_running)
+
+    def _finish(self, step: Launched, start: float) -> StepOutput:
+        """Wait for a step's tokens; append them, finish sequences, give blocks back."""
+        tokens = step.tokens_on_host()
+        seqs = step.seqs
+        if any(s.is_finished for s in seqs):  # ended by a stop token while this step was queued
+            kept = [i for i, s in enumerate(seqs) if not s.is_finished]
+            seqs, tokens = [seqs[i] for i in kept], [tokens[i] for i in kept]
         now = time.perf_counter()
         for seq in seqs:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.token_times.append(now)
         finished = self.scheduler.update(seqs, tokens)
+        if self.in_flight is not None and all(s.is_finished for s in self.in_flight.seqs):
+            self.in_flight = None  # every row of the step ahead is void: nobody waits for it
         self.num_steps += 1
-        return StepOutput(is_prefill, seqs, tokens, finished, num_tokens, now - start, used_blocks, num_running)
+        return StepOutput(step.is_prefill, seqs, tokens, finished, step.num_tokens, now - start, step.used_blocks,
+                          step.num_running)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         """Run prompts to completion; returns their sequences in input order."""
@@ -93,7 +163,7 @@ class Engine:
         graphs and allocations stay warm. Only between runs: nothing may be unfinished."""
         assert not self.has_unfinished, "reset with requests still running"
         self.sequences.clear()
-        self.num_steps = 0
+        self.num_steps = self.num_launched_ahead = 0
         self.scheduler.num_preemptions = 0
         self.scheduler.prompt_tokens = self.scheduler.cached_prompt_tokens = 0
         self.cache.num_copied_blocks = 0
@@ -101,6 +171,7 @@ class Engine:
 
     def abort_all(self) -> None:
         """Finish every unfinished request now (Ctrl-C): every block goes back."""
+        self.in_flight = None  # its rows end with everyone else's
         forked = [c for children in self.scheduler.forks.values() for c in children]
         self.scheduler.forks.clear()
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + forked:

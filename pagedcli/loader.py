@@ -35,6 +35,7 @@ class EngineOptions:
     cache_size: str | None = None  # e.g. "2GiB"; default by device
     max_model_len: int | None = None
     eager: bool = False  # no CUDA graphs
+    overlap: bool = True  # on a GPU, queue the next decode step before this one's tokens reach the host
     shuffle_blocks: int | None = None  # hand blocks out in a shuffled order (tests, demos)
     prefix_caching: bool = True
     seed: int = 0  # random weights
@@ -109,7 +110,7 @@ def build_engine(model: Model, opts: EngineOptions) -> Engine:
         backend = TorchBackend(cache, config)
     llama = Llama(config, model.weights, backend)
     runner = ModelRunner(llama, cache, use_graphs=device.type == "cuda" and not opts.eager)
-    return Engine(runner, cache, model.source.stop_ids)
+    return Engine(runner, cache, model.source.stop_ids, overlap=opts.overlap and device.type == "cuda")
 
 
 @dataclass

@@ -35,20 +35,29 @@ class ModelRunner:
             for n in self.graphs.buckets:
                 self.graphs.graph(n)
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        """Logits for each sequence's next token, [len(seqs), vocab] float32."""
+    def run(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for each sequence's next token, [len(seqs), vocab] float32.
+
+        feed (decode only): the tokens to feed, [len(seqs)] on the device, sampled by a step the
+        host has not seen the end of (the engine's overlap); each sequence is then one token longer
+        than its host copy says, and that token is the one fed."""
         self.cache.sync_device_table()
         self.cache.copy_pending_blocks()  # copy-on-write, before this step writes K/V
         slots = [s.slot for s in seqs]
-        if not is_prefill and self.graphs is not None:
-            return self.graphs.run(slots, [s.last_token for s in seqs], [len(s) - 1 for s in seqs])
         if is_prefill:
             new_tokens = [s.token_ids[s.num_cached:] for s in seqs]
             num_cached = [s.num_cached for s in seqs]
-        else:
+        elif feed is None:
             new_tokens = [[s.last_token] for s in seqs]
             num_cached = [len(s) - 1 for s in seqs]
+        else:
+            new_tokens = [[0]] * len(seqs)  # stand-ins, overwritten on the device by `feed`
+            num_cached = [len(s) for s in seqs]
+        if not is_prefill and self.graphs is not None:
+            return self.graphs.run(slots, [t[0] for t in new_tokens], num_cached, feed)
         batch = StepBatch.build(is_prefill, slots, new_tokens, num_cached, self.device)
+        if feed is not None:
+            batch.token_ids.copy_(feed)
         self.model.backend.prepare(batch)
         return self.model.forward(batch)
 
@@ -62,9 +71,12 @@ class DecodeGraphs:
         self.buckets = graph_buckets(cache.max_slots)
         n = self.buckets[-1]
         dev = cache.device
-        # inputs, staged as one int64 tensor [4, n]: token, position, slot, context length
-        self.host = torch.zeros((4, n), dtype=torch.int64).pin_memory()
-        self.host_np = self.host.numpy()  # numpy writes into pinned memory cost least per step
+        # inputs, staged as one int64 tensor [4, n]: token, position, slot, context length. Two
+        # pinned host buffers, used in turn: with the engine's overlap, a step is staged while the
+        # copy of the one before may still wait in the stream for the GPU
+        self.host = [torch.zeros((4, n), dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.host_np = [h.numpy() for h in self.host]  # numpy writes into pinned memory cost least per step
+        self.num_runs = 0
         self.staged = torch.zeros((4, n), dtype=torch.int64, device=dev)
         self.pool = torch.cuda.graph_pool_handle()
         # bucket -> (graph, its static batch, its logits); the batch must live as long as the graph:
@@ -115,16 +127,21 @@ class DecodeGraphs:
             self.captured[n] = self._capture(n)
         return self.captured[n]
 
-    def run(self, slots: list[int], tokens: list[int], num_cached: list[int]) -> torch.Tensor:
+    def run(self, slots: list[int], tokens: list[int], num_cached: list[int],
+            feed: torch.Tensor | None = None) -> torch.Tensor:
         b = len(slots)
         n = next(size for size in self.buckets if size >= b)
         graph, _, logits = self.graph(n)
-        h = self.host_np
+        turn = self.num_runs % 2
+        self.num_runs += 1
+        h = self.host_np[turn]
         h[0, :b] = tokens
         h[1, :b] = num_cached  # the new token's position = tokens already cached
         h[2, :b] = slots
         h[3, :b] = h[1, :b] + 1
         h[0, b:n], h[1, b:n], h[2, b:n], h[3, b:n] = 0, -1, 0, 0
-        self.staged.copy_(self.host, non_blocking=True)  # whole buffer: contiguous pinned memory, truly async
+        self.staged.copy_(self.host[turn], non_blocking=True)  # whole buffer: contiguous pinned memory, truly async
+        if feed is not None:
+            self.staged[0, :b].copy_(feed)  # device to device: the tokens never visit the host
         graph.replay()
         return logits[:b]

@@ -11,14 +11,14 @@ import torch
 from pagedcli.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], argmax=None) -> list[int]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], argmax=None) -> torch.Tensor:
     """logits: [B, vocab] float32, row b for seqs[b]. argmax: the backend's (a faster kernel on a
-    GPU), else torch's."""
+    GPU), else torch's. Returns [B] int64 tokens where the logits are: nothing waits for them."""
     tokens = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
     for b in sampled:
         tokens[b] = _draw(logits[b], seqs[b])
-    return tokens.tolist()
+    return tokens
 
 
 def _draw(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:

@@ -108,7 +108,7 @@ class Scheduler:
             if admitted and tokens + n > self.max_prefill_tokens:
                 break
             prefix = self.cache.cached_prefix(seq)
-            if self.cache.blocks_to_admit(n, prefix) > self.cache.num_free_blocks:
+            if not self._fits(seq, prefix):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             slot = self.free_slots.pop(0)
@@ -121,6 +121,14 @@ class Scheduler:
             admitted.append(seq)
             tokens += n
         return admitted
+
+    def _fits(self, seq: Sequence, prefix: list[tuple[int, ...]]) -> bool:
+        return self.cache.blocks_to_admit(len(seq), prefix) <= self.cache.num_free_blocks
+
+    def _can_admit(self) -> bool:
+        """Whether the next schedule() would admit the head of the queue."""
+        return bool(self.waiting and self.free_slots) and self._fits(self.waiting[0],
+                                                                     self.cache.cached_prefix(self.waiting[0]))
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -144,6 +152,30 @@ class Scheduler:
                 scheduled.append(seq)
         self.running = scheduled
         return scheduled
+
+    def schedule_ahead(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The decode step after `seqs` (a decode step whose tokens are not on the host yet), planned
+        now: the sequences that go on whatever token they get, each with room for one token more
+        than it holds now (the engine's overlap). Empty, and nothing changed, when the next step
+        is not a plain decode of them: a waiting request can be admitted, or they need more free
+        blocks than there are (schedule() then preempts). `seqs` may hold sequences that a stop token
+        has ended since they were queued: they are left out here, and their row of `seqs`' own
+        step is dropped by the engine."""
+        if self._can_admit():
+            return []
+        going_on = [s for s in seqs if not s.is_finished and not self._at_length_limit(s, pending=1)]
+        needs = [self.cache.blocks_to_write(s.slot, len(s) + 1) for s in going_on]
+        if sum(needs) > self.cache.num_free_blocks:
+            return []
+        for seq, need in zip(going_on, needs):
+            if need:
+                self.cache.prepare_write(seq.slot, len(seq) + 1)
+        return going_on
+
+    def _at_length_limit(self, seq: Sequence, pending: int = 0) -> bool:
+        """Whether the sequence is as long as it may get, once `pending` more tokens are appended."""
+        return (len(seq.output_token_ids) + pending >= seq.params.max_tokens
+                or len(seq) + pending >= self.max_model_len)
 
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)
@@ -170,7 +202,7 @@ class Scheduler:
                 seq.finish_reason = "stop"
             else:
                 seq.output_token_ids.append(token)
-                if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
+                if self._at_length_limit(seq):
                     seq.finish_reason = "length"
             if seq.finish_reason:
                 self._free(seq)

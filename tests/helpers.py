@@ -44,8 +44,8 @@ def record_logits(engine):
     seen: dict[int, list[torch.Tensor]] = {}
     run = engine.runner.run
 
-    def recording(seqs, is_prefill):
-        logits = run(seqs, is_prefill)
+    def recording(seqs, is_prefill, feed=None):
+        logits = run(seqs, is_prefill, feed)
         for seq, row in zip(seqs, logits):
             seen.setdefault(seq.id, []).append(row.clone())
         return logits

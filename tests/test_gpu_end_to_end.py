@@ -110,3 +110,31 @@ def test_parallel_samples_copy_on_write_on_cuda(stories):
     assert engine.cache.num_copied_blocks > 0
     alone = build_engine(model, EngineOptions(**{**opts.__dict__, "batch": 1, "prefix_caching": False}))
     assert [s.output_token_ids for s in shared] == [alone.generate([prompt], p)[0].output_token_ids for p in params]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_overlap_on_cuda_changes_no_token(stories, eager):
+    """The engine's overlap on the GPU (the next step fed from device memory, pinned staging in
+    turns, tokens read back per step): the same answers as without it, with stop tokens seen a
+    step late, refills of freed slots and a pool small enough to preempt."""
+    opts = EngineOptions(model=str(stories), device="cuda", dtype="float32", batch=4, eager=eager, shuffle_blocks=2,
+                         num_blocks=5 * 10)  # stories260K has 5 layers: 10 blocks a layer, 160 tokens
+    model = load_model(opts)
+    tok = model.tokenizer
+    texts = ["Once upon a time", "Tom and his dog", "The sun was hot", "Lily had a red", "A big bear", "Sam saw"]
+    prompts = [tok.encode(t) for t in texts]
+    runs = []
+    for overlap in (False, True):
+        engine = build_engine(model, EngineOptions(**{**opts.__dict__, "overlap": overlap}))
+        assert engine.overlap == overlap
+        engine.scheduler.stop_ids |= {tok.encode(" the")[-1]}  # frequent: answers stop at different steps
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=48 + 7 * i)) for i, p in enumerate(prompts)]
+        while engine.has_unfinished:
+            engine.step()
+            check_block_accounting(engine)
+        assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+        runs.append(([(s.output_token_ids, s.finish_reason) for s in seqs], engine))
+    (plain, _), (overlapped, engine) = runs
+    assert overlapped == plain
+    assert {"stop", "length"} <= {reason for _, reason in plain}
+    assert engine.scheduler.num_preemptions > 0 and engine.num_launched_ahead > 0

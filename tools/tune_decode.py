@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+from dataclasses import replace
 
 import torch
 
@@ -22,12 +23,16 @@ from pagedcli.loader import EngineOptions, build_engine, load_model
 from pagedcli.sequence import SamplingParams
 
 VARIANTS = {
-    "cublas (before)": {"GEMV_MAX_ROWS": 0},
     "gemv (default)": {},
-    "attention: 4 split CTAs per SM": {"SPLIT_CTAS_PER_SM": 4},
-    "attention: min span 512": {"MIN_SPAN": 512},
-    "attention: 4 split CTAs per SM, min span 64": {"SPLIT_CTAS_PER_SM": 4, "MIN_SPAN": 64},
+    "no overlap": {"overlap": False},  # an EngineOptions field: the engine waits for each step's tokens
+    "no evict_first": {"GEMV_EVICT_FIRST": 0},
     "gemv 3 ctas/sm": {"GEMV_CTAS_PER_SM": 3},
+    "gemv unroll 2": {"GEMV_UNROLL": 2},
+    "gemv unroll 8": {"GEMV_UNROLL": 8},
+    "attention: min span 64": {"MIN_SPAN": 64},
+    "attention: min span 512": {"MIN_SPAN": 512},
+    "attention: 1 split CTA per SM": {"SPLIT_CTAS_PER_SM": 1},
+    "attention: 4 split CTAs per SM": {"SPLIT_CTAS_PER_SM": 4},
 }
 
 
@@ -142,9 +147,11 @@ def main() -> None:
     for name, settings in VARIANTS.items():
         if args.only and name not in args.only:
             continue
+        settings = dict(settings)
+        v_opts = replace(opts, overlap=settings.pop("overlap", opts.overlap))
         with variant(settings):
-            r = run_batch(model, opts, 1, work, bandwidth)
-            gpu_ms = replay_ms(model, opts)
+            r = run_batch(model, v_opts, 1, work, bandwidth)
+            gpu_ms = replay_ms(model, v_opts)
         print(json.dumps({"variant": name, "decode_tokens_per_s": round(r["decode_tokens_per_s"], 1),
                           "decode_step_ms": round(r["decode_step_ms"], 4), "graph_replay_ms": round(gpu_ms, 4),
                           "roofline_fraction": round(r["roofline_fraction"], 3),

@@ -16,6 +16,11 @@
 //     warp computes the two rows of a rotary pair, rotates them and writes q, or k and v into their
 //     cache block, as kv_write.cu does); the first weight tile is loaded before the input is staged.
 //
+// L2: a weight byte is read once a step, and the weights (2.5 GB at Llama-3.2-1B) stream through
+// an L2 of 50 MB. With GEMV_EVICT_FIRST=1 the weight loads mark their lines first to go, so what is
+// read again soon (the K/V cache, the block table, activations) stays in L2 between kernels and
+// steps: attention's latency-bound reads hit L2 (2% of a batch-1 step on an H200).
+//
 // Rounding is the torch reference's: the input is rounded to the dtype after each elementwise step
 // as torch stores it (common.cuh's formulas, as in elementwise.cu), products accumulate in fp32 (as cuBLAS),
 // and the result is rounded to the dtype once; the residual add rounds like torch's bf16 add.
@@ -26,8 +31,9 @@
 
 #include "rope_kv.cuh"
 
-#if !defined(GEMV_THREADS) || !defined(GEMV_UNROLL) || !defined(GEMV_MIN_CTAS)
-#error "gemv.cu needs -DGEMV_THREADS -DGEMV_UNROLL -DGEMV_MIN_CTAS (pagedcli/backends/cuda.py)"
+#if !defined(GEMV_THREADS) || !defined(GEMV_UNROLL) || !defined(GEMV_MIN_CTAS) || !defined(GEMV_EVICT_FIRST) || \
+    !defined(GEMV_TARGET_AHEAD_ROWS)
+#error "gemv.cu needs -DGEMV_THREADS -DGEMV_UNROLL -DGEMV_MIN_CTAS -DGEMV_EVICT_FIRST -DGEMV_TARGET_AHEAD_ROWS (backends/cuda.py)"
 #endif
 
 #define GEMV_WARPS (GEMV_THREADS / WARP_SIZE)
@@ -58,36 +64,72 @@ struct RopeKV {
     int max_positions;
 };
 
-// Token m's two outputs of rotary pair `unit` (head unit / HALF_DIM, element unit % HALF_DIM of
-// the qkv projection), as the GEMM would have stored them: rotated into q_out, or into the pool.
-__device__ __forceinline__ void rope_write_pair(const RopeKV& kv, int m, int unit, float x1, float x2) {
-    const int head = unit / HALF_DIM, d = unit % HALF_DIM;
-    const long long pos = kv.positions[m];
-    const bool valid = pos >= 0 && pos < kv.max_positions;
-    float out1 = 0.0f, out2 = 0.0f;
-    if (valid && head < NUM_HEADS + NUM_KV_HEADS) {
-        const scalar_t* cos_row = kv.cos_table + pos * HEAD_DIM;
-        const scalar_t* sin_row = kv.sin_table + pos * HEAD_DIM;
-        rotate_pair(x1, x2, to_float(cos_row[d]), to_float(cos_row[d + HALF_DIM]), to_float(sin_row[d]),
-                    to_float(sin_row[d + HALF_DIM]), out1, out2);
-    }
-    scalar_t* dst;
-    if (head < NUM_HEADS) {  // q: zeros for a padding row
-        dst = kv.q_out + ((size_t)m * NUM_HEADS + head) * HEAD_DIM;
-    } else {
-        unsigned char* const row =
-            valid ? kv_row(kv.pool, kv.table, kv.table_slot_stride, kv.max_blocks, kv.slots[kv.token_seq[m]], pos)
-                  : nullptr;
-        if (row == nullptr) return;
-        if (head < NUM_HEADS + NUM_KV_HEADS) {
-            dst = reinterpret_cast<scalar_t*>(row) + (head - NUM_HEADS) * HEAD_DIM;
-        } else {  // v: as it is
-            dst = reinterpret_cast<scalar_t*>(row + V_OFFSET) + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM;
-            out1 = x1, out2 = x2;
+// What lane m needs, besides the product, to write row m of a unit's result. It is read when the
+// unit starts (at the kernel's start for most warps), so that these reads, some of them chained
+// (position -> cos/sin; sequence -> slot -> block table -> pool row), overlap the weight stream
+// instead of following it at the end of the kernel.
+#define ROPE_NOTHING 0  // a k/v row of a padding token, or a block not assigned: no write
+#define ROPE_ZEROS 1    // q of a padding token
+#define ROPE_ROTATE 2   // q or k
+#define ROPE_COPY 3     // v
+struct UnitTarget {
+    float residual;          // OUT_ADD: the residual element the product is added to
+    float c1, c2, s1, s2;    // OUT_ROPE_KV: cos and sin of the pair at the token's position
+    scalar_t* head_row;      // OUT_ROPE_KV: the head's row in q_out or in the pool
+    int rope;                // OUT_ROPE_KV: ROPE_*
+};
+
+template <int OUT>
+__device__ __forceinline__ UnitTarget fetch_target(const void* out, long long out_stride, const RopeKV& kv, int m,
+                                                   int unit) {
+    UnitTarget t{};
+    if constexpr (OUT == OUT_ADD) {
+        t.residual = to_float(static_cast<const scalar_t*>(out)[(size_t)m * out_stride + unit]);
+    } else if constexpr (OUT == OUT_ROPE_KV) {
+        // the pair is element d and d + HALF_DIM of head `head` of the qkv projection
+        const int head = unit / HALF_DIM, d = unit % HALF_DIM;
+        const long long pos = kv.positions[m];
+        const bool valid = pos >= 0 && pos < kv.max_positions;
+        if (head < NUM_HEADS) {
+            t.head_row = kv.q_out + ((size_t)m * NUM_HEADS + head) * HEAD_DIM;
+            t.rope = valid ? ROPE_ROTATE : ROPE_ZEROS;
+        } else {
+            unsigned char* const row =
+                valid ? kv_row(kv.pool, kv.table, kv.table_slot_stride, kv.max_blocks, kv.slots[kv.token_seq[m]], pos)
+                      : nullptr;
+            if (row == nullptr) {
+                t.rope = ROPE_NOTHING;
+            } else if (head < NUM_HEADS + NUM_KV_HEADS) {
+                t.head_row = reinterpret_cast<scalar_t*>(row) + (head - NUM_HEADS) * HEAD_DIM;
+                t.rope = ROPE_ROTATE;
+            } else {
+                t.head_row = reinterpret_cast<scalar_t*>(row + V_OFFSET) + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM;
+                t.rope = ROPE_COPY;
+            }
+        }
+        if (t.rope == ROPE_ROTATE) {
+            const scalar_t* cos_row = kv.cos_table + pos * HEAD_DIM;
+            const scalar_t* sin_row = kv.sin_table + pos * HEAD_DIM;
+            t.c1 = to_float(cos_row[d]), t.c2 = to_float(cos_row[d + HALF_DIM]);
+            t.s1 = to_float(sin_row[d]), t.s2 = to_float(sin_row[d + HALF_DIM]);
         }
     }
-    dst[d] = from_float(out1);
-    dst[d + HALF_DIM] = from_float(out2);
+    return t;
+}
+
+// A token's two outputs of rotary pair `unit`, as the GEMM would have stored them (x1, x2: rounded
+// to the dtype): rotated into q_out or the pool, or v copied into the pool.
+__device__ __forceinline__ void rope_write_pair(const UnitTarget& t, int unit, float x1, float x2) {
+    if (t.rope == ROPE_NOTHING) return;
+    float out1 = 0.0f, out2 = 0.0f;
+    if (t.rope == ROPE_ROTATE) {
+        rotate_pair(x1, x2, t.c1, t.c2, t.s1, t.s2, out1, out2);
+    } else if (t.rope == ROPE_COPY) {
+        out1 = x1, out2 = x2;
+    }
+    const int d = unit % HALF_DIM;
+    t.head_row[d] = from_float(out1);
+    t.head_row[d + HALF_DIM] = from_float(out2);
 }
 
 // in rows -> the M x K input of the product, in shared memory (each thread re-reads only the vectors
@@ -139,6 +181,22 @@ __device__ __forceinline__ void stage_input(scalar_t* __restrict__ xs, int rows,
     }
 }
 
+// One 16-byte vector of W: with GEMV_EVICT_FIRST, past L1 and marked for L2 to evict first (an L2
+// access policy covering the access; createpolicy is one instruction, hoisted by the compiler).
+__device__ __forceinline__ uint4 load_weight(const scalar_t* p) {
+#if GEMV_EVICT_FIRST && __CUDA_ARCH__ >= 800
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p), "l"(policy));
+    return r;
+#else
+    return *reinterpret_cast<const uint4*>(p);
+#endif
+}
+
 // The GEMV_UNROLL vectors of row `row`, tile `tile` that this lane reads (zeros past K).
 __device__ __forceinline__ void load_tile(const scalar_t* __restrict__ W, int row, int tile, int K, int lane,
                                           uint4 (&w)[GEMV_UNROLL]) {
@@ -146,7 +204,7 @@ __device__ __forceinline__ void load_tile(const scalar_t* __restrict__ W, int ro
 #pragma unroll
     for (int u = 0; u < GEMV_UNROLL; ++u) {
         const int k = tile * TILE + (u * WARP_SIZE + lane) * VEC;
-        w[u] = k < K ? *reinterpret_cast<const uint4*>(src + k) : make_uint4(0, 0, 0, 0);
+        w[u] = k < K ? load_weight(src + k) : make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -178,9 +236,17 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
     const auto weight_row = [&](int unit, int part) { return (unit / span) * 2 * span + unit % span + part * span; };
     int unit = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP_SIZE;
 
-    // The first tile's loads go out before the input is staged: they are in flight meanwhile.
+    // The first tile's loads go out before the input is staged: they are in flight meanwhile, and so
+    // are the reads lane m needs to write row m of the unit's result. (Up to GEMV_TARGET_AHEAD_ROWS
+    // rows: with more, the target would not fit in the registers beside the loop's (ptxas spills at
+    // 4 and 8), and it is read at the end instead.)
+    constexpr bool TARGET_AHEAD = M <= GEMV_TARGET_AHEAD_ROWS;
     uint4 w[GEMV_UNROLL];
-    if (unit < units) load_tile(W, weight_row(unit, 0), 0, K, lane, w);
+    UnitTarget target{};
+    if (unit < units) {
+        load_tile(W, weight_row(unit, 0), 0, K, lane, w);
+        if (TARGET_AHEAD && lane < rows) target = fetch_target<OUT>(out, out_stride, kv, lane, unit);
+    }
     stage_input<M, IN>(xs, rows, in, in_stride, norm_weight, eps, K);
     __syncthreads();
 
@@ -225,21 +291,24 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
                     continue;
                 }
                 if (lane == m && m < rows) {
+                    if (!TARGET_AHEAD) target = fetch_target<OUT>(out, out_stride, kv, m, unit);
                     const size_t at = (size_t)m * out_stride + unit;
                     if constexpr (OUT == OUT_STORE) {
                         static_cast<scalar_t*>(out)[at] = from_float(total);
                     } else if constexpr (OUT == OUT_ADD) {
-                        scalar_t* const residual = static_cast<scalar_t*>(out) + at;
-                        *residual = from_float(__fadd_rn(to_float(*residual), round_to_dtype(total)));
+                        static_cast<scalar_t*>(out)[at] = from_float(__fadd_rn(target.residual, round_to_dtype(total)));
                     } else if constexpr (OUT == OUT_FLOAT) {
                         static_cast<float*>(out)[at] = round_to_dtype(total);
                     } else if constexpr (OUT == OUT_SILU_MUL) {
                         static_cast<scalar_t*>(out)[at] = from_float(silu_mul(first[m], total));
                     } else {
-                        rope_write_pair(kv, m, unit, round_to_dtype(first[m]), round_to_dtype(total));
+                        rope_write_pair(target, unit, round_to_dtype(first[m]), round_to_dtype(total));
                     }
                 }
             }
+        }
+        if (TARGET_AHEAD && next_unit != unit && next_unit < units && lane < rows) {  // the warp's next unit
+            target = fetch_target<OUT>(out, out_stride, kv, lane, next_unit);
         }
         unit = next_unit, part = next_part, tile = next_tile;
 #pragma unroll

@@ -232,8 +232,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) paged_
     const int tid = threadIdx.x;
     scalar_t* __restrict__ out_rows = out + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM;
 
-    // This split's span of the context: num_splits equal runs of whole blocks.
+    // This split's span of the context: num_splits equal runs of whole blocks. (The slot is read
+    // beside the length, not after it: the two reads overlap instead of adding their latencies.)
     const int context = min(max(context_lens[seq], 0), max_context);
+    const int slot = slots[seq];
     if (context == 0) {  // padding row: zeros, written by one CTA
         if (split == 0) {
             for (int i = tid; i < HEADS_PER_CTA * HEAD_DIM; i += ATTN_THREADS) out_rows[i] = from_float(0.0f);
@@ -279,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) paged_
 #pragma unroll
     for (int k = 0; k < OWNED; ++k) owned[k] = 0.0f;
 
-    const int* __restrict__ seq_table = table + slots[seq] * table_slot_stride;
+    const int* __restrict__ seq_table = table + slot * table_slot_stride;
     const unsigned char* __restrict__ k_base = pool + (size_t)kv_head * ROW_BYTES + (size_t)lane_in_row * VEC_BYTES;
     const unsigned char* __restrict__ v_base = k_base + V_OFFSET;
     const scalar_t* __restrict__ q_base = q + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM + lane_in_row * VEC;
