@@ -26,8 +26,9 @@ STORY = ("Once upon a time, there was a little girl named Lily. She loved to pla
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_stories260k_on_cuda_matches_transformers(stories, eager):
-    opts = EngineOptions(model=str(stories), device="cuda", dtype="float32", batch=3, eager=eager, shuffle_blocks=7)
+@pytest.mark.parametrize("batch", [3, 2, 1])  # decode in gemv.cu's buckets 4, 2 and 1
+def test_stories260k_on_cuda_matches_transformers(stories, eager, batch):
+    opts = EngineOptions(model=str(stories), device="cuda", dtype="float32", batch=batch, eager=eager, shuffle_blocks=7)
     model = load_model(opts)
     engine = build_engine(model, opts)
     tok = model.tokenizer
@@ -43,13 +44,14 @@ def test_stories260k_on_cuda_matches_transformers(stories, eager):
     assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
 
 
-def test_llama_1b_shapes_bf16_match_transformers_or_diverge_at_a_near_tie(shared):
+@pytest.mark.parametrize("batch", [4, 1])  # gemv.cu's buckets 4 and 1
+def test_llama_1b_shapes_bf16_match_transformers_or_diverge_at_a_near_tie(shared, batch):
     """Random weights of the real Llama-3.2-1B shapes in bf16: greedy tokens identical for 32 steps,
     or the first divergence is a near-tie in transformers' own logits (bf16 rounds differently in
     different but equally valid orders of summation)."""
     from pagedcli.bench_hf import hf_model as hf_from_ours
 
-    opts = EngineOptions(model="random:llama-3.2-1b", device="cuda", dtype="bfloat16", batch=4, shuffle_blocks=3,
+    opts = EngineOptions(model="random:llama-3.2-1b", device="cuda", dtype="bfloat16", batch=batch, shuffle_blocks=3,
                          cache_size="1GiB")
     model = load_model(opts)
     # N(0, 0.02) weights give near-uniform logits; scale the output head so the argmax is meaningful

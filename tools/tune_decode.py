@@ -26,13 +26,8 @@ VARIANTS = {
     "gemv (default)": {},
     "no overlap": {"overlap": False},  # an EngineOptions field: the engine waits for each step's tokens
     "no evict_first": {"GEMV_EVICT_FIRST": 0},
-    "gemv 3 ctas/sm": {"GEMV_CTAS_PER_SM": 3},
-    "gemv unroll 2": {"GEMV_UNROLL": 2},
-    "gemv unroll 8": {"GEMV_UNROLL": 8},
-    "attention: min span 64": {"MIN_SPAN": 64},
-    "attention: min span 512": {"MIN_SPAN": 512},
-    "attention: 1 split CTA per SM": {"SPLIT_CTAS_PER_SM": 1},
-    "attention: 4 split CTAs per SM": {"SPLIT_CTAS_PER_SM": 4},
+    "attention: 32 split CTAs per SM": {"SPLIT_CTAS_PER_SM": 32},
+    "attention: min span 256": {"MIN_SPAN": 256},
 }
 
 

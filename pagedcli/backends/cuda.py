@@ -62,7 +62,6 @@ GEMV_MIN_CTAS = 4  # CTAs per SM the registers must allow
 GEMV_CTAS_PER_SM = 4  # CTAs launched per SM, each looping over its rows: one wave
 GEMV_MAX_SHARED = 64 * 1024  # bytes of staged input per CTA (rows x K); more: cuBLAS
 GEMV_EVICT_FIRST = 1  # weight loads ask L2 to evict their lines first (gemv.cu says why)
-GEMV_TARGET_AHEAD_ROWS = 2  # up to this many rows, what a row's write needs is read at the start
 VEC_BYTES = 16  # the kernels' vector width (uint4)
 COMPILE_OPTIONS = ("-std=c++17",)  # no fast math: expf/rsqrtf/division keep their accuracy
 
@@ -187,7 +186,7 @@ class CudaBackend(TorchBackend):
             ("ATTN_MIN_CTAS", self._attn_min_ctas),
         )
         gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),
-                        ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST), ("GEMV_TARGET_AHEAD_ROWS", GEMV_TARGET_AHEAD_ROWS))
+                        ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST))
         d = self.device_index
         self.kernels = {
             **_compile("kv_write.cu", model, ("rope_write_kv",), d),

@@ -31,9 +31,8 @@
 
 #include "rope_kv.cuh"
 
-#if !defined(GEMV_THREADS) || !defined(GEMV_UNROLL) || !defined(GEMV_MIN_CTAS) || !defined(GEMV_EVICT_FIRST) || \
-    !defined(GEMV_TARGET_AHEAD_ROWS)
-#error "gemv.cu needs -DGEMV_THREADS -DGEMV_UNROLL -DGEMV_MIN_CTAS -DGEMV_EVICT_FIRST -DGEMV_TARGET_AHEAD_ROWS (backends/cuda.py)"
+#if !defined(GEMV_THREADS) || !defined(GEMV_UNROLL) || !defined(GEMV_MIN_CTAS) || !defined(GEMV_EVICT_FIRST)
+#error "gemv.cu needs -DGEMV_THREADS -DGEMV_UNROLL -DGEMV_MIN_CTAS -DGEMV_EVICT_FIRST (pagedcli/backends/cuda.py)"
 #endif
 
 #define GEMV_WARPS (GEMV_THREADS / WARP_SIZE)
@@ -64,72 +63,36 @@ struct RopeKV {
     int max_positions;
 };
 
-// What lane m needs, besides the product, to write row m of a unit's result. It is read when the
-// unit starts (at the kernel's start for most warps), so that these reads, some of them chained
-// (position -> cos/sin; sequence -> slot -> block table -> pool row), overlap the weight stream
-// instead of following it at the end of the kernel.
-#define ROPE_NOTHING 0  // a k/v row of a padding token, or a block not assigned: no write
-#define ROPE_ZEROS 1    // q of a padding token
-#define ROPE_ROTATE 2   // q or k
-#define ROPE_COPY 3     // v
-struct UnitTarget {
-    float residual;          // OUT_ADD: the residual element the product is added to
-    float c1, c2, s1, s2;    // OUT_ROPE_KV: cos and sin of the pair at the token's position
-    scalar_t* head_row;      // OUT_ROPE_KV: the head's row in q_out or in the pool
-    int rope;                // OUT_ROPE_KV: ROPE_*
-};
-
-template <int OUT>
-__device__ __forceinline__ UnitTarget fetch_target(const void* out, long long out_stride, const RopeKV& kv, int m,
-                                                   int unit) {
-    UnitTarget t{};
-    if constexpr (OUT == OUT_ADD) {
-        t.residual = to_float(static_cast<const scalar_t*>(out)[(size_t)m * out_stride + unit]);
-    } else if constexpr (OUT == OUT_ROPE_KV) {
-        // the pair is element d and d + HALF_DIM of head `head` of the qkv projection
-        const int head = unit / HALF_DIM, d = unit % HALF_DIM;
-        const long long pos = kv.positions[m];
-        const bool valid = pos >= 0 && pos < kv.max_positions;
-        if (head < NUM_HEADS) {
-            t.head_row = kv.q_out + ((size_t)m * NUM_HEADS + head) * HEAD_DIM;
-            t.rope = valid ? ROPE_ROTATE : ROPE_ZEROS;
-        } else {
-            unsigned char* const row =
-                valid ? kv_row(kv.pool, kv.table, kv.table_slot_stride, kv.max_blocks, kv.slots[kv.token_seq[m]], pos)
-                      : nullptr;
-            if (row == nullptr) {
-                t.rope = ROPE_NOTHING;
-            } else if (head < NUM_HEADS + NUM_KV_HEADS) {
-                t.head_row = reinterpret_cast<scalar_t*>(row) + (head - NUM_HEADS) * HEAD_DIM;
-                t.rope = ROPE_ROTATE;
-            } else {
-                t.head_row = reinterpret_cast<scalar_t*>(row + V_OFFSET) + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM;
-                t.rope = ROPE_COPY;
-            }
-        }
-        if (t.rope == ROPE_ROTATE) {
-            const scalar_t* cos_row = kv.cos_table + pos * HEAD_DIM;
-            const scalar_t* sin_row = kv.sin_table + pos * HEAD_DIM;
-            t.c1 = to_float(cos_row[d]), t.c2 = to_float(cos_row[d + HALF_DIM]);
-            t.s1 = to_float(sin_row[d]), t.s2 = to_float(sin_row[d + HALF_DIM]);
-        }
-    }
-    return t;
-}
-
-// A token's two outputs of rotary pair `unit`, as the GEMM would have stored them (x1, x2: rounded
-// to the dtype): rotated into q_out or the pool, or v copied into the pool.
-__device__ __forceinline__ void rope_write_pair(const UnitTarget& t, int unit, float x1, float x2) {
-    if (t.rope == ROPE_NOTHING) return;
+// Token m's two outputs of rotary pair `unit` (head unit / HALF_DIM, element unit % HALF_DIM of
+// the qkv projection), as the GEMM would have stored them: rotated into q_out, or into the pool.
+__device__ __forceinline__ void rope_write_pair(const RopeKV& kv, int m, int unit, float x1, float x2) {
+    const int head = unit / HALF_DIM, d = unit % HALF_DIM;
+    const long long pos = kv.positions[m];
+    const bool valid = pos >= 0 && pos < kv.max_positions;
     float out1 = 0.0f, out2 = 0.0f;
-    if (t.rope == ROPE_ROTATE) {
-        rotate_pair(x1, x2, t.c1, t.c2, t.s1, t.s2, out1, out2);
-    } else if (t.rope == ROPE_COPY) {
-        out1 = x1, out2 = x2;
+    if (valid && head < NUM_HEADS + NUM_KV_HEADS) {
+        const scalar_t* cos_row = kv.cos_table + pos * HEAD_DIM;
+        const scalar_t* sin_row = kv.sin_table + pos * HEAD_DIM;
+        rotate_pair(x1, x2, to_float(cos_row[d]), to_float(cos_row[d + HALF_DIM]), to_float(sin_row[d]),
+                    to_float(sin_row[d + HALF_DIM]), out1, out2);
     }
-    const int d = unit % HALF_DIM;
-    t.head_row[d] = from_float(out1);
-    t.head_row[d + HALF_DIM] = from_float(out2);
+    scalar_t* dst;
+    if (head < NUM_HEADS) {  // q: zeros for a padding row
+        dst = kv.q_out + ((size_t)m * NUM_HEADS + head) * HEAD_DIM;
+    } else {
+        unsigned char* const row =
+            valid ? kv_row(kv.pool, kv.table, kv.table_slot_stride, kv.max_blocks, kv.slots[kv.token_seq[m]], pos)
+                  : nullptr;
+        if (row == nullptr) return;
+        if (head < NUM_HEADS + NUM_KV_HEADS) {
+            dst = reinterpret_cast<scalar_t*>(row) + (head - NUM_HEADS) * HEAD_DIM;
+        } else {  // v: as it is
+            dst = reinterpret_cast<scalar_t*>(row + V_OFFSET) + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM;
+            out1 = x1, out2 = x2;
+        }
+    }
+    dst[d] = from_float(out1);
+    dst[d + HALF_DIM] = from_float(out2);
 }
 
 // in rows -> the M x K input of the product, in shared memory (each thread re-reads only the vectors
@@ -236,17 +199,9 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
     const auto weight_row = [&](int unit, int part) { return (unit / span) * 2 * span + unit % span + part * span; };
     int unit = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP_SIZE;
 
-    // The first tile's loads go out before the input is staged: they are in flight meanwhile, and so
-    // are the reads lane m needs to write row m of the unit's result. (Up to GEMV_TARGET_AHEAD_ROWS
-    // rows: with more, the target would not fit in the registers beside the loop's (ptxas spills at
-    // 4 and 8), and it is read at the end instead.)
-    constexpr bool TARGET_AHEAD = M <= GEMV_TARGET_AHEAD_ROWS;
+    // The first tile's loads go out before the input is staged: they are in flight meanwhile.
     uint4 w[GEMV_UNROLL];
-    UnitTarget target{};
-    if (unit < units) {
-        load_tile(W, weight_row(unit, 0), 0, K, lane, w);
-        if (TARGET_AHEAD && lane < rows) target = fetch_target<OUT>(out, out_stride, kv, lane, unit);
-    }
+    if (unit < units) load_tile(W, weight_row(unit, 0), 0, K, lane, w);
     stage_input<M, IN>(xs, rows, in, in_stride, norm_weight, eps, K);
     __syncthreads();
 
@@ -291,24 +246,21 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
                     continue;
                 }
                 if (lane == m && m < rows) {
-                    if (!TARGET_AHEAD) target = fetch_target<OUT>(out, out_stride, kv, m, unit);
                     const size_t at = (size_t)m * out_stride + unit;
                     if constexpr (OUT == OUT_STORE) {
                         static_cast<scalar_t*>(out)[at] = from_float(total);
                     } else if constexpr (OUT == OUT_ADD) {
-                        static_cast<scalar_t*>(out)[at] = from_float(__fadd_rn(target.residual, round_to_dtype(total)));
+                        scalar_t* const residual = static_cast<scalar_t*>(out) + at;
+                        *residual = from_float(__fadd_rn(to_float(*residual), round_to_dtype(total)));
                     } else if constexpr (OUT == OUT_FLOAT) {
                         static_cast<float*>(out)[at] = round_to_dtype(total);
                     } else if constexpr (OUT == OUT_SILU_MUL) {
                         static_cast<scalar_t*>(out)[at] = from_float(silu_mul(first[m], total));
                     } else {
-                        rope_write_pair(target, unit, round_to_dtype(first[m]), round_to_dtype(total));
+                        rope_write_pair(kv, m, unit, round_to_dtype(first[m]), round_to_dtype(total));
                     }
                 }
             }
-        }
-        if (TARGET_AHEAD && next_unit != unit && next_unit < units && lane < rows) {  // the warp's next unit
-            target = fetch_target<OUT>(out, out_stride, kv, lane, next_unit);
         }
         unit = next_unit, part = next_part, tile = next_tile;
 #pragma unroll
