@@ -19,7 +19,7 @@
 // L2: a weight byte is read once a step, and the weights (2.5 GB at Llama-3.2-1B) stream through
 // an L2 of 50 MB. With GEMV_EVICT_FIRST=1 the weight loads mark their lines first to go, so what is
 // read again soon (the K/V cache, the block table, activations) stays in L2 between kernels and
-// steps: attention's latency-bound reads hit L2 (2% of a batch-1 step on an H200).
+// steps: attention's latency-bound reads hit L2 (2 to 5% of a batch-1 step on an H200).
 //
 // Rounding is the torch reference's: the input is rounded to the dtype after each elementwise step
 // as torch stores it (common.cuh's formulas, as in elementwise.cu), products accumulate in fp32 (as cuBLAS),
