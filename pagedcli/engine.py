@@ -12,9 +12,10 @@ Overlap (on a GPU): a decode step's forward pass and sampling are only queued on
 host learns the tokens when it needs them. Before it waits for them, the engine queues the next
 decode step, which takes those tokens straight from device memory, and plans it as if every
 sequence goes on (its blocks are taken one token early). So the host's bookkeeping for step n
-runs while the GPU computes step n + 1, and the GPU never waits for Python. A sequence that a
-stop token ends at step n has computed one token in vain at step n + 1, which is dropped (vLLM's
-async scheduling does the same). Prefills, admissions and preemptions are never planned ahead.
+runs while the GPU computes step n + 1, and in steady decoding the GPU does not wait for Python. A
+sequence that a stop token ends at step n has computed one token in vain at step n + 1, which is
+dropped (vLLM's async scheduling does the same). Prefills, admissions and preemptions are never
+planned ahead: the step before them is waited for.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ class StepOutput:
     tokens: list[int]  # the token each sampled (a stop token is sampled but not appended)
     finished: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0  # tokens fed through the network
-    elapsed: float = 0.0  # seconds
     used_blocks: int = 0  # blocks in use during the step (before finished sequences give theirs back)
     num_running: int = 0  # sequences holding a slot during the step
 
@@ -93,7 +93,6 @@ class Engine:
         return self.scheduler.has_unfinished
 
     def step(self) -> StepOutput:
-        start = time.perf_counter()
         step, self.in_flight = self.in_flight, None
         if step is None:
             seqs, is_prefill = self.scheduler.schedule()
@@ -105,7 +104,7 @@ class Engine:
             if ahead:
                 self.in_flight = self._launch(ahead, False, after=step)
                 self.num_launched_ahead += 1
-        return self._finish(step, start)
+        return self._finish(step)
 
     def _launch(self, seqs: list[Sequence], is_prefill: bool, after: Launched | None = None) -> Launched:
         """Queue the forward pass and the sampling of one step. `after`: the decode step still in
@@ -132,7 +131,7 @@ class Engine:
             host, ready = tokens, None
         return Launched(is_prefill, seqs, tokens, host, ready, num_tokens, used_blocks, num_running)
 
-    def _finish(self, step: Launched, start: float) -> StepOutput:
+    def _finish(self, step: Launched) -> StepOutput:
         """Wait for a step's tokens; append them, finish sequences, give blocks back."""
         tokens = step.tokens_on_host()
         seqs = step.seqs
@@ -148,8 +147,7 @@ class Engine:
         if self.in_flight is not None and all(s.is_finished for s in self.in_flight.seqs):
             self.in_flight = None  # every row of the step ahead is void: nobody waits for it
         self.num_steps += 1
-        return StepOutput(step.is_prefill, seqs, tokens, finished, step.num_tokens, now - start, step.used_blocks,
-                          step.num_running)
+        return StepOutput(step.is_prefill, seqs, tokens, finished, step.num_tokens, step.used_blocks, step.num_running)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         """Run prompts to completion; returns their sequences in input order."""

@@ -156,14 +156,21 @@ class Scheduler:
     def schedule_ahead(self, seqs: list[Sequence]) -> list[Sequence]:
         """The decode step after `seqs` (a decode step whose tokens are not on the host yet), planned
         now: the sequences that go on whatever token they get, each with room for one token more
-        than it holds now (the engine's overlap). Empty, and nothing changed, when the next step
-        is not a plain decode of them: a waiting request can be admitted, or they need more free
-        blocks than there are (schedule() then preempts). `seqs` may hold sequences that a stop token
+        than it holds now (the engine's overlap). Empty, and no block taken, when the next step
+        is not a plain decode of them: a waiting request can be admitted now or once this step ends
+        a sequence by its length, or they need more free blocks than there are (schedule() then
+        preempts). A stop token is only seen when the step's tokens land: the slot it frees is
+        refilled a step later than without the overlap. `seqs` may hold sequences that a stop token
         has ended since they were queued: they are left out here, and their row of `seqs`' own
         step is dropped by the engine."""
         if self._can_admit():
             return []
-        going_on = [s for s in seqs if not s.is_finished and not self._at_length_limit(s, pending=1)]
+        live = [s for s in seqs if not s.is_finished]
+        going_on = [s for s in live if not self._at_length_limit(s, pending=1)]
+        if self.waiting and len(going_on) < len(live):
+            return []  # a slot frees with this step: its waiting request is admitted right after it
+        if not going_on:
+            return []
         needs = [self.cache.blocks_to_write(s.slot, len(s) + 1) for s in going_on]
         if sum(needs) > self.cache.num_free_blocks:
             return []

@@ -108,3 +108,102 @@ def test_nothing_is_queued_ahead_of_an_admission(tiny, make_engine):
         out = engine.step()
         kinds.append(("prefill" if out.is_prefill else "decode", [s.id for s in out.seqs]))
     assert kinds == [("prefill", [a.id])] + [("decode", [a.id])] * 3 + [("prefill", [b.id])] + [("decode", [b.id])] * 2
+
+
+def test_a_slot_freed_by_length_is_refilled_at_once(tiny, make_engine):
+    """A sequence that reaches its length with the step in flight is known to end: no step is
+    queued ahead of the waiting request's prefill, so it is admitted when it would be without the
+    overlap (a stop token can only be seen a step late)."""
+    kinds = []
+    for overlap in (False, True):
+        engine = make_engine(tiny, batch=2).engine
+        engine.overlap = overlap
+        ids = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)).id
+               for p, n in (([5, 6, 7], 3), ([9, 10], 12), ([8, 9], 4))]
+        steps = []
+        while engine.has_unfinished:
+            out = engine.step()
+            steps.append(("prefill" if out.is_prefill else "decode", [ids.index(s.id) for s in out.seqs]))
+        kinds.append(steps)
+    assert kinds[1] == kinds[0]
+    assert kinds[0][:4] == [("prefill", [0, 1]), ("decode", [0, 1]), ("decode", [0, 1]), ("prefill", [2])]
+
+
+def test_the_last_sequence_stopping_voids_the_step_ahead(tiny, make_engine):
+    """When a stop token ends every sequence of the step queued ahead, nothing is left in flight:
+    the engine is idle, every block is back, and the next run starts clean."""
+    engine = make_engine(tiny, batch=1).engine
+    engine.overlap = True
+    free_run = engine.generate([[11, 12, 13, 14]], SamplingParams(max_tokens=12, ignore_eos=True))[0].output_token_ids
+    k = next(k for k in range(2, len(free_run)) if free_run[k] not in free_run[:k])
+    engine.reset()
+    engine.scheduler.stop_ids = {free_run[k]}
+    seq = engine.add_request([11, 12, 13, 14], SamplingParams(max_tokens=12))
+    while engine.has_unfinished:
+        out = engine.step()
+        if out.finished:
+            assert engine.in_flight is None, "the step ahead of the stop was kept"
+    assert seq.output_token_ids == free_run[:k] and seq.finish_reason == "stop"
+    assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+    engine.reset()
+    assert engine.generate([[11, 12, 13, 14]], SamplingParams(max_tokens=12, ignore_eos=True))[0].output_token_ids == free_run
+
+
+def test_abort_with_a_step_in_flight(tiny, make_engine):
+    """Ctrl-C while a step is queued ahead: every request ends, every block comes back, and the
+    engine runs the next requests as a fresh one would."""
+    engine = make_engine(tiny, batch=2).engine
+    engine.overlap = True
+    for p in ([5, 6, 7], list(range(10, 30))):
+        engine.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.in_flight is not None
+    engine.abort_all()
+    assert engine.in_flight is None and not engine.has_unfinished
+    assert all(s.finish_reason == "abort" for s in engine.sequences)
+    check_block_accounting(engine)
+    assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+    engine.reset()
+    again = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0].output_token_ids
+    assert again == make_engine(tiny, batch=2).engine.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0].output_token_ids
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_overlap_on_random_workloads(tiny, make_engine, seed):
+    """Random batch sizes, pools, length limits, prefix caching, stop tokens and forked samples:
+    the overlap changes no token and no finish reason, and leaves every block accounted for."""
+    rng = random.Random(seed)
+    opts = dict(batch=rng.randint(1, 5), num_blocks=2 * rng.randint(6, 20), max_model_len=rng.choice([None, 40]),
+                prefix_caching=rng.random() < 0.5)
+    shared = [rng.randrange(3, 200) for _ in range(rng.randrange(0, 20))]
+    prompts = [shared + [rng.randrange(3, 200) for _ in range(rng.randrange(1, 20))] for _ in range(rng.randint(3, 7))]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 25), temperature=rng.choice([0.0, 0.8]), seed=i)
+              for i in range(len(prompts))]
+    results = []
+    for overlap in (False, True):
+        engine = make_engine(tiny, **opts).engine
+        engine.overlap = overlap
+        engine.scheduler.stop_ids = {rng.randrange(3, 200) for _ in range(3)} if not results else stops
+        stops = engine.scheduler.stop_ids
+        seqs = [engine.add_request(p, q) for p, q in zip(prompts[1:], params[1:])]
+        seqs += engine.add_parallel(prompts[0], [params[0], SamplingParams(**{**params[0].__dict__, "seed": 99})])
+        while engine.has_unfinished:
+            engine.step()
+            check_block_accounting(engine)
+        assert engine.in_flight is None
+        assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+        results.append([(s.output_token_ids, s.finish_reason) for s in seqs])
+    assert results[1] == results[0]
+
+
+def test_no_step_is_queued_ahead_into_a_full_pool(tiny, make_engine):
+    """Two sequences fill the pool exactly, then both cross a block boundary: the step ahead would
+    need blocks that are not free, so it is not queued; the engine waits and preempts as it does
+    without the overlap, with the same tokens."""
+    prompts = [list(range(3, 19)), list(range(30, 46))]  # one full block each
+    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 2
+    plain, _ = run(make_engine, tiny, prompts, params, False, batch=2, num_blocks=2 * 4)  # 4 blocks a layer
+    overlapped, engine = run(make_engine, tiny, prompts, params, True, batch=2, num_blocks=2 * 4)
+    assert overlapped == plain
+    assert engine.scheduler.num_preemptions > 0

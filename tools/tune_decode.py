@@ -2,10 +2,11 @@
 
     python3 tools/tune_decode.py [--output-len 256] [--profile-steps 32]
 
-Each variant sets module constants of pagedcli.backends.cuda, builds a fresh engine and times the
-workload `pagedcli bench` runs (random Llama-3.2-1B weights, 128-token prompt): the step as the
-engine sees it, and its CUDA graph replayed back to back (the GPU's part of it). Then each GEMM of
-a layer alone, ours against the cuBLAS path, and the kernels of one decode step with their time.
+Each variant sets module constants of pagedcli.backends.cuda (or, with "overlap", the engine
+option of that name), builds a fresh engine and times the workload `pagedcli bench` runs (random
+Llama-3.2-1B weights, 128-token prompt): the step as the bench sees it, and its CUDA graph replayed
+back to back (the GPU's part of it). Then each GEMM of a layer alone, ours against the cuBLAS path,
+and the kernels of one decode step with their time.
 """
 
 from __future__ import annotations

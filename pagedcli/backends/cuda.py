@@ -46,11 +46,10 @@ ATTN_STAGES = 4  # load steps of the decode kernel in flight per lane (cp.async 
 UNROLL_SMALL_Q, MIN_CTAS_SMALL_Q = 4, 5
 UNROLL_LARGE_Q, MIN_CTAS_LARGE_Q = 2, 3
 MAX_HEADS_PER_CTA = 8  # query heads one decode CTA serves (q and the accumulators live in registers)
-# Cap on decode CTAs (per SM) when choosing the number of splits. Splits a short context does not
-# need still launch CTAs that find no work and leave, and those cost: on an H200 at 128 + 256
-# tokens, 4 instead of 32 took batch 64 from 40.9k to 46.1k tokens/s (1 split instead of 8) and
-# batch 256 from 70k to 78k, while 8 x 4,096 tokens keep their 8 splits (2.47 TB/s; 1 a SM would
-# give them 2 splits and 1.45 TB/s) and a single long context 66 (1 a SM: 16).
+# Cap on decode CTAs (per SM) when choosing the number of splits. The splits a short context does
+# not need still launch CTAs that find no work and leave, and those cost (batch 64 at a few hundred
+# tokens has 1 split at 4 and 8 at 32); 4 still gives 8 sequences of 4,096 tokens their 8 splits,
+# which 1 would not (README: Speed).
 SPLIT_CTAS_PER_SM = 4
 MIN_SPAN = 128  # fewest context tokens a decode split takes (shorter ones cost more than they save)
 KV_WRITE_THREADS = 128
