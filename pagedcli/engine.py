@@ -45,7 +45,7 @@ class StepOutput:
 
 
 @dataclass
-class Launched:
+class QueuedStep:
     """A step queued on the device: its sampled tokens exist there, and are on their way to the host."""
 
     is_prefill: bool
@@ -71,7 +71,7 @@ class Engine:
         self.sequences: list[Sequence] = []
         self.num_steps = 0
         self.overlap = overlap  # queue the next decode step before this one's tokens are on the host
-        self.in_flight: Launched | None = None  # a decode step queued ahead, finished by the next step()
+        self.in_flight: QueuedStep | None = None  # a decode step queued ahead, finished by the next step()
         self.num_launched_ahead = 0
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
@@ -106,7 +106,7 @@ class Engine:
                 self.num_launched_ahead += 1
         return self._finish(step)
 
-    def _launch(self, seqs: list[Sequence], is_prefill: bool, after: Launched | None = None) -> Launched:
+    def _launch(self, seqs: list[Sequence], is_prefill: bool, after: QueuedStep | None = None) -> QueuedStep:
         """Queue the forward pass and the sampling of one step. `after`: the decode step still in
         flight whose tokens this (decode) step feeds, taken from the device."""
         num_tokens = sum(len(s) - s.num_cached for s in seqs) if is_prefill else len(seqs)
@@ -129,9 +129,9 @@ class Engine:
             ready.record()
         else:
             host, ready = tokens, None
-        return Launched(is_prefill, seqs, tokens, host, ready, num_tokens, used_blocks, num_running)
+        return QueuedStep(is_prefill, seqs, tokens, host, ready, num_tokens, used_blocks, num_running)
 
-    def _finish(self, step: Launched) -> StepOutput:
+    def _finish(self, step: QueuedStep) -> StepOutput:
         """Wait for a step's tokens; append them, finish sequences, give blocks back."""
         tokens = step.tokens_on_host()
         seqs = step.seqs
