@@ -74,8 +74,9 @@ class DecodeGraphs:
         # inputs, staged as one int64 tensor [4, n]: token, position, slot, context length. Two
         # pinned host buffers, used in turn: with the engine's overlap, a step is staged while the
         # copy of the one before may still wait in the stream for the GPU. Two are enough because
-        # the engine queues at most one step ahead: before it stages step k it has waited for the
-        # tokens of step k - 2, so that step's copy out of the same buffer is done.
+        # the engine queues at most one step ahead: before it stages a step it has waited for the
+        # step that used the same buffer (two runs back), or for a later one (a prefill follows a
+        # step ahead that was voided), so that copy out of the buffer is done.
         self.host = [torch.zeros((4, n), dtype=torch.int64).pin_memory() for _ in range(2)]
         self.host_np = [h.numpy() for h in self.host]  # numpy writes into pinned memory cost least per step
         self.num_runs = 0
