@@ -102,7 +102,7 @@ def notice(text: str) -> None:
 
 
 def engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager,
-                   prefix_caching, overlap=True):
+                   prefix_caching, overlap):
     from pagedcli.loader import EngineOptions
 
     return EngineOptions(model=model, device=device, dtype=dtype, batch=batch, block_size=block_size,

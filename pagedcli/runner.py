@@ -45,19 +45,18 @@ class ModelRunner:
         self.cache.copy_pending_blocks()  # copy-on-write, before this step writes K/V
         slots = [s.slot for s in seqs]
         if is_prefill:
-            new_tokens = [s.token_ids[s.num_cached:] for s in seqs]
-            num_cached = [s.num_cached for s in seqs]
-        elif feed is None:
-            new_tokens = [[s.last_token] for s in seqs]
-            num_cached = [len(s) - 1 for s in seqs]
-        else:
-            new_tokens = [[0]] * len(seqs)  # stand-ins, overwritten on the device by `feed`
-            num_cached = [len(s) for s in seqs]
-        if not is_prefill and self.graphs is not None:
-            return self.graphs.run(slots, [t[0] for t in new_tokens], num_cached, feed)
-        batch = StepBatch.build(is_prefill, slots, new_tokens, num_cached, self.device)
-        if feed is not None:
-            batch.token_ids.copy_(feed)
+            batch = StepBatch.build(True, slots, [s.token_ids[s.num_cached:] for s in seqs],
+                                    [s.num_cached for s in seqs], self.device)
+        else:  # the new token's position is the count of tokens cached (with `feed`, one more)
+            if feed is None:
+                tokens, num_cached = [s.last_token for s in seqs], [len(s) - 1 for s in seqs]
+            else:
+                tokens, num_cached = [0] * len(seqs), [len(s) for s in seqs]  # stand-ins for `feed`
+            if self.graphs is not None:
+                return self.graphs.run(slots, tokens, num_cached, feed)
+            batch = StepBatch.build(False, slots, [[t] for t in tokens], num_cached, self.device)
+            if feed is not None:
+                batch.token_ids.copy_(feed)
         self.model.backend.prepare(batch)
         return self.model.forward(batch)
 
