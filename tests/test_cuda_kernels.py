@@ -230,7 +230,19 @@ def _decode_case(geometry, lengths, max_model_len, seed, layer=1):
 
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 def test_decode_attend_mixed_lengths(geometry):
-    _decode_case(geometry, list(LENGTHS), max_model_len=4200, seed=2)
+    s = _decode_case(geometry, list(LENGTHS), max_model_len=4200, seed=2)
+    if s.cuda.cluster > 1 and geometry == "llama1b":  # sm_90+: one cluster of 8 splits per (sequence, head group)
+        assert s.cuda.uses_clusters(len(LENGTHS)) and s.cuda.num_splits(len(LENGTHS)) == cuda_backend.ATTN_CLUSTER
+
+
+def test_decode_attend_clusters_merge_then_their_sums_merge():
+    """Small batches on sm_90+: the splits of a cluster merge in shared memory, then the clusters'
+    sums merge through global memory. 16 splits: a 4,097-token context (more than one cluster covers
+    in a chunk a CTA) takes both clusters, a 300-token one 5 splits of 64 tokens in the first (its
+    other 3 CTAs have no tokens, the second cluster leaves)."""
+    s = _decode_case("llama1b", [4097, 300], max_model_len=8192, seed=6)
+    if s.cuda.cluster > 1:
+        assert s.cuda.uses_clusters(2) and s.cuda.num_splits(2) == 2 * cuda_backend.ATTN_CLUSTER
 
 
 @pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32", "stories-fp32"])
@@ -403,6 +415,22 @@ def gemv_reference(s, op, x, weight, norm_weight):
 # head's); tiny
 @pytest.mark.parametrize("shape", [(3072, 2048), (1002, 2056), (20000, 256), (64, 8)])
 def test_gemv_matches_fp64_reference(geometry, op, rows, shape, monkeypatch):
+    check_gemv(geometry, op, rows, shape, monkeypatch)
+
+
+@pytest.mark.parametrize("op", GEMV_OPS)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("split", [2, 4])
+def test_gemv_split_k_matches_fp64_reference(op, rows, split, monkeypatch):
+    """Warps sharing a row, each over a slice of K (the o and down projections' case, forced here on
+    a shape that would not need it): K of 8 or 4 tiles, one per warp at split 4 with K 4096, and
+    1026 rows, so that the last CTA has warp groups without a row (they must skip the barrier
+    together)."""
+    monkeypatch.setattr(CudaBackend, "gemv_split", lambda self, units, K: split)
+    check_gemv("llama1b", op, rows, (1026, 8192 if rows == 1 else 4096), monkeypatch)
+
+
+def check_gemv(geometry, op, rows, shape, monkeypatch):
     N, K = shape
     s = Setup(geometry, [16], seed=10)
     if rows * K * s.dtype.itemsize > cuda_backend.GEMV_MAX_SHARED:
@@ -418,6 +446,8 @@ def test_gemv_matches_fp64_reference(geometry, op, rows, shape, monkeypatch):
     before = residual.clone()
 
     forbid_torch_fallback(monkeypatch, op)
+    if op == "norm_linear_silu":
+        same_split_k_as_fused(monkeypatch, s, weight)
     method = getattr(s.cuda, op)
     out = method(x, weight, residual) if op == "linear_add" else method(x, norm_weight, weight, 1e-5)
     torch.cuda.synchronize()
@@ -448,6 +478,14 @@ def test_gemv_matches_fp64_reference(geometry, op, rows, shape, monkeypatch):
     if op != "linear_add" and s.dtype != torch.float32:  # fp32 has no rounding to agree on
         identical = (out == exact.to(s.dtype)).float().mean().item()
         assert identical >= 0.9, f"only {identical:.1%} identical to the rounded fp64 product"
+
+
+def same_split_k_as_fused(monkeypatch, s, weight):
+    """A fused kernel that pairs rows (silu-mul, RoPE) has half as many units of work as the plain
+    one on the same weight, so it may split K over more warps, and sum in another order. Where a
+    test asks for the plain kernel's exact sums, both use the fused kernel's split."""
+    split = s.cuda.gemv_split(weight.shape[0] // 2, weight.shape[1])
+    monkeypatch.setattr(CudaBackend, "gemv_split", lambda self, units, K: split)
 
 
 def test_gemv_falls_back_past_its_limits():
@@ -499,6 +537,7 @@ def test_fused_attention_inputs_equal_gemv_then_kv_write(geometry, phase, monkey
     pool0 = s.cache.pool.clone()
 
     s.cuda.prepare(batch)
+    same_split_k_as_fused(monkeypatch, s, qkv)
     q, k, v = s.cuda.norm_linear(x, norm_weight, qkv, 1e-5).split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
     q_ref = s.cuda.rope_write_kv(layer, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
                                  v.view(T, c.num_kv_heads, c.head_dim), batch)

@@ -25,10 +25,10 @@ from pagedcli.sequence import SamplingParams
 
 VARIANTS = {
     "gemv (default)": {},
-    "no overlap": {"overlap": False},  # an EngineOptions field: the engine waits for each step's tokens
-    "no evict_first": {"GEMV_EVICT_FIRST": 0},
-    "attention: 32 split CTAs per SM": {"SPLIT_CTAS_PER_SM": 32},
-    "attention: min span 256": {"MIN_SPAN": 256},
+    "gemv: no split-K": {"GEMV_SPLITS": (1,)},  # one warp per row, whatever the row count
+    "attention: no clusters": {"ATTN_CLUSTER": 1},
+    "attention: cluster min span 32": {"CLUSTER_MIN_SPAN": 32},
+    "attention: cluster min span 128": {"CLUSTER_MIN_SPAN": 128},
 }
 
 
@@ -112,6 +112,20 @@ def gemv_table(model, opts) -> None:
             f"{k} {t:7.2f} us {nbytes / t / 1e3:6.0f} GB/s" for k, t in times.items()), flush=True)
 
 
+def attention_table() -> None:
+    """The decode-attention kernel alone at batch 1 (Llama-3.2-1B's heads) in an engine sized for
+    long contexts, with and without clusters, under the cluster tunables (splits in brackets)."""
+    from pagedcli.kernel_bench import bench_decode_kernel
+
+    contexts = [128, 256, 512, 1024, 2048, 4096, 8192]
+    print("\nattention alone, batch 1, max_model_len 131072 (us per call) at contexts " + ", ".join(map(str, contexts)))
+    for cluster, min_span in ((1, 64), (8, 32), (8, 64), (8, 128)):
+        with variant({"ATTN_CLUSTER": cluster, "CLUSTER_MIN_SPAN": min_span}):
+            rows = bench_decode_kernel([1], contexts, max_model_len=131072)
+        print(f"  cluster {cluster}, min span {min_span:3d}: " + "  ".join(
+            f"{r['paged_ms'] * 1e3:6.2f} ({r['splits']})" for r in rows), flush=True)
+
+
 def profile(model, opts, steps: int) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -153,6 +167,7 @@ def main() -> None:
                           "roofline_fraction": round(r["roofline_fraction"], 3),
                           "achieved_gb_per_s": round(r["achieved_gb_per_s"], 1)}), flush=True)
     gemv_table(model, opts)
+    attention_table()
     profile(model, opts, args.profile_steps)
 
 

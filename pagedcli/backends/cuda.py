@@ -52,6 +52,11 @@ MAX_HEADS_PER_CTA = 8  # query heads one decode CTA serves (q and the accumulato
 # which 1 would not (README: Speed).
 SPLIT_CTAS_PER_SM = 4
 MIN_SPAN = 128  # fewest context tokens a decode split takes (shorter ones cost more than they save)
+# Small batches on sm_90+: splits in thread-block clusters of this many CTAs, which merge in shared
+# memory (paged_attention.cu); cheap enough a merge that a split may take as few tokens as this
+# (at batch 1 on an H200, 64 read 128 to 512 tokens in the same time; 32 and 16 were slower).
+ATTN_CLUSTER = 8  # the largest portable cluster
+CLUSTER_MIN_SPAN = 64
 KV_WRITE_THREADS = 128
 SILU_THREADS = 256
 ARGMAX_THREADS = 256
@@ -62,6 +67,7 @@ GEMV_THREADS = 256
 GEMV_UNROLL = 4  # 16-byte loads per lane per tile (and as many for the next tile, in flight meanwhile)
 GEMV_MIN_CTAS = 4  # CTAs per SM the registers must allow
 GEMV_CTAS_PER_SM = 4  # CTAs launched per SM, each looping over its rows: one wave
+GEMV_SPLITS = (1, 2, 4)  # warps that may share a row (each over a slice of K) when rows are too few to fill the GPU
 GEMV_MAX_SHARED = 64 * 1024  # bytes of staged input per CTA (rows x K); more: cuBLAS
 GEMV_EVICT_FIRST = 1  # weight loads ask L2 to evict their lines first (gemv.cu says why)
 VEC_BYTES = 16  # the kernels' vector width (uint4)
@@ -175,6 +181,8 @@ class CudaBackend(TorchBackend):
         self.scale_log2 = np.float32(math.log2(math.e) / math.sqrt(geo.head_dim))
         self.max_context = cache.max_blocks_per_seq * geo.block_size  # the block table's width in tokens
         self.num_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
+        # thread-block clusters: sm_90 and newer
+        self.cluster = ATTN_CLUSTER if torch.cuda.get_device_capability(self.device_index) >= (9, 0) else 1
 
         dtype = ((_DTYPE_DEFINES[geo.dtype], None),)
         model = tuple(sorted(geo.defines().items())) + (("NUM_HEADS", config.num_heads),) + dtype
@@ -186,13 +194,16 @@ class CudaBackend(TorchBackend):
             ("ATTN_STAGES", ATTN_STAGES),
             ("ATTN_MIN_SPAN", MIN_SPAN),
             ("ATTN_MIN_CTAS", self._attn_min_ctas),
+            ("ATTN_CLUSTER", ATTN_CLUSTER),
+            ("ATTN_CLUSTER_MIN_SPAN", CLUSTER_MIN_SPAN),
         )
         gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),
                         ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST))
         d = self.device_index
         self.kernels = {
             **_compile("kv_write.cu", model, ("rope_write_kv",), d),
-            **_compile("paged_attention.cu", attention, ("paged_attention_decode",), d),
+            **_compile("paged_attention.cu", attention,
+                       ("paged_attention_decode",) + (("paged_attention_decode_cluster",) if self.cluster > 1 else ()), d),
             **_compile("elementwise.cu", dtype,
                        ("rms_norm_vec", "rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"), d),
             **_compile("gemv.cu", gemv, tuple(gemv_kernel_names()), d),
@@ -237,12 +248,23 @@ class CudaBackend(TorchBackend):
 
     def num_splits(self, batch_size: int) -> int:
         """Splits of the decode kernel for a batch size: enough CTAs to fill the GPU at small batches
-        (at most SPLIT_CTAS_PER_SM per SM), no more than the longest context has chunks. Depends on
-        nothing else (not the contexts), so one CUDA graph per batch size serves every context
-        length: the kernel cuts each actual context into this many spans."""
+        (at most SPLIT_CTAS_PER_SM per SM), no more than the longest context has chunks; with
+        clusters, a multiple of the cluster size. Depends on nothing else (not the contexts), so one
+        CUDA graph per batch size serves every context length: the kernel cuts each actual context
+        into this many spans."""
         chunks = math.ceil(self.cache.max_model_len / PARTITION_SIZE)
         ctas_per_split = batch_size * (self.num_heads // self.heads_per_cta)
-        return max(1, min(chunks, SPLIT_CTAS_PER_SM * self.num_sms // ctas_per_split))
+        splits = max(1, min(chunks, SPLIT_CTAS_PER_SM * self.num_sms // ctas_per_split))
+        if self.uses_clusters(batch_size):
+            splits = self.cluster * max(1, splits // self.cluster)
+        return splits
+
+    def uses_clusters(self, batch_size: int) -> bool:
+        """Whether decode attention runs in clusters at this batch size: when a whole cluster for
+        every (sequence, head group) fits in the CTAs the splits may use (batch 1 to 8 at
+        Llama-3.2-1B on an H200); larger batches fill the GPU without splitting short contexts."""
+        ctas_per_split = batch_size * (self.num_heads // self.heads_per_cta)
+        return self.cluster > 1 and ctas_per_split * self.cluster <= SPLIT_CTAS_PER_SM * self.num_sms
 
     def _scratch_for(self, batch_size: int) -> tuple:
         """Split-KV scratch for a batch size, allocated once and reused by every layer and step: the
@@ -323,7 +345,8 @@ class CudaBackend(TorchBackend):
             return out
         splits, part_out, part_max, part_sum, counters = self._scratch_for(B)
         table, slot_stride, _ = self._layer_table(layer)
-        self._launch("paged_attention_decode", (splits, self.num_heads // self.heads_per_cta, B), (ATTN_THREADS,), (
+        kernel = "paged_attention_decode_cluster" if self.uses_clusters(B) else "paged_attention_decode"
+        self._launch(kernel, (self.num_heads // self.heads_per_cta, B, splits), (ATTN_THREADS,), (
             _ptr(out), _ptr(q), _ptr(self.cache.pool), table, slot_stride, _ptr(batch.slots), _ptr(batch.context_lens),
             np.int32(self.max_context), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(counters),
             self.scale_log2,
@@ -423,12 +446,21 @@ class CudaBackend(TorchBackend):
             out = torch.empty((rows, units), dtype=torch.float32 if op.endswith("float") else x.dtype, device=x.device)
         tail = (_ptr(out), np.int64(out.stride(0))) if rope_kv is None else self._rope_kv_args(*rope_kv, out)
         kernel = f"gemv_{bucket}_{op}"
-        ctas = min(-(-units // (GEMV_THREADS // 32)), GEMV_CTAS_PER_SM * self.num_sms)
+        split = self.gemv_split(units, K)
+        ctas = min(-(-units * split // (GEMV_THREADS // 32)), GEMV_CTAS_PER_SM * self.num_sms)
         self._launch(kernel, (ctas,), (GEMV_THREADS,), (
-            _ptr(weight), np.int32(N), np.int32(K), np.int32(rows), _ptr(x), np.int64(x.stride(0)),
+            _ptr(weight), np.int32(N), np.int32(K), np.int32(rows), np.int32(split), _ptr(x), np.int64(x.stride(0)),
             _ptr(norm_weight), np.float32(eps),
         ) + tail, shared_mem=shared)
         return out
+
+    def gemv_split(self, units: int, K: int) -> int:
+        """Warps per unit of gemv.cu: the most of GEMV_SPLITS whose warps still fit in one wave of
+        GEMV_CTAS_PER_SM CTAs an SM, each warp with at least one tile of K (Llama-3.2-1B at batch 1:
+        2 for o, down and qkv, 1 for gate/up and the LM head)."""
+        warp_slots = GEMV_CTAS_PER_SM * self.num_sms * (GEMV_THREADS // 32)
+        tiles = -(-K // (32 * self.vec * GEMV_UNROLL))
+        return max(s for s in GEMV_SPLITS if s == 1 or (units * s <= warp_slots and s <= tiles))
 
     # --- helpers --------------------------------------------------------------------------------
     def _fusable(self, *tensors: torch.Tensor) -> bool:

@@ -176,44 +176,75 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
     return silu_times(round_to_dtype(gate), round_to_dtype(up));
 }
 
+// The sum of a unit's partial results over the `split` warps that share it (K slices, in order:
+// the same sum whatever the timing), in the first of those warps. Every warp of the group calls
+// this once per unit; the partials alternate between two buffers, so the group's one barrier per
+// unit also keeps a buffer from being overwritten while the first warp still reads it.
+template <int M>
+__device__ __forceinline__ void sum_split_k(float (&first)[M], float (&second)[M], int split, int warp, int lane,
+                                            int parity) {
+    __shared__ float partial[2][GEMV_WARPS][2][M];
+    if (lane < M) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            if (lane == m) partial[parity][warp][0][m] = first[m], partial[parity][warp][1][m] = second[m];
+        }
+    }
+    const int leader = warp - warp % split;
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + leader / split), "r"(split * WARP_SIZE) : "memory");
+    if (warp != leader) return;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        first[m] = second[m] = 0.0f;
+        for (int w = leader; w < leader + split; ++w) first[m] += partial[parity][w][0][m], second[m] += partial[parity][w][1][m];
+    }
+}
+
 // M: the most input rows this instance takes (1, 2, 4, 8: one per CUDA-graph bucket); rows <= M.
-// A warp works on one unit at a time: one weight row, or two with OUT_SILU_MUL (gate row i, then
-// up row i, N/2 rows apart) and OUT_ROPE_KV (element d of a head, then element d + HEAD_DIM/2).
-// grid: at most the CTAs the GPU holds at once (Python sizes it); warp w of CTA c takes unit
-// c * GEMV_WARPS + w, then every gridDim.x * GEMV_WARPS units after it.
+// A unit of work is one weight row, or two with OUT_SILU_MUL (gate row i, then up row i, N/2 rows
+// apart) and OUT_ROPE_KV (element d of a head, then element d + HEAD_DIM/2).
+// split (1, 2, 4 or 8, dividing GEMV_WARPS): warps per unit, each over its slice of K's tiles. A
+// few thousand rows (o, down, qkv at Llama-3.2-1B) fill only half of the GPU's warp slots with a
+// warp per row, and bytes in flight are what a GEMV's speed is made of; with split 2 every slot
+// streams. The split warps' sums meet in shared memory (sum_split_k).
+// grid: at most the CTAs the GPU holds at once (Python sizes it); the warp group g (warps
+// g * split ...) of CTA c takes unit c * GEMV_WARPS / split + g, then every gridDim.x *
+// GEMV_WARPS / split units after it.
 // in: `rows` rows, in_stride elements apart; out: `rows` rows, out_stride elements apart (scalar_t,
 // or float for OUT_FLOAT); norm_weight and eps: for IN_RMS_NORM only; kv: for OUT_ROPE_KV only.
 template <int M, int IN, int OUT>
-__device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int K, int rows,
+__device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int K, int rows, int split,
                                      const scalar_t* __restrict__ in, long long in_stride,
                                      const scalar_t* __restrict__ norm_weight, float eps, void* out,
                                      long long out_stride, const RopeKV& kv) {
     constexpr int ROWS_PER_UNIT = OUT == OUT_SILU_MUL || OUT == OUT_ROPE_KV ? 2 : 1;
     extern __shared__ uint4 shared_input[];
     scalar_t* __restrict__ xs = reinterpret_cast<scalar_t*>(shared_input);
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int units = N / ROWS_PER_UNIT, unit_step = gridDim.x * GEMV_WARPS;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int groups = GEMV_WARPS / split;
+    const int units = N / ROWS_PER_UNIT, unit_step = gridDim.x * groups;
     const int tiles = (K + TILE - 1) / TILE;
+    const int tile_begin = warp % split * tiles / split, tile_end = (warp % split + 1) * tiles / split;
     // a unit's rows: `span` units make a run of 2 * span rows, its first rows then its second rows
     const int span = OUT == OUT_ROPE_KV ? HALF_DIM : units;
     const auto weight_row = [&](int unit, int part) { return (unit / span) * 2 * span + unit % span + part * span; };
-    int unit = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP_SIZE;
+    int unit = blockIdx.x * groups + warp / split;
 
     // The first tile's loads go out before the input is staged: they are in flight meanwhile.
     uint4 w[GEMV_UNROLL];
-    if (unit < units) load_tile(W, weight_row(unit, 0), 0, K, lane, w);
+    if (unit < units) load_tile(W, weight_row(unit, 0), tile_begin, K, lane, w);
     stage_input<M, IN>(xs, rows, in, in_stride, norm_weight, eps, K);
     __syncthreads();
 
     float acc[M], first[M];  // first: the gate rows' results while the up rows are computed
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = first[m] = 0.0f;
-    for (int part = 0, tile = 0; unit < units;) {
+    for (int part = 0, tile = tile_begin, parity = 0; unit < units;) {
         // the next tile (this row's next, the unit's next row, or the warp's next unit) is loaded
         // before this tile's arithmetic
         int next_unit = unit, next_part = part, next_tile = tile + 1;
-        if (next_tile == tiles) {
-            next_tile = 0;
+        if (next_tile == tile_end) {
+            next_tile = tile_begin;
             if (++next_part == ROWS_PER_UNIT) next_part = 0, next_unit += unit_step;
         }
         uint4 next[GEMV_UNROLL];
@@ -236,31 +267,42 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
             }
         }
 
-        if (next_tile == 0) {  // a row is complete: reduce across the warp, lane m writes row m
+        if (next_tile == tile_begin) {  // this warp's slice of a row is complete: reduce across the warp
+            float (&total)[M] = acc;  // the warp's sums replace its lanes' (and are zeroed below)
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const float total = warp_sum(acc[m]);
-                acc[m] = 0.0f;
-                if (ROWS_PER_UNIT == 2 && part == 0) {  // kept until the unit's second row is done
-                    first[m] = total;
-                    continue;
+            for (int m = 0; m < M; ++m) total[m] = warp_sum(acc[m]);
+            if (ROWS_PER_UNIT == 2 && part == 0) {  // kept until the unit's second row is done
+#pragma unroll
+                for (int m = 0; m < M; ++m) first[m] = total[m];
+            } else {
+                bool writer = true;
+                if (split > 1) {
+                    sum_split_k<M>(first, total, split, warp, lane, parity);
+                    parity ^= 1;
+                    writer = warp % split == 0;
                 }
-                if (lane == m && m < rows) {
-                    const size_t at = (size_t)m * out_stride + unit;
-                    if constexpr (OUT == OUT_STORE) {
-                        static_cast<scalar_t*>(out)[at] = from_float(total);
-                    } else if constexpr (OUT == OUT_ADD) {
-                        scalar_t* const residual = static_cast<scalar_t*>(out) + at;
-                        *residual = from_float(__fadd_rn(to_float(*residual), round_to_dtype(total)));
-                    } else if constexpr (OUT == OUT_FLOAT) {
-                        static_cast<float*>(out)[at] = round_to_dtype(total);
-                    } else if constexpr (OUT == OUT_SILU_MUL) {
-                        static_cast<scalar_t*>(out)[at] = from_float(silu_mul(first[m], total));
-                    } else {
-                        rope_write_pair(kv, m, unit, round_to_dtype(first[m]), round_to_dtype(total));
+                // lane m writes row m
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    if (writer && lane == m && m < rows) {
+                        const size_t at = (size_t)m * out_stride + unit;
+                        if constexpr (OUT == OUT_STORE) {
+                            static_cast<scalar_t*>(out)[at] = from_float(total[m]);
+                        } else if constexpr (OUT == OUT_ADD) {
+                            scalar_t* const residual = static_cast<scalar_t*>(out) + at;
+                            *residual = from_float(__fadd_rn(to_float(*residual), round_to_dtype(total[m])));
+                        } else if constexpr (OUT == OUT_FLOAT) {
+                            static_cast<float*>(out)[at] = round_to_dtype(total[m]);
+                        } else if constexpr (OUT == OUT_SILU_MUL) {
+                            static_cast<scalar_t*>(out)[at] = from_float(silu_mul(first[m], total[m]));
+                        } else {
+                            rope_write_pair(kv, m, unit, round_to_dtype(first[m]), round_to_dtype(total[m]));
+                        }
                     }
                 }
             }
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[m] = 0.0f;
         }
         unit = next_unit, part = next_part, tile = next_tile;
 #pragma unroll
@@ -272,22 +314,22 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
 // pagedcli/backends/cuda.py's gemv_kernel_names() lists the same.
 #define GEMV_KERNEL(M, IN_NAME, IN, OUT_NAME, OUT)                                                           \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv_##M##_##IN_NAME##_##OUT_NAME( \
-        const scalar_t* __restrict__ W, int N, int K, int rows, const scalar_t* __restrict__ in,               \
+        const scalar_t* __restrict__ W, int N, int K, int rows, int split, const scalar_t* __restrict__ in,    \
         long long in_stride, const scalar_t* __restrict__ norm_weight, float eps, void* out, long long out_stride) { \
-        gemv<M, IN, OUT>(W, N, K, rows, in, in_stride, norm_weight, eps, out, out_stride, RopeKV{});         \
+        gemv<M, IN, OUT>(W, N, K, rows, split, in, in_stride, norm_weight, eps, out, out_stride, RopeKV{});  \
     }
 
 // qkv with RoPE and the K/V write: kv_write.cu's arguments instead of an output.
 #define GEMV_ROPE_KV_KERNEL(M)                                                                                \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv_##M##_rms_norm_rope_kv(      \
-        const scalar_t* __restrict__ W, int N, int K, int rows, const scalar_t* __restrict__ in,               \
+        const scalar_t* __restrict__ W, int N, int K, int rows, int split, const scalar_t* __restrict__ in,    \
         long long in_stride, const scalar_t* __restrict__ norm_weight, float eps, scalar_t* q_out,           \
         unsigned char* pool, const int* table, long long table_slot_stride, int max_blocks,                   \
         const long long* positions, const long long* token_seq, const int* slots, const scalar_t* cos_table,  \
         const scalar_t* sin_table, int max_positions) {                                                        \
         const RopeKV kv{q_out, pool, table, table_slot_stride, max_blocks, positions, token_seq, slots,       \
                         cos_table, sin_table, max_positions};                                                  \
-        gemv<M, IN_RMS_NORM, OUT_ROPE_KV>(W, N, K, rows, in, in_stride, norm_weight, eps, nullptr, 0, kv);    \
+        gemv<M, IN_RMS_NORM, OUT_ROPE_KV>(W, N, K, rows, split, in, in_stride, norm_weight, eps, nullptr, 0, kv); \
     }
 
 // The combinations a Llama layer uses, for each batch-size bucket up to GEMV_MAX_ROWS.

@@ -1,7 +1,9 @@
 // paged_attention.cu: decode attention (one new query token per sequence) over the paged KV pool,
 // split along the context ("flash-decoding"), in one kernel.
 //
-// grid (num_splits, NUM_HEADS / HEADS_PER_CTA, num_seqs), ATTN_THREADS threads.
+// grid (NUM_HEADS / HEADS_PER_CTA, num_seqs, num_splits), ATTN_THREADS threads. The split is the
+// slowest grid dimension: the GPU starts CTAs in grid order, so every (sequence, head group)'s
+// first splits start first, and the idle splits of short contexts (see Splits) come last.
 //
 // A CTA serves one sequence and HEADS_PER_CTA query heads that share one kv head (GQA): each K/V
 // row it loads is used by all of those heads, so K and V are read once per kv head, not once per
@@ -10,7 +12,9 @@
 // Splits: num_splits depends only on the batch size and the cache's max_model_len (so one CUDA
 // graph per batch size serves every context length). Each sequence's actual context is cut into
 // num_splits equal spans (whole blocks, at least ATTN_MIN_SPAN tokens), so short contexts are
-// spread over many CTAs too; CTAs past the context exit at once. A span longer than
+// spread over many CTAs too; CTAs past the context exit at once. With clusters, a context of up to
+// ATTN_CLUSTER * PARTITION_SIZE tokens is cut into ATTN_CLUSTER spans instead (at least
+// ATTN_CLUSTER_MIN_SPAN tokens), all in the first cluster; the clusters past the context exit. A span longer than
 // PARTITION_SIZE is walked in chunks of PARTITION_SIZE tokens, merged with an online softmax.
 // For each chunk:
 //   1. K pass: a token's K row for one kv head is HEAD_DIM contiguous elements, read as 16-byte
@@ -26,10 +30,15 @@
 //   3. V pass: the same lanes read V rows (the ring runs on from K to V, so the first V rows are
 //      requested during the K pass and the softmax) and accumulate p * v in fp32 registers; the
 //      row groups' sums then meet in shared memory.
-// Merge: a sequence whose context fits in one span is normalised and written at once. Otherwise
-// every split writes its unnormalised output, max and sum to scratch, and the last CTA of the
-// (sequence, head group) to finish (a counter, reset by that CTA for the next launch) merges them
-// and writes the output. A sequence with context length 0 (a padding row) gets zeros.
+// Merge: at small batches on sm_90+ (paged_attention_decode_cluster) every ATTN_CLUSTER
+// consecutive splits form a thread-block cluster and first merge in shared memory, across the
+// cluster (a hardware barrier, no trip to global memory): at a batch-1 context of a few hundred
+// tokens, that is the only merge, and each CTA reads only a block or two. What is left, the
+// splits' or the clusters' sums ("parts"): a sequence whose context fits in one part is normalised
+// and written at once. Otherwise every part writes its unnormalised output, max and sum to
+// scratch, and the last CTA of the (sequence, head group) to finish (a counter, reset by that CTA
+// for the next launch) merges them and writes the output. A sequence with context length 0 (a
+// padding row) gets zeros.
 //
 // Every K/V access goes through the block table: token i of a sequence is row i % BLOCK_SIZE of
 // physical block table[slot][layer][i / BLOCK_SIZE].
@@ -37,8 +46,9 @@
 #include "geometry.cuh"
 
 #if !defined(HEADS_PER_CTA) || !defined(PARTITION_SIZE) || !defined(ATTN_THREADS) || !defined(ATTN_UNROLL) || \
-    !defined(ATTN_STAGES) || !defined(ATTN_MIN_CTAS) || !defined(ATTN_MIN_SPAN)
-#error "paged_attention.cu needs -DHEADS_PER_CTA -DPARTITION_SIZE -DATTN_THREADS -DATTN_UNROLL -DATTN_STAGES -DATTN_MIN_CTAS -DATTN_MIN_SPAN (backends/cuda.py)"
+    !defined(ATTN_STAGES) || !defined(ATTN_MIN_CTAS) || !defined(ATTN_MIN_SPAN) || !defined(ATTN_CLUSTER) ||      \
+    !defined(ATTN_CLUSTER_MIN_SPAN)
+#error "paged_attention.cu needs -DHEADS_PER_CTA -DPARTITION_SIZE -DATTN_THREADS -DATTN_UNROLL -DATTN_STAGES -DATTN_MIN_CTAS -DATTN_MIN_SPAN -DATTN_CLUSTER -DATTN_CLUSTER_MIN_SPAN (backends/cuda.py)"
 #endif
 
 constexpr int GQA = NUM_HEADS / NUM_KV_HEADS;  // query heads per kv head
@@ -209,6 +219,76 @@ __device__ __forceinline__ bool reduced_writer(int lane) {
     return writer;
 }
 
+// --- thread-block clusters (sm_90+): the splits of one (sequence, head group) merge in shared memory
+
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The float at `p` in the shared memory of CTA `rank` of this cluster.
+__device__ __forceinline__ float load_from_cluster_cta(const float* p, unsigned int rank) {
+    float v = 0.0f;
+#if __CUDA_ARCH__ >= 900
+    unsigned int remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+    return v;
+}
+
+// The unnormalised sums, maxima and denominators of the CLUSTER CTAs of a cluster, merged into
+// those of its first CTA (rank 0, which always has context tokens; the others may have none: max
+// -inf, sums 0). Every thread of every CTA of the cluster calls this. The second barrier keeps the
+// other CTAs (and their shared memory) alive until the first has read them.
+template <int CLUSTER>
+__device__ __forceinline__ void merge_cluster(float (&owned)[OWNED], float (&run_max)[HEADS_PER_CTA],
+                                              float (&run_sum)[HEADS_PER_CTA], unsigned int rank, int tid) {
+    __shared__ float shared_owned[HEADS_PER_CTA * HEAD_DIM];
+    __shared__ float shared_max[HEADS_PER_CTA], shared_sum[HEADS_PER_CTA];
+#pragma unroll
+    for (int k = 0; k < OWNED; ++k) {
+        const int i = tid + k * ATTN_THREADS;
+        if (i < HEADS_PER_CTA * HEAD_DIM) shared_owned[i] = owned[k];
+    }
+#pragma unroll
+    for (int h = 0; h < HEADS_PER_CTA; ++h) {
+        if (tid == h) shared_max[h] = run_max[h], shared_sum[h] = run_sum[h];
+    }
+    cluster_sync();  // every CTA's sums are in its shared memory
+    if (rank == 0) {
+        // thread h merges head h's maxima and denominators; scale: 2^(a CTA's max - the merged max)
+        __shared__ float merged_max[HEADS_PER_CTA], merged_sum[HEADS_PER_CTA], scale[CLUSTER][HEADS_PER_CTA];
+        if (tid < HEADS_PER_CTA) {
+            float m = neg_infinity(), sum = 0.0f;
+#pragma unroll
+            for (int r = 0; r < CLUSTER; ++r) m = fmaxf(m, load_from_cluster_cta(&shared_max[tid], r));
+#pragma unroll
+            for (int r = 0; r < CLUSTER; ++r) {
+                const float c = exp2f(load_from_cluster_cta(&shared_max[tid], r) - m);  // 0 for a CTA without tokens
+                scale[r][tid] = c;
+                sum = fmaf(load_from_cluster_cta(&shared_sum[tid], r), c, sum);
+            }
+            merged_max[tid] = m, merged_sum[tid] = sum;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int h = 0; h < HEADS_PER_CTA; ++h) run_max[h] = merged_max[h], run_sum[h] = merged_sum[h];
+#pragma unroll
+        for (int k = 0; k < OWNED; ++k) {
+            const int i = tid + k * ATTN_THREADS;
+            if (i < HEADS_PER_CTA * HEAD_DIM) {
+                float a = 0.0f;
+#pragma unroll
+                for (int r = 0; r < CLUSTER; ++r) a = fmaf(load_from_cluster_cta(&shared_owned[i], r), scale[r][i / HEAD_DIM], a);
+                owned[k] = a;
+            }
+        }
+    }
+    cluster_sync();  // the first CTA has read the others' shared memory: they may leave
+}
+
 // out: [num_seqs, NUM_HEADS, HEAD_DIM] in the model dtype.
 // q: [num_seqs, NUM_HEADS, HEAD_DIM] (the rotated queries, contiguous).
 // table: this layer's block table, table[slot * table_slot_stride + logical_block].
@@ -216,19 +296,24 @@ __device__ __forceinline__ bool reduced_writer(int lane) {
 // partial_out: [num_seqs, NUM_HEADS, num_splits, HEAD_DIM] float; partial_max, partial_sum:
 // [num_seqs, NUM_HEADS, num_splits] float (log2 domain); merge_counters: [num_seqs, head groups],
 // zero before the launch and zero after it.
-// ATTN_MIN_CTAS resident CTAs per SM bound the registers (the compiler would otherwise take more,
-// and fewer CTAs would keep fewer loads in flight).
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) paged_attention_decode(
-    scalar_t* __restrict__ out, const scalar_t* __restrict__ q, const unsigned char* __restrict__ pool,
-    const int* __restrict__ table, long long table_slot_stride,
-    const int* __restrict__ slots, const int* __restrict__ context_lens, int max_context,
-    float* __restrict__ partial_out, float* __restrict__ partial_max, float* __restrict__ partial_sum,
-    unsigned int* __restrict__ merge_counters, float scale_log2) {
-    const int split = blockIdx.x;
-    const int num_splits = gridDim.x;
-    const int head0 = blockIdx.y * HEADS_PER_CTA;  // first query head of this CTA
+// CLUSTER: 1, or the CTAs of a thread-block cluster along the splits (paged_attention_decode_cluster).
+#define ATTENTION_PARAMS                                                                                   \
+    scalar_t *__restrict__ out, const scalar_t *__restrict__ q, const unsigned char *__restrict__ pool,    \
+        const int *__restrict__ table, long long table_slot_stride, const int *__restrict__ slots,         \
+        const int *__restrict__ context_lens, int max_context, float *__restrict__ partial_out,            \
+        float *__restrict__ partial_max, float *__restrict__ partial_sum,                                   \
+        unsigned int *__restrict__ merge_counters, float scale_log2
+#define ATTENTION_ARGS                                                                                   \
+    out, q, pool, table, table_slot_stride, slots, context_lens, max_context, partial_out, partial_max, \
+        partial_sum, merge_counters, scale_log2
+
+template <int CLUSTER>
+__device__ __forceinline__ void attention(ATTENTION_PARAMS) {
+    const int split = blockIdx.z;
+    const int num_splits = gridDim.z;
+    const int head0 = blockIdx.x * HEADS_PER_CTA;  // first query head of this CTA
     const int kv_head = head0 / GQA;
-    const int seq = blockIdx.z;
+    const int seq = blockIdx.y;
     const int tid = threadIdx.x;
     scalar_t* __restrict__ out_rows = out + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM;
 
@@ -242,11 +327,19 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) paged_
         }
         return;
     }
-    const int span = max((context + num_splits - 1) / num_splits, ATTN_MIN_SPAN);
+    // With clusters, a context that one cluster covers in one chunk a CTA stays in one cluster: its
+    // only merge is the cheap one in shared memory.
+    const bool one_cluster = CLUSTER > 1 && context <= CLUSTER * PARTITION_SIZE;
+    const int span = one_cluster ? max((context + CLUSTER - 1) / CLUSTER, ATTN_CLUSTER_MIN_SPAN)
+                                 : max((context + num_splits - 1) / num_splits, ATTN_MIN_SPAN);
     const int span_blocks = (span + BLOCK_SIZE - 1) / BLOCK_SIZE;
     const int span_tokens = span_blocks * BLOCK_SIZE;
     const int used_splits = (context + span_tokens - 1) / span_tokens;
-    if (split >= used_splits) return;  // the whole CTA leaves: no barrier is pending
+    // Parts: what is merged in the end, a split's sums or (CLUSTER > 1) a cluster's. A cluster
+    // with no tokens leaves whole (no barrier is pending); in one with tokens, a CTA without any
+    // takes part in the cluster's merge with empty sums.
+    const int part = split / CLUSTER, used_parts = (used_splits + CLUSTER - 1) / CLUSTER;
+    if (part >= used_parts) return;
     const int span_start = split * span_tokens;
     const int span_end = min(context, span_start + span_tokens);
 
@@ -449,8 +542,13 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) paged_
         }
     }
 
-    // The whole context in this one span: normalise and write the output.
-    if (used_splits == 1) {
+    if constexpr (CLUSTER > 1) {
+        merge_cluster<CLUSTER>(owned, run_max, run_sum, split % CLUSTER, tid);
+        if (split % CLUSTER != 0) return;
+    }
+
+    // The whole context in this one part: normalise and write the output.
+    if (used_parts == 1) {
 #pragma unroll
         for (int h = 0; h < HEADS_PER_CTA; ++h) {
             if (tid == h) head_scale[h] = 1.0f / run_sum[h];  // run_sum >= 1: the max term is 2^0
@@ -464,41 +562,41 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) paged_
         return;
     }
 
-    // Several splits: publish this one's unnormalised output, max and sum ...
+    // Several parts: publish this one's unnormalised output, max and sum ...
     const size_t row0 = ((size_t)seq * NUM_HEADS + head0) * num_splits;  // (seq, head0, split 0)
 #pragma unroll
     for (int k = 0; k < OWNED; ++k) {
         const int i = tid + k * ATTN_THREADS;
         if (i < HEADS_PER_CTA * HEAD_DIM) {
-            partial_out[(row0 + (size_t)(i / HEAD_DIM) * num_splits + split) * HEAD_DIM + i % HEAD_DIM] = owned[k];
+            partial_out[(row0 + (size_t)(i / HEAD_DIM) * num_splits + part) * HEAD_DIM + i % HEAD_DIM] = owned[k];
         }
     }
 #pragma unroll
     for (int h = 0; h < HEADS_PER_CTA; ++h) {
         if (tid == h) {
-            partial_max[row0 + (size_t)h * num_splits + split] = run_max[h];
-            partial_sum[row0 + (size_t)h * num_splits + split] = run_sum[h];
+            partial_max[row0 + (size_t)h * num_splits + part] = run_max[h];
+            partial_sum[row0 + (size_t)h * num_splits + part] = run_sum[h];
         }
     }
-    // ... and count it; the last split of this (sequence, head group) to arrive merges them all.
+    // ... and count it; the last part of this (sequence, head group) to arrive merges them all.
     __threadfence();  // our partials are visible GPU-wide before the counter moves
     __syncthreads();
-    unsigned int* const counter = merge_counters + (size_t)seq * gridDim.y + blockIdx.y;
-    if (tid == 0) last_to_finish = atomicAdd(counter, 1u) == (unsigned int)(used_splits - 1);
+    unsigned int* const counter = merge_counters + (size_t)seq * gridDim.x + blockIdx.x;
+    if (tid == 0) last_to_finish = atomicAdd(counter, 1u) == (unsigned int)(used_parts - 1);
     __syncthreads();
     if (!last_to_finish) return;
     __threadfence();  // the other splits' partials are read after their counts
     if (tid == 0) *counter = 0u;  // ready for the next launch (or CUDA-graph replay)
 
-    // The merged max and 1 / denominator of each head: a warp per head, its lanes over the splits.
+    // The merged max and 1 / denominator of each head: a warp per head, its lanes over the parts.
     for (int h = warp; h < HEADS_PER_CTA; h += NUM_WARPS) {
         const float* maxes = partial_max + row0 + (size_t)h * num_splits;
         const float* sums = partial_sum + row0 + (size_t)h * num_splits;
         float m = neg_infinity();
-        for (int s = lane; s < used_splits; s += WARP_SIZE) m = fmaxf(m, load_from_l2(maxes + s));
+        for (int s = lane; s < used_parts; s += WARP_SIZE) m = fmaxf(m, load_from_l2(maxes + s));
         m = warp_max(m);
         float denom = 0.0f;
-        for (int s = lane; s < used_splits; s += WARP_SIZE) {
+        for (int s = lane; s < used_parts; s += WARP_SIZE) {
             denom += load_from_l2(sums + s) * exp2f(load_from_l2(maxes + s) - m);
         }
         denom = warp_sum(denom);  // >= 1: the split holding the max contributes 2^0 * (sum >= 1)
@@ -514,9 +612,26 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) paged_
         const float* parts = partial_out + (row0 + (size_t)h * num_splits) * HEAD_DIM + i % HEAD_DIM;
         float a = 0.0f;
 #pragma unroll 8
-        for (int s = 0; s < used_splits; ++s) {  // unrolled: eight L2 reads in flight, not one
+        for (int s = 0; s < used_parts; ++s) {  // unrolled: eight L2 reads in flight, not one
             a = fmaf(exp2f(load_from_l2(maxes + s) - head_max[h]), load_from_l2(parts + (size_t)s * HEAD_DIM), a);
         }
         out_rows[i] = from_float(a * head_scale[h]);
     }
 }
+
+// ATTN_MIN_CTAS resident CTAs per SM bound the registers (the compiler would otherwise take more,
+// and fewer CTAs would keep fewer loads in flight).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) paged_attention_decode(ATTENTION_PARAMS) {
+    attention<1>(ATTENTION_ARGS);
+}
+
+// Small batches on sm_90+ (backends/cuda.py decides): ATTN_CLUSTER consecutive splits form a
+// thread-block cluster and merge through each other's shared memory, not through global memory
+// and a counter; the span rule allows shorter spans (ATTN_CLUSTER_MIN_SPAN), so that a short
+// context is read by several CTAs at once. Parts that are clusters still merge as above.
+#if __CUDA_ARCH__ >= 900
+extern "C" __global__ void __cluster_dims__(1, 1, ATTN_CLUSTER) __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS)
+    paged_attention_decode_cluster(ATTENTION_PARAMS) {
+    attention<ATTN_CLUSTER>(ATTENTION_ARGS);
+}
+#endif
