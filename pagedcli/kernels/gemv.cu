@@ -5,9 +5,10 @@
 // used M times, so the step costs the weights' read time plus whatever the chain wastes between
 // reads. At batch 1 on an H200, cuBLAS with separate norm/SiLU/add kernels reads qkv, o and down at
 // 1.3 to 2.4 TB/s. This kernel tries to keep the memory system busy from the first to the last byte:
-//   - one warp per weight row at a time, 16-byte loads, GEMV_UNROLL of them per lane in flight, and
-//     the next tile's loads issued before the current tile's arithmetic (double buffering in
-//     registers), across row boundaries too;
+//   - one warp per weight row at a time (or 2 to 4 warps, each over a slice of K, when the rows are
+//     too few to give every warp slot of the GPU one), 16-byte loads, GEMV_UNROLL of them per lane
+//     in flight, and the next tile's loads issued before the current tile's arithmetic (double
+//     buffering in registers), across row boundaries too;
 //   - what comes before the product is done on the (small) input while it is staged in shared
 //     memory: RMSNorm (before qkv, gate/up and the LM head); what comes after it is done as each
 //     row is written: the residual add (after o and down), the float logits, or silu(gate) * up
