@@ -197,14 +197,17 @@ __device__ __forceinline__ void sum_split_k(float (&first)[M], float (&second)[M
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         first[m] = second[m] = 0.0f;
-        for (int w = leader; w < leader + split; ++w) first[m] += partial[parity][w][0][m], second[m] += partial[parity][w][1][m];
+        for (int w = leader; w < leader + split; ++w) {
+            first[m] += partial[parity][w][0][m];
+            second[m] += partial[parity][w][1][m];
+        }
     }
 }
 
 // M: the most input rows this instance takes (1, 2, 4, 8: one per CUDA-graph bucket); rows <= M.
 // A unit of work is one weight row, or two with OUT_SILU_MUL (gate row i, then up row i, N/2 rows
 // apart) and OUT_ROPE_KV (element d of a head, then element d + HEAD_DIM/2).
-// split (1, 2, 4 or 8, dividing GEMV_WARPS): warps per unit, each over its slice of K's tiles. A
+// split (dividing GEMV_WARPS, at most K's tiles): warps per unit, each over its slice of the tiles. A
 // few thousand rows (o, down, qkv at Llama-3.2-1B) fill only half of the GPU's warp slots with a
 // warp per row, and bytes in flight are what a GEMV's speed is made of; with split 2 every slot
 // streams. The split warps' sums meet in shared memory (sum_split_k).

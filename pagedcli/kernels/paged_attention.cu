@@ -14,8 +14,9 @@
 // num_splits equal spans (whole blocks, at least ATTN_MIN_SPAN tokens), so short contexts are
 // spread over many CTAs too; CTAs past the context exit at once. With clusters, a context of up to
 // ATTN_CLUSTER * PARTITION_SIZE tokens is cut into ATTN_CLUSTER spans instead (at least
-// ATTN_CLUSTER_MIN_SPAN tokens), all in the first cluster; the clusters past the context exit. A span longer than
-// PARTITION_SIZE is walked in chunks of PARTITION_SIZE tokens, merged with an online softmax.
+// ATTN_CLUSTER_MIN_SPAN tokens), all in the first cluster; the clusters past the context exit.
+// A span longer than PARTITION_SIZE is walked in chunks of PARTITION_SIZE tokens, merged with an
+// online softmax.
 // For each chunk:
 //   1. K pass: a token's K row for one kv head is HEAD_DIM contiguous elements, read as 16-byte
 //      vectors by a group of ROW_LANES lanes (HEAD_DIM = 64 in bf16: 8 lanes, 128 bytes; a warp
@@ -281,7 +282,9 @@ __device__ __forceinline__ void merge_cluster(float (&owned)[OWNED], float (&run
             if (i < HEADS_PER_CTA * HEAD_DIM) {
                 float a = 0.0f;
 #pragma unroll
-                for (int r = 0; r < CLUSTER; ++r) a = fmaf(load_from_cluster_cta(&shared_owned[i], r), scale[r][i / HEAD_DIM], a);
+                for (int r = 0; r < CLUSTER; ++r) {
+                    a = fmaf(load_from_cluster_cta(&shared_owned[i], r), scale[r][i / HEAD_DIM], a);
+                }
                 owned[k] = a;
             }
         }
@@ -327,8 +330,8 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
         }
         return;
     }
-    // With clusters, a context that one cluster covers in one chunk a CTA stays in one cluster: its
-    // only merge is the cheap one in shared memory.
+    // With clusters, a context that one cluster covers with a chunk per CTA stays in the first
+    // cluster: its only merge is the cheap one in shared memory.
     const bool one_cluster = CLUSTER > 1 && context <= CLUSTER * PARTITION_SIZE;
     const int span = one_cluster ? max((context + CLUSTER - 1) / CLUSTER, ATTN_CLUSTER_MIN_SPAN)
                                  : max((context + num_splits - 1) / num_splits, ATTN_MIN_SPAN);
