@@ -29,6 +29,8 @@ VARIANTS = {
     "attention: no clusters": {"ATTN_CLUSTER": 1},
     "attention: cluster min span 32": {"CLUSTER_MIN_SPAN": 32},
     "attention: cluster min span 128": {"CLUSTER_MIN_SPAN": 128},
+    "gemv: 512 threads, 2 CTAs per SM": {"GEMV_THREADS": 512, "GEMV_MIN_CTAS": 2, "GEMV_CTAS_PER_SM": 2},
+    "gemv: 2 loads a lane (twice the tiles)": {"GEMV_UNROLL": 2},
 }
 
 
