@@ -237,9 +237,9 @@ def test_decode_attend_mixed_lengths(geometry):
 
 def test_decode_attend_clusters_merge_then_their_sums_merge():
     """Small batches on sm_90+: the splits of a cluster merge in shared memory, then the clusters'
-    sums merge through global memory. 16 splits: a 4,097-token context (more than one cluster covers
-    in a chunk a CTA) takes both clusters, a 300-token one 5 splits of 64 tokens in the first (its
-    other 3 CTAs have no tokens, the second cluster leaves)."""
+    sums merge through global memory. 16 splits: a 4,097-token context (more than 8 CTAs cover with
+    a chunk each) takes both clusters, a 300-token one 5 splits of 64 tokens in the first (its other
+    3 CTAs have no tokens, the second cluster leaves)."""
     s = _decode_case("llama1b", [4097, 300], max_model_len=8192, seed=6)
     if s.cuda.cluster > 1:
         assert s.cuda.uses_clusters(2) and s.cuda.num_splits(2) == 2 * cuda_backend.ATTN_CLUSTER

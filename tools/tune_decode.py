@@ -25,6 +25,8 @@ from pagedcli.sequence import SamplingParams
 
 VARIANTS = {
     "gemv (default)": {},
+    "no overlap": {"overlap": False},  # an EngineOptions field: the engine waits for each step's tokens
+    "no evict_first": {"GEMV_EVICT_FIRST": 0},
     "gemv: no split-K": {"GEMV_SPLITS": (1,)},  # one warp per row, whatever the row count
     "attention: no clusters": {"ATTN_CLUSTER": 1},
     "attention: cluster min span 32": {"CLUSTER_MIN_SPAN": 32},
