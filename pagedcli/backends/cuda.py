@@ -255,8 +255,7 @@ class CudaBackend(TorchBackend):
         CUDA graph per batch size serves every context length: the kernel cuts each actual context
         into this many spans."""
         chunks = math.ceil(self.cache.max_model_len / PARTITION_SIZE)
-        ctas_per_split = batch_size * (self.num_heads // self.heads_per_cta)
-        splits = max(1, min(chunks, SPLIT_CTAS_PER_SM * self.num_sms // ctas_per_split))
+        splits = max(1, min(chunks, self._split_budget(batch_size)))
         if self.uses_clusters(batch_size):
             splits = self.cluster * max(1, splits // self.cluster)
         return splits
@@ -265,8 +264,11 @@ class CudaBackend(TorchBackend):
         """Whether decode attention runs in clusters at this batch size: when a whole cluster for
         every (sequence, head group) fits in the CTAs the splits may use (batch 1 to 8 at
         Llama-3.2-1B on an H200); larger batches fill the GPU without splitting short contexts."""
-        ctas_per_split = batch_size * (self.num_heads // self.heads_per_cta)
-        return self.cluster > 1 and ctas_per_split * self.cluster <= SPLIT_CTAS_PER_SM * self.num_sms
+        return self.cluster > 1 and self._split_budget(batch_size) >= self.cluster
+
+    def _split_budget(self, batch_size: int) -> int:
+        """The most splits SPLIT_CTAS_PER_SM CTAs an SM allow, one CTA per (sequence, head group) a split."""
+        return SPLIT_CTAS_PER_SM * self.num_sms // (batch_size * (self.num_heads // self.heads_per_cta))
 
     def _scratch_for(self, batch_size: int) -> tuple:
         """Split-KV scratch for a batch size, allocated once and reused by every layer and step: the
@@ -461,7 +463,7 @@ class CudaBackend(TorchBackend):
         GEMV_CTAS_PER_SM CTAs an SM, each warp with at least one tile of K (Llama-3.2-1B at batch 1:
         2 for o, down and qkv, 1 for gate/up and the LM head)."""
         warp_slots = GEMV_CTAS_PER_SM * self.num_sms * (GEMV_THREADS // 32)
-        tiles = -(-K // (32 * self.vec * GEMV_UNROLL))
+        tiles = -(-K // (32 * self.vec * GEMV_UNROLL))  # gemv.cu's TILE: a warp's 16-byte loads of one step
         return max(s for s in GEMV_SPLITS if s == 1 or (units * s <= warp_slots and s <= tiles))
 
     # --- helpers --------------------------------------------------------------------------------
