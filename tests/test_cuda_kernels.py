@@ -410,7 +410,7 @@ def gemv_reference(s, op, x, weight, norm_weight):
 
 @pytest.mark.parametrize("geometry", ["llama1b", "fp16", "stories-fp32"])
 @pytest.mark.parametrize("op", GEMV_OPS)
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 2])
 # (N, K): qkv's; K past a whole tile; more rows than the GPU's warps take at once (as the LM
 # head's); tiny
 @pytest.mark.parametrize("shape", [(3072, 2048), (1002, 2056), (20000, 256), (64, 8)])
@@ -419,7 +419,7 @@ def test_gemv_matches_fp64_reference(geometry, op, rows, shape, monkeypatch):
 
 
 @pytest.mark.parametrize("op", GEMV_OPS)
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("split", [2, 4])
 def test_gemv_split_k_matches_fp64_reference(op, rows, split, monkeypatch):
     """Warps sharing a row, each over a slice of K (the o and down projections' case, forced here on
@@ -522,14 +522,14 @@ def test_argmax_matches_torch_including_ties(vocab, rows, monkeypatch):
 def test_fused_attention_inputs_equal_gemv_then_kv_write(geometry, phase, monkeypatch):
     """The fused kernel's q and pool bytes are those of norm_linear followed by kv_write.cu: the
     same sums, rounded the same way, written to the same rows (padding rows write nothing)."""
-    lengths = [40, 17, 300]
+    lengths = [40, 300]  # gemv.cu takes at most GEMV_MAX_ROWS (2) rows
     s = Setup(geometry, lengths, seed=14)
     c, layer = s.config, 1
     if phase == "decode":
         batch = s.decode_batch(lengths)
         batch.positions[1], batch.context_lens[1] = -1, 0  # a padding row
-    else:  # a small prefill: the last 3 and 2 tokens of two sequences
-        batch = StepBatch.build(True, s.slots[:2], [[5, 6, 7], [8, 9]], [37, 15], torch.device(DEVICE))
+    else:  # a small prefill: the last 2 tokens of a sequence
+        batch = StepBatch.build(True, s.slots[:1], [[5, 6]], [38], torch.device(DEVICE))
     T = batch.token_ids.shape[0]
     x = s.randn(T, c.hidden_size, scale=2.0)
     qkv = s.randn(c.q_dim + 2 * c.kv_dim, c.hidden_size, scale=c.hidden_size**-0.5)

@@ -204,7 +204,7 @@ __device__ __forceinline__ void sum_split_k(float (&first)[M], float (&second)[M
     }
 }
 
-// M: the most input rows this instance takes (1, 2, 4, 8: one per CUDA-graph bucket); rows <= M.
+// M: the most input rows this instance takes (1 or 2: cuda.py's GEMV_ROW_BUCKETS); rows <= M.
 // A unit of work is one weight row, or two with OUT_SILU_MUL (gate row i, then up row i, N/2 rows
 // apart) and OUT_ROPE_KV (element d of a head, then element d + HEAD_DIM/2).
 // split (dividing GEMV_WARPS, at most K's tiles): warps per unit, each over its slice of the tiles. A
@@ -346,5 +346,3 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
 
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)
-GEMV_KERNELS(4)
-GEMV_KERNELS(8)
