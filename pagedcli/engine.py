@@ -122,7 +122,7 @@ class Engine:
         logits = self.runner.run(seqs, is_prefill, feed)
         if is_prefill:
             seqs, logits = self.scheduler.fork(seqs, logits)
-        tokens = sample(logits, seqs, self.runner.model.backend.argmax)
+        tokens = sample(logits, seqs, self.runner.argmax)
         if tokens.is_cuda:
             host, ready = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True), torch.cuda.Event()
             host.copy_(tokens, non_blocking=True)

@@ -1,8 +1,9 @@
 """ModelRunner: turns the scheduler's sequences into a StepBatch and runs the network.
 
 On a GPU with our CUDA backend, decode steps replay CUDA graphs captured per batch-size bucket:
-the step's inputs are copied into the graph's static tensors (one host-to-device copy), the graph
-replays every kernel of the forward pass at once, and the logits of the real rows come out.
+the step's inputs go to the graph's static tensors in one host-to-device copy (the tensors are views
+of one staging buffer, so nothing inside the graph copies them), the graph replays every kernel of
+the forward pass and the greedy argmax at once, and the logits and tokens of the real rows come out.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ class ModelRunner:
             for n in self.graphs.buckets:
                 self.graphs.graph(n)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of `logits` ([B] int64 on their device): for the logits a decode graph just
+        returned, the argmax the graph computed with them; else the backend's."""
+        if self.graphs is not None and logits is self.graphs.last_logits:
+            return self.graphs.last_tokens
+        return self.model.backend.argmax(logits)
+
     def run(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for each sequence's next token, [len(seqs), vocab] float32.
 
@@ -65,64 +73,73 @@ class DecodeGraphs:
     """One CUDA graph per batch-size bucket, captured on first use. Rows past the real batch are
     padding: position -1 (no K/V written) and context length 0 (attention does nothing)."""
 
+    # the step's inputs, one after another in one buffer of the largest bucket's size: their dtypes
+    # are StepBatch's, so each graph's batch tensors are views of it (nothing to convert or copy)
+    INPUTS = (("token_ids", torch.int64), ("positions", torch.int64), ("slots", torch.int32),
+              ("context_lens", torch.int32))
+
     def __init__(self, model: Llama, cache: KVCache):
         self.model, self.cache = model, cache
         self.buckets = graph_buckets(cache.max_slots)
         n = self.buckets[-1]
-        dev = cache.device
-        # inputs, staged as one int64 tensor [4, n]: token, position, slot, context length. Two
-        # pinned host buffers, used in turn: with the engine's overlap, a step is staged while the
-        # copy of the one before may still wait in the stream for the GPU. Two are enough because
-        # the engine queues at most one step ahead: before it stages a step it has waited for the
-        # step that used the same buffer (two runs back), or for a later one (a prefill follows a
-        # step ahead that was voided), so that copy out of the buffer is done.
-        self.host = [torch.zeros((4, n), dtype=torch.int64).pin_memory() for _ in range(2)]
-        self.host_np = [h.numpy() for h in self.host]  # numpy writes into pinned memory cost least per step
+        nbytes = sum(n * dtype.itemsize for _, dtype in self.INPUTS)
+        # Two pinned host buffers, used in turn: with the engine's overlap, a step is staged while
+        # the copy of the one before may still wait in the stream for the GPU. Two are enough
+        # because the engine queues at most one step ahead: before it stages a step it has waited
+        # for the step that used the same buffer (two runs back), or for a later one (a prefill
+        # follows a step ahead that was voided), so that copy out of the buffer is done.
+        self.host = [torch.zeros(nbytes, dtype=torch.uint8).pin_memory() for _ in range(2)]
+        self.host_np = [{name: t.numpy() for name, t in self._inputs(h).items()} for h in self.host]  # cheapest writes
         self.num_runs = 0
-        self.staged = torch.zeros((4, n), dtype=torch.int64, device=dev)
+        self.staged = torch.zeros(nbytes, dtype=torch.uint8, device=cache.device)
+        self.inputs = self._inputs(self.staged)  # name -> [n] view of `staged`
         self.pool = torch.cuda.graph_pool_handle()
-        # bucket -> (graph, its static batch, its logits); the batch must live as long as the graph:
-        # the graph reads its tensors' memory, which the allocator would otherwise hand out again
-        self.captured: dict[int, tuple[torch.cuda.CUDAGraph, StepBatch, torch.Tensor]] = {}
+        # bucket -> (graph, its static batch, its logits, its greedy tokens); the batch must live as
+        # long as the graph: the graph reads its tensors' memory, which the allocator would
+        # otherwise hand out again
+        self.captured: dict[int, tuple[torch.cuda.CUDAGraph, StepBatch, torch.Tensor, torch.Tensor]] = {}
+        self.last_logits: torch.Tensor | None = None  # what the last `run` returned, and the argmax of it
+        self.last_tokens: torch.Tensor | None = None
+
+    def _inputs(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The INPUTS as typed views of a byte buffer, in order."""
+        n, views, at = self.buckets[-1], {}, 0
+        for name, dtype in self.INPUTS:
+            views[name] = buffer[at:at + n * dtype.itemsize].view(dtype)
+            at += n * dtype.itemsize
+        return views
 
     def _batch(self, n: int) -> StepBatch:
-        """The static StepBatch of bucket n; its tensors are filled from `staged` inside the graph."""
-        dev = self.cache.device
-        rows = torch.arange(n, device=dev)
+        """The static StepBatch of bucket n: its inputs are the first n entries of the staged ones."""
+        rows = torch.arange(n, device=self.cache.device)
         return StepBatch(
             is_prefill=False,
-            token_ids=torch.zeros(n, dtype=torch.int64, device=dev),
-            positions=torch.zeros(n, dtype=torch.int64, device=dev),
+            **{name: view[:n] for name, view in self.inputs.items()},
             token_seq=rows,
-            slots=torch.zeros(n, dtype=torch.int32, device=dev),
-            context_lens=torch.zeros(n, dtype=torch.int32, device=dev),
             last_index=rows.clone(),
             num_new=[1] * n,
             context_lens_host=[1] * n,
         )
 
-    def _forward(self, batch: StepBatch, n: int) -> torch.Tensor:
-        batch.token_ids.copy_(self.staged[0, :n])
-        batch.positions.copy_(self.staged[1, :n])
-        batch.slots.copy_(self.staged[2, :n])
-        batch.context_lens.copy_(self.staged[3, :n])
+    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         self.model.backend.prepare(batch)
-        return self.model.forward(batch)
+        logits = self.model.forward(batch)
+        return logits, self.model.backend.argmax(logits)
 
     def _capture(self, n: int):
         batch = self._batch(n)
-        self.staged[1, :n] = -1  # capture with padding rows only: nothing is written to the pool
-        self.staged[3, :n] = 0
+        self.inputs["positions"][:n] = -1  # capture with padding rows only: nothing is written to the pool
+        self.inputs["context_lens"][:n] = 0
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up outside the graph (allocator, lazy inits)
-            self._forward(batch, n)
+            self._forward(batch)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(batch, n)
+            logits, tokens = self._forward(batch)
         torch.cuda.synchronize()
-        return graph, batch, logits
+        return graph, batch, logits, tokens
 
     def graph(self, n: int):
         if n not in self.captured:
@@ -133,17 +150,18 @@ class DecodeGraphs:
             feed: torch.Tensor | None = None) -> torch.Tensor:
         b = len(slots)
         n = next(size for size in self.buckets if size >= b)
-        graph, _, logits = self.graph(n)
+        graph, _, logits, greedy = self.graph(n)
         turn = self.num_runs % 2
         self.num_runs += 1
         h = self.host_np[turn]
-        h[0, :b] = tokens
-        h[1, :b] = num_cached  # the new token's position = tokens already cached
-        h[2, :b] = slots
-        h[3, :b] = h[1, :b] + 1
-        h[0, b:n], h[1, b:n], h[2, b:n], h[3, b:n] = 0, -1, 0, 0
+        h["token_ids"][:b] = tokens
+        h["positions"][:b] = num_cached  # the new token's position = tokens already cached
+        h["slots"][:b] = slots
+        h["context_lens"][:b] = h["positions"][:b] + 1
+        h["token_ids"][b:n], h["positions"][b:n], h["slots"][b:n], h["context_lens"][b:n] = 0, -1, 0, 0
         self.staged.copy_(self.host[turn], non_blocking=True)  # whole buffer: contiguous pinned memory, truly async
         if feed is not None:
-            self.staged[0, :b].copy_(feed)  # device to device: the tokens never visit the host
+            self.inputs["token_ids"][:b].copy_(feed)  # device to device: the tokens never visit the host
         graph.replay()
-        return logits[:b]
+        self.last_logits, self.last_tokens = logits[:b], greedy[:b]
+        return self.last_logits
