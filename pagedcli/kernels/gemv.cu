@@ -64,11 +64,20 @@ struct RopeKV {
     int max_positions;
 };
 
+// Token m's position (negative: a padding row) and sequence, read at the kernel's start by the lane
+// that writes token m (two independent reads, not waited for until a unit ends): the reads a unit's
+// end then waits for are the rotation's cos/sin, and for k and v the slot and the block table.
+struct TokenOf {
+    long long pos;
+    long long seq;
+};
+
 // Token m's two outputs of rotary pair `unit` (head unit / HALF_DIM, element unit % HALF_DIM of
 // the qkv projection), as the GEMM would have stored them: rotated into q_out, or into the pool.
-__device__ __forceinline__ void rope_write_pair(const RopeKV& kv, int m, int unit, float x1, float x2) {
+__device__ __forceinline__ void rope_write_pair(const RopeKV& kv, const TokenOf& token, int m, int unit, float x1,
+                                                float x2) {
     const int head = unit / HALF_DIM, d = unit % HALF_DIM;
-    const long long pos = kv.positions[m];
+    const long long pos = token.pos;
     const bool valid = pos >= 0 && pos < kv.max_positions;
     float out1 = 0.0f, out2 = 0.0f;
     if (valid && head < NUM_HEADS + NUM_KV_HEADS) {
@@ -82,8 +91,7 @@ __device__ __forceinline__ void rope_write_pair(const RopeKV& kv, int m, int uni
         dst = kv.q_out + ((size_t)m * NUM_HEADS + head) * HEAD_DIM;
     } else {
         unsigned char* const row =
-            valid ? kv_row(kv.pool, kv.table, kv.table_slot_stride, kv.max_blocks, kv.slots[kv.token_seq[m]], pos)
-                  : nullptr;
+            valid ? kv_row(kv.pool, kv.table, kv.table_slot_stride, kv.max_blocks, kv.slots[token.seq], pos) : nullptr;
         if (row == nullptr) return;
         if (head < NUM_HEADS + NUM_KV_HEADS) {
             dst = reinterpret_cast<scalar_t*>(row) + (head - NUM_HEADS) * HEAD_DIM;
@@ -234,6 +242,20 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
     const auto weight_row = [&](int unit, int part) { return (unit / span) * 2 * span + unit % span + part * span; };
     int unit = blockIdx.x * groups + warp / split;
 
+    // What lane m needs to write row m besides the sums, read early, so that the end of a unit waits
+    // on fewer reads: its token's position and sequence (OUT_ROPE_KV), and the residual it adds to
+    // (OUT_ADD), read for each unit with the unit's first weights (no other warp writes it).
+    TokenOf token{-1, 0};
+    if constexpr (OUT == OUT_ROPE_KV) {
+        if (lane < rows) token = {kv.positions[lane], kv.token_seq[lane]};
+    }
+    const auto residual_of = [&](int u) {
+        return OUT == OUT_ADD && lane < rows && u < units
+                   ? to_float(static_cast<const scalar_t*>(out)[(size_t)lane * out_stride + u])
+                   : 0.0f;
+    };
+    float residual = residual_of(unit), next_residual = 0.0f;
+
     // The first tile's loads go out before the input is staged: they are in flight meanwhile.
     uint4 w[GEMV_UNROLL];
     if (unit < units) load_tile(W, weight_row(unit, 0), tile_begin, K, lane, w);
@@ -253,6 +275,7 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
         }
         uint4 next[GEMV_UNROLL];
         if (next_unit < units) load_tile(W, weight_row(next_unit, next_part), next_tile, K, lane, next);
+        if (OUT == OUT_ADD && next_unit != unit) next_residual = residual_of(next_unit);
 
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
@@ -293,14 +316,13 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
                         if constexpr (OUT == OUT_STORE) {
                             static_cast<scalar_t*>(out)[at] = from_float(total[m]);
                         } else if constexpr (OUT == OUT_ADD) {
-                            scalar_t* const residual = static_cast<scalar_t*>(out) + at;
-                            *residual = from_float(__fadd_rn(to_float(*residual), round_to_dtype(total[m])));
+                            static_cast<scalar_t*>(out)[at] = from_float(__fadd_rn(residual, round_to_dtype(total[m])));
                         } else if constexpr (OUT == OUT_FLOAT) {
                             static_cast<float*>(out)[at] = round_to_dtype(total[m]);
                         } else if constexpr (OUT == OUT_SILU_MUL) {
                             static_cast<scalar_t*>(out)[at] = from_float(silu_mul(first[m], total[m]));
                         } else {
-                            rope_write_pair(kv, m, unit, round_to_dtype(first[m]), round_to_dtype(total[m]));
+                            rope_write_pair(kv, token, m, unit, round_to_dtype(first[m]), round_to_dtype(total[m]));
                         }
                     }
                 }
@@ -308,6 +330,7 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
 #pragma unroll
             for (int m = 0; m < M; ++m) acc[m] = 0.0f;
         }
+        if (next_unit != unit) residual = next_residual;
         unit = next_unit, part = next_part, tile = next_tile;
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) w[u] = next[u];
