@@ -5,8 +5,9 @@
 Each variant sets module constants of pagedcli.backends.cuda (or, with "overlap", the engine
 option of that name), builds a fresh engine and times the workload `pagedcli bench` runs (random
 Llama-3.2-1B weights, 128-token prompt): the step as the bench sees it, and its CUDA graph replayed
-back to back (the GPU's part of it). Then each GEMM of a layer alone, ours against the cuBLAS path,
-and the kernels of one decode step with their time.
+back to back (the GPU's part of it). Then each GEMM of a layer alone, ours against the cuBLAS path
+and against a kernel that only reads its weights (tools/read_floor.cu), attention alone, and the
+kernels of decode steps: their time, and the idle time between them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import warnings
 from dataclasses import replace
 
 import torch
@@ -116,6 +118,43 @@ def gemv_table(model, opts) -> None:
             f"{k} {t:7.2f} us {nbytes / t / 1e3:6.0f} GB/s" for k, t in times.items()), flush=True)
 
 
+def read_floor_table(model) -> None:
+    """tools/read_floor.cu at each GEMM's weight size: the time a kernel takes that only reads those
+    bytes, beside ours (gemv_table), and the step a decode of one such kernel per GEMM would take."""
+    from pathlib import Path
+
+    import cupy
+
+    from pagedcli.kernel_bench import time_ms
+
+    w = model.weights
+    sizes = {name: t.numel() * t.element_size() for name, t in (
+        ("qkv", w.layers[0].qkv), ("o", w.layers[0].o), ("gate_up", w.layers[0].gate_up),
+        ("down", w.layers[0].down), ("lm_head", w.lm_head))}
+    source = (Path(__file__).parent / "read_floor.cu").read_text()
+    kernel = cupy.RawModule(code=source, options=("-std=c++17", "-DREAD_UNROLL=8")).get_function("read_all")
+    grid = 4 * torch.cuda.get_device_properties(model.device).multi_processor_count
+    sink = torch.zeros(1, dtype=torch.int32, device=model.device)
+
+    def launch(buffer: torch.Tensor) -> None:
+        with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; older ones lack the successor
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        with stream:
+            kernel((grid,), (256,), (buffer.data_ptr(), cupy.int64(buffer.numel() // 16), sink.data_ptr()))
+
+    print("\nread floor: a kernel that only reads the bytes, back to back in a graph (us, GB/s)")
+    floor = {}
+    for name, nbytes in {"empty": 16, **sizes}.items():
+        copies = [torch.empty(nbytes, dtype=torch.uint8, device=model.device) for _ in range(2 if nbytes > 2**27 else 16)]
+        floor[name] = time_ms([lambda b=b: launch(b) for b in copies]) * 1e3
+        print(f"  {name:8s} {nbytes / 1e6:7.1f} MB  {floor[name]:7.2f} us  {nbytes / floor[name] / 1e3:6.0f} GB/s", flush=True)
+        del copies
+    layers = len(w.layers)
+    step = layers * sum(floor[k] for k in ("qkv", "o", "gate_up", "down")) + floor["lm_head"]
+    print(f"  one kernel per GEMM at this floor: {step:.0f} us a step for the GEMMs alone")
+
+
 def attention_table() -> None:
     """The decode-attention kernel alone at batch 1 (Llama-3.2-1B's heads) in an engine sized for
     long contexts, with and without clusters, under the cluster tunables (splits in brackets)."""
@@ -146,6 +185,48 @@ def profile(model, opts, steps: int) -> None:
           f"GPU busy {total / steps:.1f} us per step")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:20]:
         print(f"  {e.self_device_time_total / steps:8.1f} us/step  {e.count // steps:4d}x  {e.key[:90]}")
+    timeline(prof)
+
+
+def timeline(prof) -> None:
+    """The kernels of the profiled steps in time order (the profiler's trace): for each kernel of a
+    step, its mean time from start to end and the mean idle time before it (the end of the kernel
+    before to its start: launch, and waiting for the one before to be done)."""
+    import os
+    import tempfile
+    from collections import defaultdict
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    kernels = sorted((e for e in trace["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    steps, step = [], []
+    for e in kernels:  # a step ends with its greedy argmax
+        step.append(e)
+        if e["name"].startswith("argmax"):
+            steps.append(step)
+            step = []
+    steps = steps[1:]  # the first may have begun before the profiler
+    if not steps:
+        return
+    per_kernel = defaultdict(lambda: [0.0, 0.0, 0])  # name -> [time, idle before, count]
+    spans, busy = [], []
+    for step in steps:
+        for before, e in zip([None] + step[:-1], step):
+            k = per_kernel[e["name"][:60]]
+            k[0] += e["dur"]
+            k[1] += 0.0 if before is None else max(0.0, e["ts"] - (before["ts"] + before["dur"]))
+            k[2] += 1
+        spans.append(step[-1]["ts"] + step[-1]["dur"] - step[0]["ts"])
+        busy.append(sum(e["dur"] for e in step))
+    n = len(steps)
+    print(f"\ntimeline of {n} steps: first kernel's start to last kernel's end {sum(spans) / n:.1f} us, "
+          f"kernels running {sum(busy) / n:.1f} us, idle between them {(sum(spans) - sum(busy)) / n:.1f} us")
+    print("  per step: kernel, count, us running (each), us idle before it (each)")
+    for name, (dur, idle, count) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {name:60s} {count // n:4d}x  {dur / count:7.2f}  {idle / count:6.2f}")
 
 
 def main() -> None:
@@ -153,6 +234,7 @@ def main() -> None:
     ap.add_argument("--output-len", default="256")
     ap.add_argument("--profile-steps", type=int, default=32)
     ap.add_argument("--only", nargs="*", help="variant names to run (default: all)")
+    ap.add_argument("--no-tables", action="store_true", help="no GEMM and attention tables")
     args = ap.parse_args()
     opts = EngineOptions(model="random:llama-3.2-1b", device="cuda", batch=1)
     model = load_model(opts)
@@ -170,8 +252,10 @@ def main() -> None:
                           "decode_step_ms": round(r["decode_step_ms"], 4), "graph_replay_ms": round(gpu_ms, 4),
                           "roofline_fraction": round(r["roofline_fraction"], 3),
                           "achieved_gb_per_s": round(r["achieved_gb_per_s"], 1)}), flush=True)
-    gemv_table(model, opts)
-    attention_table()
+    if not args.no_tables:
+        gemv_table(model, opts)
+        read_floor_table(model)
+        attention_table()
     profile(model, opts, args.profile_steps)
 
 
