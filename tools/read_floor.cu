@@ -1,14 +1,14 @@
 // read_floor.cu (tools/tune_decode.py): a kernel that only reads n 16-byte vectors, as gemv.cu reads
-// weights (evict-first in L2, past L1; a full-GPU grid of 256-thread CTAs, READ_UNROLL loads a
-// thread in flight) and does nothing else. Timed back to back in a CUDA graph at the sizes of
+// weights (evict-first in L2, past L1; gemv.cu's grid of GEMV_THREADS-thread CTAs, READ_UNROLL loads
+// a thread in flight) and does nothing else. Timed back to back in a CUDA graph at the sizes of
 // Llama-3.2-1B's GEMMs, it is the floor a one-kernel-per-GEMM decode step sits on: launch, first
 // bytes, the bytes, the last bytes; no staging, arithmetic or stores.
 
-#ifndef READ_UNROLL
-#error "read_floor.cu needs -DREAD_UNROLL"
+#if !defined(READ_UNROLL) || !defined(GEMV_THREADS)
+#error "read_floor.cu needs -DREAD_UNROLL -DGEMV_THREADS"
 #endif
 
-extern "C" __global__ void __launch_bounds__(256) read_all(const uint4* __restrict__ p, long long n, unsigned int* out) {
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS) read_all(const uint4* __restrict__ p, long long n, unsigned int* out) {
     unsigned long long policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     const long long stride = (long long)gridDim.x * blockDim.x;

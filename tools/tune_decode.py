@@ -132,8 +132,10 @@ def read_floor_table(model) -> None:
         ("qkv", w.layers[0].qkv), ("o", w.layers[0].o), ("gate_up", w.layers[0].gate_up),
         ("down", w.layers[0].down), ("lm_head", w.lm_head))}
     source = (Path(__file__).parent / "read_floor.cu").read_text()
-    kernel = cupy.RawModule(code=source, options=("-std=c++17", "-DREAD_UNROLL=8")).get_function("read_all")
-    grid = 4 * torch.cuda.get_device_properties(model.device).multi_processor_count
+    threads = cuda_backend.GEMV_THREADS  # gemv.cu's grid: one wave of GEMV_CTAS_PER_SM CTAs an SM
+    options = ("-std=c++17", f"-DGEMV_THREADS={threads}", f"-DREAD_UNROLL={2 * cuda_backend.GEMV_UNROLL}")
+    kernel = cupy.RawModule(code=source, options=options).get_function("read_all")
+    grid = cuda_backend.GEMV_CTAS_PER_SM * torch.cuda.get_device_properties(model.device).multi_processor_count
     sink = torch.zeros(1, dtype=torch.int32, device=model.device)
 
     def launch(buffer: torch.Tensor) -> None:
@@ -141,7 +143,7 @@ def read_floor_table(model) -> None:
             warnings.simplefilter("ignore", DeprecationWarning)
             stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
         with stream:
-            kernel((grid,), (256,), (buffer.data_ptr(), cupy.int64(buffer.numel() // 16), sink.data_ptr()))
+            kernel((grid,), (threads,), (buffer.data_ptr(), cupy.int64(buffer.numel() // 16), sink.data_ptr()))
 
     print("\nread floor: a kernel that only reads the bytes, back to back in a graph (us, GB/s)")
     floor = {}
