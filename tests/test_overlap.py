@@ -180,12 +180,12 @@ def test_overlap_on_random_workloads(tiny, make_engine, seed):
     prompts = [shared + [rng.randrange(3, 200) for _ in range(rng.randrange(1, 20))] for _ in range(rng.randint(3, 7))]
     params = [SamplingParams(max_tokens=rng.randrange(1, 25), temperature=rng.choice([0.0, 0.8]), seed=i)
               for i in range(len(prompts))]
+    stops = {rng.randrange(3, 200) for _ in range(3)}
     results = []
     for overlap in (False, True):
         engine = make_engine(tiny, **opts).engine
         engine.overlap = overlap
-        engine.scheduler.stop_ids = {rng.randrange(3, 200) for _ in range(3)} if not results else stops
-        stops = engine.scheduler.stop_ids
+        engine.scheduler.stop_ids = stops
         seqs = [engine.add_request(p, q) for p, q in zip(prompts[1:], params[1:])]
         seqs += engine.add_parallel(prompts[0], [params[0], SamplingParams(**{**params[0].__dict__, "seed": 99})])
         while engine.has_unfinished:
