@@ -163,6 +163,7 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
     """Build an engine with `batch` slots, warm it up, run the workload, return the figures."""
     engine = build_engine(model, replace(opts, batch=batch))
     requests = requests_for(model, w, batch)
+    check_lengths(requests, engine.cache.max_model_len, w)
     n = len(requests)
     _warm_up(engine, requests[:batch])
     device = model.device
@@ -241,11 +242,36 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
     }
 
 
+def check_lengths(requests: list[Request], max_model_len: int, w: Workload) -> None:
+    """Refuse a workload the engine would cut short: figures for other lengths than those asked
+    would be mislabelled."""
+    longest = max(requests, key=lambda r: len(r.prompt_token_ids) + r.max_tokens)
+    total = len(longest.prompt_token_ids) + longest.max_tokens
+    if total > max_model_len:
+        prompt = "a --prompt-file prompt" if w.prompt_file is not None else f"--input-len {w.input_len}"
+        raise UsageError(f"{prompt} and --output-len {w.output_len} make requests of up to {total} tokens, more than "
+                         f"the maximum length of {max_model_len}",
+                         "shorten them, or raise --max-model-len or --cache-size where the model allows")
+
+
 def _warm_up(engine: Engine, requests: list) -> None:
     """Graphs captured, kernels compiled, allocator and cuBLAS warm: none of it in the timing."""
     engine.generate([r.prompt_token_ids for r in requests], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.runner.capture_graphs()
     engine.reset()  # the timed run must not count the warm-up, nor find its blocks
+
+
+def plot_path(path: Path) -> Path:
+    """Where --plot will write, checked before the benchmark runs: a PNG file (".png" added when the
+    name has no suffix) in a folder that exists."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise UsageError(f"--plot {path}: is a folder", "give a file name, e.g. bench.png")
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    if not path.parent.is_dir():
+        raise UsageError(f"--plot {path}: no folder {path.parent}", "create it, or save the plot elsewhere")
+    return path
 
 
 def plot(results: list[dict], path: Path) -> None:

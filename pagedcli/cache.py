@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from pagedcli.config import CacheGeometry
+from pagedcli.errors import RunError
 from pagedcli.prefix_cache import PrefixCache, extend_block_hashes
 
 UNASSIGNED = -1
@@ -88,8 +89,13 @@ class KVCache:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = geometry.blocks_for(max_model_len)
         self.device = torch.device(device)
-        # zeros, not empty: never-written token slots must hold finite numbers
-        self.pool = torch.zeros(geometry.pool_shape, dtype=geometry.dtype, device=self.device)
+        try:  # zeros, not empty: never-written token slots must hold finite numbers
+            self.pool = torch.zeros(geometry.pool_shape, dtype=geometry.dtype, device=self.device)
+        except RuntimeError as e:  # the CPU allocator's failure (and CUDA's out-of-memory error) are RuntimeErrors
+            if "alloc" not in str(e).lower():
+                raise
+            raise RunError(f"the KV pool ({geometry.pool_bytes / 2**30:,.1f} GiB) does not fit in {self.device.type} "
+                           "memory", "use a smaller --cache-size or --num-blocks") from None
         self.prefix_cache = PrefixCache() if prefix_caching else None
         self.allocator = BlockAllocator(geometry.num_blocks, shuffle_seed,
                                         on_reuse=self.prefix_cache.forget if prefix_caching else None)

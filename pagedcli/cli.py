@@ -6,8 +6,11 @@ Exit codes: 0 done, 1 a failure while running, 2 a usage mistake, 130 interrupte
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -83,6 +86,13 @@ def friendly_errors(fn):
             raise typer.Exit(130) from None
         except MemoryError:
             fail(RunError("out of memory", "use a smaller --cache-size or --batch"))
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise  # (a closed pipe, as in `| head`, is click's to handle: it exits quietly)
+            # the output could not be written: say so once, and let nothing else try to write it
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            fail(RunError(f"writing the output failed: {e.strerror}", "free some space, or write it elsewhere"))
         except Exception as e:
             if type(e).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError
                 fail(RunError("out of GPU memory", "use a smaller --cache-size or --batch"))
@@ -104,6 +114,11 @@ def notice(text: str) -> None:
 def engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager,
                    prefix_caching, overlap):
     from pagedcli.loader import EngineOptions
+
+    if model is not None and not model.strip():
+        raise UsageError("--model is empty", "pass a model folder, a Hub id, or `demo`")
+    if max_model_len is not None and max_model_len < 1:
+        raise UsageError(f"--max-model-len {max_model_len}: must be at least 1", "leave it out for the model's own")
 
     return EngineOptions(model=model, device=device, dtype=dtype, batch=batch, block_size=block_size,
                          num_blocks=num_blocks, cache_size=cache_size, max_model_len=max_model_len, eager=eager,
@@ -133,7 +148,8 @@ def start_requests(opts, prompts, prompt_file, chat, sampling: dict, samples, co
 
     loaded = load(opts, notice, check)
     use_chat = loaded.tokenizer.has_chat_template if chat is None else chat
-    params = gen.sampling_defaults(params, loaded.source.generation_config, given)
+    params = gen.sampling_defaults(params, loaded.source.generation_config, given,
+                                   f"{loaded.source.name}'s generation_config.json")
     seqs = gen.add_requests(loaded.engine, loaded.tokenizer, texts, params, use_chat, samples)
     for s in seqs:
         if s.error and s.id % samples == 0:  # one line per prompt, not per answer
@@ -236,7 +252,7 @@ def inspect_cache(
                           prefix_caching, overlap=False)  # the cache as each step left it, no step ahead
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, ignore_eos=ignore_eos,
                     seed=seed)
-    loaded, _, _ = start_requests(opts, prompts, prompt_file, chat, sampling, samples, "inspect-cache")
+    loaded, seqs, _ = start_requests(opts, prompts, prompt_file, chat, sampling, samples, "inspect-cache")
     num_layers = loaded.engine.cache.geometry.num_layers
     if not 0 <= layer < num_layers:
         raise UsageError(f"--layer {layer} is out of range", f"the model has layers 0-{num_layers - 1}")
@@ -246,6 +262,8 @@ def inspect_cache(
         print(json.dumps(ic.to_json(snap, view, decode), ensure_ascii=False))
     else:
         Console(highlight=False).print(ic.render(snap, view, decode, layer))
+    if any(s.error for s in seqs):  # shown, but a prompt was refused: as generate does
+        raise typer.Exit(2)
 
 
 @app.command()
@@ -287,6 +305,12 @@ def bench(
         raise UsageError(f"--compare {compare!r} is not known", "use --compare hf")
     if prefix_len < 0:
         raise UsageError(f"--prefix-len {prefix_len}: must be 0 or more")
+    if num_prompts is not None and num_prompts < 1:
+        raise UsageError(f"--num-prompts {num_prompts}: must be at least 1", "leave it out for one per slot")
+    if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):
+        raise UsageError(f"--bandwidth {bandwidth}: must be a positive number of GB/s", "leave it out to measure it")
+    if plot_file is not None:
+        plot_file = b.plot_path(plot_file)
     workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file, prefix_len)
     b.parse_len(input_len, "--input-len"), b.parse_len(output_len, "--output-len")
     opts = engine_options(model, device, dtype, max(batches), block_size, num_blocks, cache_size, max_model_len, eager,

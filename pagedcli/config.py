@@ -122,9 +122,13 @@ def read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RunError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise RunError(f"{path} holds a JSON {type(value).__name__}, not an object", "a model folder's JSON files "
+                       "are objects of settings")
+    return value
 
 
 def token_ids(value) -> tuple[int, ...]:

@@ -67,7 +67,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, cache: KVCache, stop_ids, overlap: bool = False):
         self.runner = runner
         self.cache = cache  # its max_slots and max_model_len are the engine's
-        self.scheduler = Scheduler(cache, set(stop_ids))
+        self.scheduler = Scheduler(cache, set(stop_ids), vocab_size=runner.model.config.vocab_size)
         self.sequences: list[Sequence] = []
         self.num_steps = 0
         self.overlap = overlap  # queue the next decode step before this one's tokens are on the host

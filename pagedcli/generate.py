@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
 from pagedcli.engine import Engine
-from pagedcli.errors import UsageError
+from pagedcli.errors import RunError, UsageError
 from pagedcli.output import JsonPrinter, TextPrinter
 from pagedcli.sequence import SamplingParams, Sequence
 
@@ -28,29 +29,55 @@ def read_prompts(prompts: list[str], prompt_file: Path | None) -> list[str]:
                              "save it as UTF-8, one prompt per line") from None
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
+        if prompt_file is not None:
+            raise UsageError(f"--prompt-file {prompt_file}: has no prompts (every line is empty)",
+                             "write one prompt per line")
         raise UsageError("no prompt given", 'pass one, e.g. pagedcli generate "ROMEO:", or use --prompt-file')
     return prompts
 
 
-def sampling_defaults(params: SamplingParams, generation_config: dict, given: set[str]) -> SamplingParams:
+def sampling_defaults(params: SamplingParams, generation_config: dict, given: set[str],
+                      source: str = "generation_config.json") -> SamplingParams:
     """The model's own sampling settings (generation_config.json: do_sample, temperature, top_k,
-    top_p), as transformers and vLLM apply them, for every option the user did not give."""
+    top_p), as transformers and vLLM apply them, for every option the user did not give. A value
+    the options would refuse is refused here too, naming the file (`source`)."""
     if not generation_config.get("do_sample"):
         return params
     defaults = {"temperature": generation_config.get("temperature", 1.0), "top_k": generation_config.get("top_k", 0),
                 "top_p": generation_config.get("top_p", 1.0)}
-    return replace(params, **{k: v for k, v in defaults.items() if k not in given and v is not None})
+    taken = {k: v for k, v in defaults.items() if k not in given and v is not None}
+    # a broken model folder is not a mistake in the command: exit code 1, as for its other files
+    for k, v in taken.items():
+        if isinstance(v, bool) or not isinstance(v, int if k == "top_k" else (int, float)):
+            raise RunError(f"{source}: {k} {v!r} is not a {'whole ' if k == 'top_k' else ''}number",
+                           f"fix the file, or pass --{k.replace('_', '-')}")
+    params = replace(params, **taken)
+    try:
+        check_sampling(params, prefix=f"{source}: ")
+    except UsageError as e:
+        raise RunError(e.message, e.hint) from None
+    return params
 
 
-def check_sampling(params: SamplingParams) -> None:
-    if params.temperature < 0:
-        raise UsageError(f"--temperature {params.temperature}: must be 0 (greedy) or more")
+def check_sampling(params: SamplingParams, prefix: str = "") -> None:
+    """Refuse settings no sampler can use; `prefix` says where they came from when not the options."""
+    def bad(option: str, value, why: str, hint: str | None = None):
+        if prefix:  # the file's own name for the setting, and the option that overrides it
+            name, hint = option.removeprefix("--").replace("-", "_"), f"fix the file, or pass {option}"
+        else:
+            name = option
+        raise UsageError(f"{prefix}{name} {value}: {why}", hint)
+
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        bad("--temperature", params.temperature, "must be 0 (greedy) or a positive number")
     if not 0 < params.top_p <= 1:
-        raise UsageError(f"--top-p {params.top_p}: must be in (0, 1]", "1 turns it off")
+        bad("--top-p", params.top_p, "must be in (0, 1]", "1 turns it off")
     if params.top_k < 0:
-        raise UsageError(f"--top-k {params.top_k}: must be 0 (off) or more")
+        bad("--top-k", params.top_k, "must be 0 (off) or more")
     if params.max_tokens < 1:
         raise UsageError(f"--max-tokens {params.max_tokens}: must be at least 1")
+    if params.seed is not None and not -(2**63) <= params.seed < 2**63:
+        raise UsageError(f"--seed {params.seed}: must fit in 64 bits", "use a number from -2**63 to 2**63 - 1")
 
 
 def add_requests(engine: Engine, tokenizer, prompts: list[str], params: SamplingParams, chat: bool,
@@ -96,4 +123,10 @@ def summary(seqs: list[Sequence], elapsed: float, engine: Engine) -> str:
     if engine.scheduler.num_preemptions:
         n = engine.scheduler.num_preemptions
         parts.append(f"{n} preemption{'s' * (n != 1)}")
+    cut = sum(s.finish_reason == "length" and len(s.output_token_ids) < s.params.max_tokens for s in seqs)
+    if cut:  # stopped by the length limit, not by --max-tokens: say which limit, and how to lift it
+        limit = engine.cache.max_model_len
+        why = "what the pool holds: use a larger --cache-size" if limit == engine.cache.geometry.pool_tokens \
+            else "the model's maximum length, or --max-model-len"
+        parts.append(f"{cut} answer{'s' * (cut != 1)} stopped at {limit} tokens, prompt included ({why})")
     return ", ".join(parts)

@@ -40,15 +40,19 @@ def capture(engine: Engine, slot: int, at_step: int | None = None) -> tuple[Cach
             break
         if first.slot == slot:  # still there (a preempted request leaves its slot)
             last = engine.snapshot()
+    if last is None and first is None:
+        n = len(engine.sequences)
+        raise UsageError(f"--slot {slot}: no request ran in it ({n} request{'s' * (n != 1)} for slots from 0)",
+                         f"run at least {slot + 1} prompts, or choose a lower --slot")
     if last is None:
-        raise UsageError(f"--slot {slot}: no request stayed in that slot after a step",
-                         "run more prompts than slots below it, or --max-tokens 2 or more")
+        raise UsageError(f"--slot {slot}: its request finished in the step that started it, so no step left it in "
+                         "the cache", "use --max-tokens 2 or more, or --at-step 1")
     return last, last.slot(slot)
 
 
 def _at_step(engine: Engine, slot: int, at_step: int) -> tuple[CacheSnapshot, SlotView]:
-    if at_step < 0:
-        raise UsageError(f"--at-step {at_step}: must be 0 or more")
+    if at_step < 1:
+        raise UsageError(f"--at-step {at_step}: must be 1 or more", "step 1 is the first prefill")
     while engine.num_steps < at_step and engine.has_unfinished:
         if not engine.step().seqs:
             break

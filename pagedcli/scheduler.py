@@ -21,10 +21,12 @@ from pagedcli.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, stop_ids: set[int], max_prefill_tokens: int = 8192):
+    def __init__(self, cache: KVCache, stop_ids: set[int], max_prefill_tokens: int = 8192,
+                 vocab_size: int | None = None):
         self.cache = cache
         self.max_model_len = cache.max_model_len
         self.stop_ids = stop_ids
+        self.vocab_size = vocab_size  # prompts with other token ids are refused (None: not checked)
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of admission
@@ -36,7 +38,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a request, or finish it at once with an error if it could never run."""
-        problem = self.why_unrunnable(len(seq.prompt_token_ids))
+        problem = self.why_unrunnable(len(seq.prompt_token_ids)) or self.unknown_token(seq.prompt_token_ids)
         if problem:
             seq.status, seq.finish_reason, seq.error = Status.FINISHED, "error", problem
             return
@@ -83,10 +85,19 @@ class Scheduler:
         pool_tokens = self.cache.geometry.pool_tokens
         limit = min(self.max_model_len, pool_tokens)
         if prompt_len + 1 > limit:
-            why = ("the whole pool holds", "use a larger --cache-size or --num-blocks") if pool_tokens <= limit else (
-                "the maximum length is", "shorten the prompt")
-            return f"the prompt has {prompt_len} tokens; with one new token that is more than {why[0]} {limit} ({why[1]})"
+            what, hint = (("the whole pool holds", "use a larger --cache-size or --num-blocks") if pool_tokens <= limit
+                          else ("the maximum length is", "shorten the prompt"))
+            return (f"the prompt has {prompt_len} tokens and needs room for {prompt_len + 1} with one new token, but "
+                    f"{what} {limit} ({hint})")
         return None
+
+    def unknown_token(self, token_ids: list[int]) -> str | None:
+        """A token id the model has no embedding for: the tokenizer is not the model's."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None) if self.vocab_size else None
+        if bad is None:
+            return None
+        return (f"token id {bad} is outside the model's vocabulary of {self.vocab_size} "
+                "(the model folder's tokenizer does not match its weights)")
 
     @property
     def has_unfinished(self) -> bool:

@@ -99,3 +99,29 @@ def test_plot_is_written(stories, tmp_path):
                                  "--input-len", "8", "--bandwidth", "10", "--plot", str(png)])
     assert r.exit_code == 0, r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--input-len", "1000"], "make requests of up to 1008 tokens, more than the maximum length"),
+    (["--output-len", "1000"], "--output-len 1000 make requests of up to 1008 tokens"),
+    (["--num-prompts", "0"], "--num-prompts 0: must be at least 1"),
+    (["--bandwidth", "-5"], "--bandwidth -5.0: must be a positive number"),
+    (["--plot", "/nonexistent-folder/x.png"], "--plot /nonexistent-folder/x.png: no folder"),
+])
+def test_a_workload_the_engine_would_cut_short_or_cannot_report_is_refused(stories, args, fragment):
+    """Before any timing (the figures would be mislabelled, or lost at the end)."""
+    base = {"--input-len": "8", "--output-len": "8"}
+    for k, v in zip(args[::2], args[1::2]):
+        base[k] = v
+    r = CliRunner().invoke(app, ["bench", "--model", str(stories), "--batch", "1",
+                                 *[x for kv in base.items() for x in kv]])
+    assert r.exit_code == 2 and fragment in r.stderr, r.stderr
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_plot_name_without_suffix_is_saved_as_png(stories, tmp_path):
+    pytest.importorskip("matplotlib")
+    r = CliRunner().invoke(app, ["bench", "--model", str(stories), "--batch", "1", "--output-len", "4",
+                                 "--input-len", "8", "--bandwidth", "10", "--plot", str(tmp_path / "chart")])
+    assert r.exit_code == 0, r.stderr
+    assert (tmp_path / "chart.png").is_file() and f"plot saved to {tmp_path / 'chart.png'}" in r.stderr

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -115,12 +116,73 @@ def test_bad_cache_and_device_options(stories, args, code, fragment):
     assert_one_line(c, err, code, fragment)
 
 
+@pytest.mark.parametrize("args, code, fragment", [
+    (["--temperature", "nan"], 2, "--temperature nan"),
+    (["--seed", str(2**70)], 2, f"--seed {2**70}: must fit in 64 bits"),
+    (["--max-model-len", "0"], 2, "--max-model-len 0: must be at least 1"),
+    (["--model", ""], 2, "--model is empty"),
+    (["--num-blocks", "100000000000"], 1, "does not fit in cpu memory"),  # 1.6 PB: refused at once
+])
+def test_values_no_run_can_use(stories, args, code, fragment):
+    model = [] if "--model" in args else ["--model", str(stories)]
+    c, _, err = generate(*model, "--device", "cpu", *args, "hi")
+    assert_one_line(c, err, code, fragment)
+
+
+@pytest.mark.parametrize("config, fragment", [
+    ({"do_sample": True, "top_p": 0}, "generation_config.json: top_p 0: must be in (0, 1]"),
+    ({"do_sample": True, "temperature": "hot"}, "generation_config.json: temperature 'hot' is not a number"),
+    ({"do_sample": True, "top_k": 5.5}, "generation_config.json: top_k 5.5 is not a whole number"),
+    ([1, 2], "generation_config.json holds a JSON list, not an object"),
+])
+def test_a_broken_generation_config_is_named(model_copy, config, fragment):
+    (model_copy / "generation_config.json").write_text(json.dumps(config))
+    code, _, err = generate("--model", str(model_copy), "hi")
+    assert_one_line(code, err, 1, fragment)
+    if isinstance(config, dict):  # the option it names overrides the file
+        option = "--" + next(k for k in config if k != "do_sample").replace("_", "-")
+        value = {"--top-p": "0.9", "--temperature": "0.5", "--top-k": "5"}[option]
+        code, _, err = generate("--model", str(model_copy), option, value, "--max-tokens", "3", "hi")
+        assert code == 0, err
+
+
+def test_a_tokenizer_that_is_not_the_models_fails_each_prompt_it_breaks(model_copy):
+    """stories260K's weights (512 tokens) with the demo model's tokenizer (more): a prompt that
+    encodes past the model's vocabulary is refused; one that does not still runs."""
+    demo = Path(__file__).parent.parent / "pagedcli" / "data" / "demo"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / name, model_copy / name)
+    code, out, err = generate("--model", str(model_copy), "--raw", "--json", "--max-tokens", "3", "ROMEO: hello", "a")
+    records = [json.loads(line) for line in out.splitlines()]
+    assert code == 2 and "outside the model's vocabulary of 512" in err and "Traceback" not in err
+    assert [r["finish_reason"] for r in records] == ["error", "length"]
+
+
+def test_output_that_cannot_be_written_is_one_line(stories):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([sys.executable, "-m", "pagedcli", "generate", "--model", str(stories), "--max-tokens",
+                              "20", "Once upon a time"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == ["error: writing the output failed: No space left on device (free "
+                                               "some space, or write it elsewhere)"]
+
+
 def test_prompt_longer_than_the_pool_fails_alone(stories):
     code, out, err = generate("--model", str(stories), "--num-blocks", "10", "--max-tokens", "3", "--json",
                               "Once upon a time", "a " * 60)
     records = [json.loads(line) for line in out.splitlines()]
     assert code == 2 and "--cache-size" in err
     assert records[0]["finish_reason"] == "length" and records[1]["finish_reason"] == "error"
+
+
+def test_answers_cut_short_by_the_pool_say_so(stories):
+    code, _, err = generate("--model", str(stories), "--num-blocks", "10", "--max-tokens", "50", "--ignore-eos",
+                            "Once upon a time")
+    assert code == 0 and "1 answer stopped at" in err and "use a larger --cache-size" in err
+    code, _, err = generate("--model", str(stories), "--max-tokens", "5", "Once upon a time")
+    assert code == 0 and "stopped at" not in err  # --max-tokens is not a cut
 
 
 def test_ctrl_c_keeps_what_was_printed(stories):

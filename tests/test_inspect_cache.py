@@ -79,7 +79,8 @@ def test_at_step_shows_whoever_holds_the_slot_after_that_step(stories):
 @pytest.mark.parametrize("args, message", [
     (["--slot", "2"], "--slot 2 is out of range"),
     (["--slot", "-1"], "--slot -1 is out of range"),
-    (["--at-step", "0"], "--slot 0 is empty after step 0"),
+    (["--at-step", "0"], "--at-step 0: must be 1 or more"),
+    (["--batch", "3", "--slot", "2"], "--slot 2: no request ran in it (2 requests for slots from 0)"),
     (["--at-step", "99"], "--at-step 99: the run ended after step"),
     (["--batch", "3", "--slot", "2", "--at-step", "3"], "--slot 2 is empty after step 3"),
     (["--layer", "5"], "--layer 5 is out of range"),
@@ -137,3 +138,11 @@ def draw_text(renderable) -> str:
     console = Console(file=io.StringIO(), width=200)
     console.print(renderable)
     return console.file.getvalue()
+
+
+def test_a_refused_prompt_still_shows_the_slot_but_exits_2(stories):
+    """As generate: the other prompts run, the refused one is named, and the exit code says so."""
+    code, stdout, stderr = inspect("--model", str(stories), "--raw", "--max-tokens", "8", "--num-blocks", "10",
+                                   "Once upon a time", "a " * 60)
+    assert code == 2 and "prompt 2:" in stderr and "Traceback" not in stderr
+    assert "K address" in stdout
