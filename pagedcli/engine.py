@@ -176,6 +176,9 @@ class Engine:
             seq.finish_reason = seq.finish_reason or "abort"
             self.scheduler.finish(seq)
         self.scheduler.waiting.clear()
+        # copy-on-write copies queued for a step that never ran: their blocks were just freed, and
+        # a later step must not copy into blocks that may belong to someone else by then
+        self.cache.pending_copies.clear()
 
     def snapshot(self) -> CacheSnapshot:
         return take_snapshot(self)

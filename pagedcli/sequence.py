@@ -9,6 +9,11 @@ from dataclasses import dataclass
 import torch
 
 
+# Temperatures below this sample as greedy (vLLM's choice): dividing the logits by a temperature
+# near zero overflows them, and the distribution is the argmax's long before that.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
@@ -20,7 +25,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 class Status(enum.Enum):

@@ -93,6 +93,43 @@ def test_sampling_limits(tiny, make_engine):
     assert len({tuple(h) for h in hot}) > 1
 
 
+def test_a_temperature_near_zero_is_greedy(tiny, make_engine):
+    """Dividing the logits by 1e-38 would overflow them to inf (and the draw to NaN)."""
+    engine = make_engine(tiny, batch=1).engine
+    greedy = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_token_ids
+    tiny_t = SamplingParams(temperature=1e-38, max_tokens=10, ignore_eos=True, seed=1)
+    assert engine.generate([[4, 5, 6]], tiny_t)[0].output_token_ids == greedy
+
+
+def test_abort_between_scheduling_and_the_forward_pass_drops_queued_copies(tiny, make_engine, monkeypatch):
+    """Ctrl-C after a step queued copy-on-write copies but before it ran them: aborting frees the
+    blocks and forgets the copies, and the engine runs the next requests as a fresh one does."""
+    loaded = make_engine(tiny, batch=2)
+    engine = loaded.engine
+    params = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=s) for s in (1, 2)]
+    engine.add_parallel([4, 5, 6], params)  # a 3-token prompt: both samples share its partial block
+    engine.step()  # the prefill; the second sample forks
+    run = engine.runner.run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.runner, "run", interrupted)
+    try:
+        engine.step()  # both write into the shared block: one copy is queued, then the interrupt
+    except KeyboardInterrupt:
+        pass
+    assert engine.cache.pending_copies
+    engine.abort_all()
+    assert not engine.cache.pending_copies and not engine.has_unfinished
+    check_block_accounting(engine)
+    monkeypatch.setattr(engine.runner, "run", run)
+    engine.reset()
+    again = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))[0].output_token_ids
+    fresh = make_engine(tiny, batch=2).engine.generate([[7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert again == fresh[0].output_token_ids
+
+
 def test_random_interleavings_keep_blocks_consistent(tiny, make_engine):
     """Many requests of random lengths through a small pool: the accounting holds at every step
     and every block comes back."""
