@@ -152,7 +152,8 @@ def test_a_tokenizer_that_is_not_the_models_fails_each_prompt_it_breaks(model_co
     demo = Path(__file__).parent.parent / "pagedcli" / "data" / "demo"
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo / name, model_copy / name)
-    code, out, err = generate("--model", str(model_copy), "--raw", "--json", "--max-tokens", "3", "ROMEO: hello", "a")
+    code, out, err = generate("--model", str(model_copy), "--raw", "--json", "--max-tokens", "3", "--ignore-eos",
+                              "ROMEO: hello", "a")
     records = [json.loads(line) for line in out.splitlines()]
     assert code == 2 and "outside the model's vocabulary of 512" in err and "Traceback" not in err
     assert [r["finish_reason"] for r in records] == ["error", "length"]
