@@ -52,21 +52,18 @@ def sampling_defaults(params: SamplingParams, generation_config: dict, given: se
             raise RunError(f"{source}: {k} {v!r} is not a {'whole ' if k == 'top_k' else ''}number",
                            f"fix the file, or pass --{k.replace('_', '-')}")
     params = replace(params, **taken)
-    try:
-        check_sampling(params, prefix=f"{source}: ")
-    except UsageError as e:
-        raise RunError(e.message, e.hint) from None
+    check_sampling(params, source)
     return params
 
 
-def check_sampling(params: SamplingParams, prefix: str = "") -> None:
-    """Refuse settings no sampler can use; `prefix` says where they came from when not the options."""
+def check_sampling(params: SamplingParams, source: str | None = None) -> None:
+    """Refuse settings no sampler can use. `source`: the file they came from (a RunError naming the
+    file's key and the option that overrides it), else the options (a UsageError)."""
     def bad(option: str, value, why: str, hint: str | None = None):
-        if prefix:  # the file's own name for the setting, and the option that overrides it
-            name, hint = option.removeprefix("--").replace("-", "_"), f"fix the file, or pass {option}"
-        else:
-            name = option
-        raise UsageError(f"{prefix}{name} {value}: {why}", hint)
+        if source is None:
+            raise UsageError(f"{option} {value}: {why}", hint)
+        key = option.removeprefix("--").replace("-", "_")
+        raise RunError(f"{source}: {key} {value}: {why}", f"fix the file, or pass {option}")
 
     if not (math.isfinite(params.temperature) and params.temperature >= 0):
         bad("--temperature", params.temperature, "must be 0 (greedy) or a positive number")
