@@ -142,10 +142,10 @@ def requests_for(model: Model, w: Workload, batch: int) -> list[Request]:
 
 
 def run_point(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwidth_gbps: float,
-              progress=None, hf=None) -> dict:
+              progress=None, hf=None, notice=lambda _: None) -> dict:
     """The figures for one batch size; with a shared prefix, the time to first token without the
     prefix cache too; with `hf` (a transformers model), its `generate` on the same requests."""
-    result = run_batch(model, opts, batch, w, bandwidth_gbps, progress)
+    result = run_batch(model, opts, batch, w, bandwidth_gbps, progress, notice)
     if w.prefix_len and opts.prefix_caching:
         plain = run_batch(model, replace(opts, prefix_caching=False), batch, w, bandwidth_gbps)
         result["ttft_ms_without_prefix_cache"] = plain["ttft_ms"]
@@ -159,9 +159,9 @@ def run_point(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
 
 
 def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwidth_gbps: float,
-              progress=None) -> dict:
+              progress=None, notice=lambda _: None) -> dict:
     """Build an engine with `batch` slots, warm it up, run the workload, return the figures."""
-    engine = build_engine(model, replace(opts, batch=batch))
+    engine = build_engine(model, replace(opts, batch=batch), notice)
     requests = requests_for(model, w, batch)
     check_lengths(requests, engine.cache.max_model_len, w)
     n = len(requests)

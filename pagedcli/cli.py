@@ -325,10 +325,17 @@ def bench(
         from pagedcli.bench_hf import hf_model
 
         hf = hf_model(loaded)
-    results = []
+    results, told = [], set()
+
+    def notice_once(text: str) -> None:  # each batch size builds an engine: say a fallback once
+        if text not in told:
+            told.add(text)
+            notice(text)
+
     with Progress(enabled=not json_output and err.is_terminal, console=err) as progress:
         for n in batches:
-            results.append(b.run_point(loaded, opts, n, workload, gbps, progress.task(f"batch {n}"), hf))
+            results.append(b.run_point(loaded, opts, n, workload, gbps, progress.task(f"batch {n}"), hf,
+                                       notice_once))
             if json_output:
                 print(json.dumps(results[-1]), flush=True)
     if not json_output:

@@ -94,8 +94,9 @@ def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: No
     return Model(source, tokenizer, weights, device, dtype)
 
 
-def build_engine(model: Model, opts: EngineOptions) -> Engine:
-    """A fresh cache, backend and engine around already loaded weights."""
+def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None] = lambda _: None) -> Engine:
+    """A fresh cache, backend and engine around already loaded weights. `notice` hears of each op
+    the CUDA kernels cannot serve for this model (it runs as torch ops instead)."""
     config, device = model.source.config, model.device
     cache_bytes = parse_size(opts.cache_size or DEFAULT_CACHE[device.type])
     geometry = CacheGeometry.build(config, model.dtype, opts.block_size, opts.num_blocks, cache_bytes)
@@ -106,6 +107,8 @@ def build_engine(model: Model, opts: EngineOptions) -> Engine:
         from pagedcli.backends.cuda import CudaBackend
 
         backend = CudaBackend(cache, config)
+        for op, why in backend.fallbacks.items():
+            notice(f"CUDA: {op} runs as torch ops on the GPU ({why})")
     else:
         backend = TorchBackend(cache, config)
     llama = Llama(config, model.weights, backend)
@@ -123,4 +126,4 @@ class Loaded(Model):
 def load(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None,
          check: Callable[[ModelSource, Tokenizer | None], None] = lambda *_: None) -> Loaded:
     model = load_model(opts, notice, check)
-    return Loaded(**vars(model), engine=build_engine(model, opts))
+    return Loaded(**vars(model), engine=build_engine(model, opts, notice))

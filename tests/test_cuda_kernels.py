@@ -58,6 +58,16 @@ GEOMETRIES = {
     "stories-fp32": (8, 4, 8, 16, torch.float32),  # stories260K: head_dim 8 in fp32
     "d8-bf16-b32": (8, 1, 8, 32, torch.bfloat16),  # a 16-byte row: one lane per token
     "fp16": (16, 4, 64, 16, torch.float16),
+    # the head geometries of the presets (pagedcli/data/presets): GQA 1, 3, 4, 8 at head_dim 64 and 128
+    "llama3b-gqa3-d128": (24, 8, 128, 16, torch.bfloat16),  # Llama-3.2-3B
+    "llama8b-gqa4-d128": (32, 8, 128, 16, torch.bfloat16),  # Llama-3.1-8B
+    "llama2-mha-d128": (32, 32, 128, 16, torch.bfloat16),  # Llama-2-7B, CodeLlama-7B, DeepSeek-Coder-1.3B (16)
+    "tinyllama-gqa8-d64": (32, 4, 64, 16, torch.bfloat16),  # TinyLlama-1.1B
+    "smollm-gqa3-d64": (9, 3, 64, 16, torch.bfloat16),  # SmolLM2-135M (and 360M: 15 / 5)
+    "openllama-d100": (32, 32, 100, 16, torch.bfloat16),  # OpenLLaMA-3B: decode attention as torch ops
+    "mha-d64-fp32": (8, 8, 64, 16, torch.float32),  # an odd row count per warp in fp32
+    "gqa16-d80-fp16": (32, 2, 80, 16, torch.float16),
+    "gqa2-d256": (8, 4, 256, 16, torch.bfloat16),
 }
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}
 

@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 
 import pagedcli.backends.cuda as cuda_backend
+import pagedcli.backends.cuda_build as cuda_build
 from pagedcli.bench import Workload, measure_bandwidth, run_batch
 from pagedcli.loader import EngineOptions, build_engine, load_model
 from pagedcli.sequence import SamplingParams
@@ -40,14 +41,16 @@ VARIANTS = {
 
 @contextlib.contextmanager
 def variant(settings: dict):
-    saved = {k: getattr(cuda_backend, k) for k in settings}
+    """The tunables set in both modules that read them: cuda_build (what is compiled) and cuda (how
+    it is launched)."""
+    saved = {(m, k): getattr(m, k) for m in (cuda_build, cuda_backend) for k in settings if hasattr(m, k)}
     try:
-        for k, v in settings.items():
-            setattr(cuda_backend, k, v)
+        for (m, k) in saved:
+            setattr(m, k, settings[k])
         yield
     finally:
-        for k, v in saved.items():
-            setattr(cuda_backend, k, v)
+        for (m, k), v in saved.items():
+            setattr(m, k, v)
 
 
 def graph_ms(graph, replays: int) -> float:
@@ -65,14 +68,15 @@ def graph_ms(graph, replays: int) -> float:
 
 
 def decoding_engine(model, opts, steps: int, max_tokens: int):
-    """An engine with graphs captured, `steps` steps into one 128-token request: the prefill and
-    `steps - 1` decode steps."""
+    """An engine with graphs captured, `steps` steps into `opts.batch` 128-token requests: the
+    prefill and `steps - 1` decode steps."""
     engine = build_engine(model, opts)
     engine.runner.capture_graphs()
-    seq = engine.add_request(list(range(1000, 1128)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    seqs = [engine.add_request(list(range(1000 + i, 1128 + i)), params) for i in range(opts.batch)]
     for _ in range(steps):
         engine.step()
-    return engine, seq
+    return engine, seqs[0]
 
 
 def replay_ms(model, opts, replays: int = 200) -> float:
@@ -183,7 +187,7 @@ def profile(model, opts, steps: int) -> None:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if getattr(e.device_type, "name", "") == "CUDA"]
     total = sum(e.self_device_time_total for e in events)
-    print(f"\nkernels of {steps} decode steps (batch 1, context ~{len(seq)}): "
+    print(f"\nkernels of {steps} decode steps (batch {opts.batch}, context ~{len(seq)}): "
           f"GPU busy {total / steps:.1f} us per step")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:20]:
         print(f"  {e.self_device_time_total / steps:8.1f} us/step  {e.count // steps:4d}x  {e.key[:90]}")
@@ -237,8 +241,10 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=32)
     ap.add_argument("--only", nargs="*", help="variant names to run (default: all)")
     ap.add_argument("--no-tables", action="store_true", help="no GEMM and attention tables")
+    ap.add_argument("--model", default="random:llama-3.2-1b")
+    ap.add_argument("--batch", type=int, default=1, help="the profile's batch (the variants run batch 1)")
     args = ap.parse_args()
-    opts = EngineOptions(model="random:llama-3.2-1b", device="cuda", batch=1)
+    opts = EngineOptions(model=args.model, device="cuda", batch=1)
     model = load_model(opts)
     bandwidth = measure_bandwidth(model.device)
     work = Workload(input_len="128", output_len=args.output_len)
@@ -258,7 +264,7 @@ def main() -> None:
         gemv_table(model, opts)
         read_floor_table(model)
         attention_table()
-    profile(model, opts, args.profile_steps)
+    profile(model, replace(opts, batch=args.batch), args.profile_steps)
 
 
 if __name__ == "__main__":

@@ -26,61 +26,23 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import warnings
-from importlib import resources
 
 import numpy as np
 import torch
 
+from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS,
+                                          COMPILE_OPTIONS, GEMV_CTAS_PER_SM, GEMV_MAX_ROWS, GEMV_MAX_SHARED,
+                                          GEMV_ROW_BUCKETS, GEMV_SPLITS, GEMV_THREADS, GEMV_UNROLL,
+                                          KV_WRITE_THREADS, PARTITION_SIZE, SILU_THREADS, SPLIT_CTAS_PER_SM,
+                                          VEC_BYTES, DTYPE_DEFINES, define_flags, gemv_kernel_names,
+                                          kernel_source, plan_kernels)
 from pagedcli.backends.torch import TorchBackend
+from pagedcli.backends.torch_decode import decode_attention_full_width
 from pagedcli.batch import StepBatch
 from pagedcli.cache import KVCache
 from pagedcli.config import ModelConfig
 from pagedcli.errors import RunError
-
-# Tuning constants. The .cu files receive them as -D defines, so each is written here only.
-PARTITION_SIZE = 512  # tokens per split-KV chunk of the decode kernel (a multiple of every block size)
-ATTN_THREADS = 128  # threads of a decode CTA
-ATTN_STAGES = 4  # load steps of the decode kernel in flight per lane (cp.async ring in shared memory)
-# Per decode lane: K/V rows per load step, and the CTAs per SM the registers must allow; for CTAs
-# serving <= 4 query heads, and more (q and the sums then take more registers).
-UNROLL_SMALL_Q, MIN_CTAS_SMALL_Q = 4, 5
-UNROLL_LARGE_Q, MIN_CTAS_LARGE_Q = 2, 3
-MAX_HEADS_PER_CTA = 8  # query heads one decode CTA serves (q and the accumulators live in registers)
-# Cap on decode CTAs (per SM) when choosing the number of splits. The splits a short context does
-# not need still launch CTAs that find no work and leave, and those cost (batch 64 at a few hundred
-# tokens has 1 split at 4 and 8 at 32); 4 still gives 8 sequences of 4,096 tokens their 8 splits,
-# which 1 would not (README: Speed).
-SPLIT_CTAS_PER_SM = 4
-MIN_SPAN = 128  # fewest context tokens a decode split takes (shorter ones cost more than they save)
-# Small batches on sm_90+: splits in thread-block clusters of this many CTAs, which merge in shared
-# memory (paged_attention.cu); cheap enough a merge that a split may take as few tokens as this
-# (batch 1 on an H200: 7.3 us for any context of 128 to 512 tokens at 64 or 32; 16 and 128 slower).
-ATTN_CLUSTER = 8  # the largest portable cluster
-CLUSTER_MIN_SPAN = 64
-KV_WRITE_THREADS = 128
-SILU_THREADS = 256
-ARGMAX_THREADS = 256
-ARGMAX_CHUNK = 4096  # logits per argmax CTA
-# gemv.cu is compiled for these row counts; a batch takes the next one up. Larger batches: cuBLAS,
-# which is faster from 3 rows on (an H200 at batch 4: 1.24 ms a step, gemv.cu 1.71; at 8: 1.28
-# against 2.46) while gemv.cu wins at 1 and 2 (1.11 ms a step at 2 rows, cuBLAS 1.22).
-GEMV_ROW_BUCKETS = (1, 2)
-GEMV_MAX_ROWS = GEMV_ROW_BUCKETS[-1]
-GEMV_THREADS = 256
-GEMV_UNROLL = 4  # 16-byte loads per lane per tile (and as many for the next tile, in flight meanwhile)
-GEMV_MIN_CTAS = 4  # CTAs per SM the registers must allow
-GEMV_CTAS_PER_SM = 4  # CTAs launched per SM, each looping over its rows: one wave
-GEMV_SPLITS = (1, 2, 4)  # warps that may share a row (each over a slice of K) when rows are too few to fill the GPU
-GEMV_MAX_SHARED = 64 * 1024  # bytes of staged input per CTA (rows x K); more: cuBLAS
-GEMV_EVICT_FIRST = 1  # weight loads ask L2 to evict their lines first (gemv.cu says why)
-VEC_BYTES = 16  # the kernels' vector width (uint4)
-COMPILE_OPTIONS = ("-std=c++17",)  # no fast math: expf/rsqrtf/division keep their accuracy
-
-_DTYPE_DEFINES = {torch.bfloat16: "DTYPE_BF16", torch.float16: "DTYPE_F16", torch.float32: "DTYPE_F32"}
-_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
-
 
 def cuda_available() -> tuple[bool, str]:
     """Whether torch sees a CUDA GPU and CuPy can use it; the string says why not, in one line."""
@@ -100,41 +62,13 @@ def cuda_available() -> tuple[bool, str]:
     return True, ""
 
 
-def kernel_source(name: str) -> str:
-    """The text of pagedcli/kernels/<name>, with each `#include "x.cuh"` replaced by that file: NVRTC
-    then needs no include path, and CuPy's disk cache (keyed by the source text) sees header edits."""
-    folder = resources.files("pagedcli") / "kernels"
-    seen: set[str] = set()
-
-    def expand(file: str) -> str:
-        if file in seen:  # every header has #pragma once; pasting it once is enough
-            return ""
-        seen.add(file)
-        text = (folder / file).read_text(encoding="utf-8")
-        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
-
-    return expand(name)
-
-
-def gemv_kernel_names():
-    """The kernels gemv.cu defines: one per row bucket and fused op (its GEMV_KERNELS macro)."""
-    for rows in GEMV_ROW_BUCKETS:
-        for op in ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv"):
-            yield f"gemv_{rows}_{op}"
-
-
-def heads_per_cta(gqa: int) -> int:
-    """Query heads a decode CTA serves: the largest divisor of the GQA group <= MAX_HEADS_PER_CTA."""
-    return max(d for d in range(1, min(gqa, MAX_HEADS_PER_CTA) + 1) if gqa % d == 0)
-
-
 @functools.lru_cache(maxsize=None)
 def _compile(name: str, defines: tuple[tuple[str, object], ...], kernels: tuple[str, ...], device: int) -> dict:
     """Compile kernels/<name> with `defines` (NVRTC through CuPy), load it on `device`, and return
     {kernel name: cupy.RawKernel}. Cached: one build per file, geometry, dtype and device."""
     import cupy
 
-    options = COMPILE_OPTIONS + tuple(f"-D{k}" if v is None else f"-D{k}={v}" for k, v in defines)
+    options = COMPILE_OPTIONS + tuple(define_flags(defines))
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=kernel_source(name), options=options)
         try:
@@ -142,7 +76,10 @@ def _compile(name: str, defines: tuple[tuple[str, object], ...], kernels: tuple[
             # (for instance during CUDA-graph capture, where it would fail)
             return {k: module.get_function(k) for k in kernels}
         except cupy.cuda.compiler.CompileException as e:
-            raise RunError(f"compiling {name} failed: {e}", "this is a bug in pagedcli's kernels") from None
+            # cuda_build.plan_kernels checks every limit the kernels assert, and CI compiles each
+            # preset's plan with nvcc: reaching this is a bug of ours, not a user's mistake
+            raise RunError(f"compiling {name} failed: {e}", "this is a bug in pagedcli's kernels; "
+                           "please report it with the model's config.json") from None
 
 
 def _ptr(t: torch.Tensor | None) -> np.uint64:
@@ -163,15 +100,8 @@ class CudaBackend(TorchBackend):
         if cache.device.type != "cuda":
             raise RunError(f"the CUDA backend needs the KV cache on a CUDA device, not {cache.device}")
         geo = cache.geometry
-        if geo.dtype not in _DTYPE_DEFINES:
+        if geo.dtype not in DTYPE_DEFINES:
             raise RunError(f"the CUDA kernels do not support dtype {geo.dtype}", "use bfloat16, float16 or float32")
-        row_bytes = geo.head_dim * geo.itemsize
-        if row_bytes % VEC_BYTES or row_bytes > 32 * VEC_BYTES or geo.head_dim % 2:
-            raise RunError(
-                f"head_dim {geo.head_dim} in {geo.dtype} is not supported by the CUDA kernels",
-                f"a head's row must be a multiple of {VEC_BYTES} bytes and at most {32 * VEC_BYTES}; "
-                "use the torch backend",
-            )
         super().__init__(cache, config)
         import cupy
 
@@ -180,43 +110,27 @@ class CudaBackend(TorchBackend):
         self.num_heads = config.num_heads
         self.head_dim = geo.head_dim
         self.vec = VEC_BYTES // geo.itemsize  # elements in a 16-byte vector
-        self.heads_per_cta = heads_per_cta(config.num_heads // config.num_kv_heads)
-        small_q = self.heads_per_cta <= 4  # q and its sums in registers leave room for more rows and CTAs
-        self._attn_min_ctas = MIN_CTAS_SMALL_Q if small_q else MIN_CTAS_LARGE_Q
         self.scale_log2 = np.float32(math.log2(math.e) / math.sqrt(geo.head_dim))
         self.max_context = cache.max_blocks_per_seq * geo.block_size  # the block table's width in tokens
         self.num_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
         # thread-block clusters: sm_90 and newer
         self.cluster = ATTN_CLUSTER if torch.cuda.get_device_capability(self.device_index) >= (9, 0) else 1
 
-        dtype = ((_DTYPE_DEFINES[geo.dtype], None),)
-        model = tuple(sorted(geo.defines().items())) + (("NUM_HEADS", config.num_heads),) + dtype
-        attention = model + (
-            ("HEADS_PER_CTA", self.heads_per_cta),
-            ("PARTITION_SIZE", PARTITION_SIZE),
-            ("ATTN_THREADS", ATTN_THREADS),
-            ("ATTN_UNROLL", UNROLL_SMALL_Q if small_q else UNROLL_LARGE_Q),
-            ("ATTN_STAGES", ATTN_STAGES),
-            ("ATTN_MIN_SPAN", MIN_SPAN),
-            ("ATTN_MIN_CTAS", self._attn_min_ctas),
-            ("ATTN_CLUSTER", ATTN_CLUSTER),
-            ("ATTN_CLUSTER_MIN_SPAN", CLUSTER_MIN_SPAN),
-        )
-        gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),
-                        ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST))
+        # which kernels serve this geometry (cuda_build.py checks every compile-time limit first);
+        # `fallbacks`: the ops that run as torch ops instead, and why (the loader tells the user)
+        plan = plan_kernels(config, geo, clusters=self.cluster > 1)
+        self.fallbacks = dict(plan.fallbacks)
+        self.heads_per_cta = plan.heads_per_cta
+        self._attn_min_ctas = plan.attn_min_ctas
+        self.attention_kernel = plan.attention_decode
         d = self.device_index
-        self.kernels = {
-            **_compile("kv_write.cu", model, ("rope_write_kv",), d),
-            **_compile("paged_attention.cu", attention,
-                       ("paged_attention_decode",) + (("paged_attention_decode_cluster",) if self.cluster > 1 else ()), d),
-            **_compile("elementwise.cu", dtype,
-                       ("rms_norm_vec", "rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"), d),
-            **_compile("gemv.cu", gemv, tuple(gemv_kernel_names()), d),
-            **_compile("argmax.cu", dtype + (("ARGMAX_THREADS", ARGMAX_THREADS),), ("argmax_rows",), d),
-        }
+        self.kernels = {}
+        for file, (defines, names) in plan.files.items():
+            self.kernels.update(_compile(file, defines, names, d))
         for name in gemv_kernel_names():  # staged inputs may pass CUDA's default 48 KiB of shared memory
             self.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED
-        self.decode_ctas_per_sm = self._resident_ctas("paged_attention_decode", ATTN_THREADS)  # for reports
+        self.decode_ctas_per_sm = (  # for reports
+            self._resident_ctas("paged_attention_decode", ATTN_THREADS) if self.attention_kernel else 0)
         self._cupy_device = cupy.cuda.Device(d)
         self._streams: dict[int, object] = {}  # torch stream handle -> cupy.cuda.ExternalStream
         self._scratch: dict[int, tuple] = {}  # batch size -> (splits, partial out/max/sum, merge counters)
@@ -346,6 +260,8 @@ class CudaBackend(TorchBackend):
         B = batch.slots.shape[0]
         if q.shape[0] != B:
             raise ValueError(f"decode attend: {q.shape[0]} queries for {B} sequences")
+        if not self.attention_kernel:
+            return self._decode_attend_torch(layer, q, batch)
         q = q.contiguous()
         out = torch.empty_like(q)
         if B == 0:
@@ -359,6 +275,10 @@ class CudaBackend(TorchBackend):
             self.scale_log2,
         ))
         return out
+
+    def _decode_attend_torch(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        return decode_attention_full_width(q, self.cache.pool, self.cache.device_table[:, layer], batch.slots,
+                                           batch.context_lens, self.max_context)
 
     def rms_norm(self, x, weight, eps):
         hidden = x.shape[-1]

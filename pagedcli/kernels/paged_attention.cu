@@ -80,12 +80,16 @@ constexpr int BLOCKS_PER_CHUNK = PARTITION_SIZE / BLOCK_SIZE;
 // (16 bytes each: consecutive threads, consecutive addresses); after the V pass, the per-warp sums
 // reuse the space.
 constexpr int SCORE_STRIDE = PARTITION_SIZE + ROWS_PER_WARP;
-constexpr int SCORE_FLOATS = HEADS_PER_CTA * SCORE_STRIDE;
+constexpr int SCORE_FLOATS = (HEADS_PER_CTA * SCORE_STRIDE + 3) / 4 * 4;  // the ring after it starts 16-byte aligned
 constexpr int RING_FLOATS = STAGES * UNROLL * ATTN_THREADS * VEC_BYTES / 4;
 constexpr int ACC_FLOATS = NUM_WARPS * HEADS_PER_CTA * HEAD_DIM;
 constexpr int SMEM_FLOATS = SCORE_FLOATS + RING_FLOATS > ACC_FLOATS ? SCORE_FLOATS + RING_FLOATS : ACC_FLOATS;
 static_assert(SCORE_FLOATS % 4 == 0, "the ring must start 16-byte aligned");
-static_assert(SMEM_FLOATS * 4 + BLOCKS_PER_CHUNK * 4 + (2 * NUM_WARPS + 4) * HEADS_PER_CTA * 4 <= 48 * 1024,
+// All the static shared memory of a CTA: the buffers above, the softmax state, and merge_cluster's.
+// backends/cuda_build.py mirrors this sum and takes the torch path for a shape over the limit.
+constexpr int CLUSTER_MERGE_BYTES = (HEADS_PER_CTA * HEAD_DIM + (4 + ATTN_CLUSTER) * HEADS_PER_CTA) * 4;
+static_assert(SMEM_FLOATS * 4 + BLOCKS_PER_CHUNK * 4 + (2 * NUM_WARPS + 4) * HEADS_PER_CTA * 4 + 4 +
+                      CLUSTER_MERGE_BYTES <= 48 * 1024,
               "shared memory over 48 KiB: use a smaller PARTITION_SIZE, HEADS_PER_CTA, ATTN_STAGES or ATTN_UNROLL");
 
 // Output elements (HEADS_PER_CTA x HEAD_DIM) each thread keeps across the chunks of its span.

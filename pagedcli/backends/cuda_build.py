@@ -1,0 +1,202 @@
+"""What our CUDA kernels are compiled with for one model, and which of them can serve it.
+
+Pure Python (no CuPy, no GPU): the CUDA backend builds from this plan, and the CPU tests compile
+the same plan with `nvcc` for every preset geometry, so a geometry that would not compile is found
+in CI, not by a user. Every limit a kernel asserts at compile time (`static_assert` in the .cu
+files) is checked here first; where a kernel cannot serve a shape, the plan says which op runs as
+torch ops instead, and why, in one line the user sees.
+
+The tuning constants are written here only; the .cu files receive them as -D defines.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+
+import torch
+
+from pagedcli.config import CacheGeometry, ModelConfig
+
+PARTITION_SIZE = 512  # tokens per split-KV chunk of the decode kernel (a multiple of every block size)
+ATTN_THREADS = 128  # threads of a decode CTA
+ATTN_STAGES = 4  # load steps of the decode kernel in flight per lane (cp.async ring in shared memory)
+# Per decode lane: K/V rows per load step, and the CTAs per SM the registers must allow; for CTAs
+# serving <= 4 query heads, and more (q and the sums then take more registers).
+UNROLL_SMALL_Q, MIN_CTAS_SMALL_Q = 4, 5
+UNROLL_LARGE_Q, MIN_CTAS_LARGE_Q = 2, 3
+MAX_HEADS_PER_CTA = 8  # query heads one decode CTA serves (q and the accumulators live in registers)
+ATTN_STATIC_SHARED = 48 * 1024  # static shared memory a CTA may declare (CUDA's limit)
+# Cap on decode CTAs (per SM) when choosing the number of splits (docs/performance.md: the splits a
+# short context does not need still launch CTAs that find no work and leave).
+SPLIT_CTAS_PER_SM = 4
+MIN_SPAN = 128  # fewest context tokens a decode split takes (shorter ones cost more than they save)
+# Small batches on sm_90+: splits in thread-block clusters of this many CTAs, which merge in shared
+# memory (paged_attention.cu); cheap enough a merge that a split may take as few tokens as this.
+ATTN_CLUSTER = 8  # the largest portable cluster
+CLUSTER_MIN_SPAN = 64
+KV_WRITE_THREADS = 128
+SILU_THREADS = 256
+ARGMAX_THREADS = 256
+ARGMAX_CHUNK = 4096  # logits per argmax CTA
+# gemv.cu is compiled for these row counts; a batch takes the next one up. Larger batches: cuBLAS,
+# which is faster from 3 rows on (docs/performance.md), while gemv.cu wins at 1 and 2.
+GEMV_ROW_BUCKETS = (1, 2)
+GEMV_MAX_ROWS = GEMV_ROW_BUCKETS[-1]
+GEMV_THREADS = 256
+GEMV_UNROLL = 4  # 16-byte loads per lane per tile (and as many for the next tile, in flight meanwhile)
+GEMV_MIN_CTAS = 4  # CTAs per SM the registers must allow
+GEMV_CTAS_PER_SM = 4  # CTAs launched per SM, each looping over its rows: one wave
+GEMV_SPLITS = (1, 2, 4)  # warps that may share a row (each over a slice of K) when rows are too few to fill the GPU
+GEMV_MAX_SHARED = 64 * 1024  # bytes of staged input per CTA (rows x K); more: cuBLAS
+GEMV_EVICT_FIRST = 1  # weight loads ask L2 to evict their lines first (gemv.cu says why)
+VEC_BYTES = 16  # the kernels' vector width (uint4)
+WARP_SIZE = 32
+COMPILE_OPTIONS = ("-std=c++17",)  # no fast math: expf/rsqrtf/division keep their accuracy
+
+DTYPE_DEFINES = {torch.bfloat16: "DTYPE_BF16", torch.float16: "DTYPE_F16", torch.float32: "DTYPE_F32"}
+GEMV_OPS = ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")
+_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
+
+Defines = tuple[tuple[str, object], ...]
+
+
+def kernel_folder():
+    return resources.files("pagedcli") / "kernels"
+
+
+def kernel_source(name: str) -> str:
+    """The text of kernels/<name>, with each `#include "x.cuh"` replaced by that file: NVRTC then
+    needs no include path, and CuPy's disk cache (keyed by the source text) sees header edits."""
+    folder = kernel_folder()
+    seen: set[str] = set()
+
+    def expand(file: str) -> str:
+        if file in seen:  # every header has #pragma once; pasting it once is enough
+            return ""
+        seen.add(file)
+        text = (folder / file).read_text(encoding="utf-8")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(name)
+
+
+def gemv_kernel_names():
+    """The kernels gemv.cu defines: one per row bucket and fused op (its GEMV_KERNELS macro)."""
+    for rows in GEMV_ROW_BUCKETS:
+        for op in GEMV_OPS:
+            yield f"gemv_{rows}_{op}"
+
+
+def heads_per_cta(gqa: int) -> int:
+    """Query heads a decode CTA serves: the largest divisor of the GQA group <= MAX_HEADS_PER_CTA."""
+    return max(d for d in range(1, min(gqa, MAX_HEADS_PER_CTA) + 1) if gqa % d == 0)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """How paged_attention.cu lays one geometry out: the Python mirror of its compile-time sizes
+    (the nvcc test compiles every preset, so the two cannot drift apart unnoticed)."""
+
+    head_dim: int
+    itemsize: int
+    heads_per_cta: int
+    block_size: int
+    unroll: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.head_dim * self.itemsize
+
+    @property
+    def row_vecs(self) -> int:
+        return self.row_bytes // VEC_BYTES
+
+    def shared_bytes(self) -> int:
+        """Static shared memory of the decode kernel's cluster variant (the larger of the two)."""
+        rows_per_warp = WARP_SIZE // next_pow2(self.row_vecs)
+        warps = ATTN_THREADS // WARP_SIZE
+        score_floats = -(-self.heads_per_cta * (PARTITION_SIZE + rows_per_warp) // 4) * 4
+        ring_floats = ATTN_STAGES * self.unroll * ATTN_THREADS * VEC_BYTES // 4
+        acc_floats = warps * self.heads_per_cta * self.head_dim
+        smem_floats = max(score_floats + ring_floats, acc_floats)
+        heads = self.heads_per_cta
+        per_cta = smem_floats * 4 + PARTITION_SIZE // self.block_size * 4 + (2 * warps + 4) * heads * 4 + 4
+        cluster_merge = (heads * self.head_dim + 2 * heads + 2 * heads + ATTN_CLUSTER * heads) * 4
+        return per_cta + cluster_merge
+
+    def unsupported(self) -> str | None:
+        """Why the decode kernel cannot serve this shape, or None."""
+        if self.row_bytes % VEC_BYTES:
+            return (f"a head's row is {self.row_bytes} bytes ({self.head_dim} x {self.itemsize}), "
+                    f"not a whole number of {VEC_BYTES}-byte vectors")
+        if self.row_vecs > WARP_SIZE:
+            return f"a head's row is {self.row_bytes} bytes, more than one warp's {WARP_SIZE * VEC_BYTES}"
+        if self.shared_bytes() > ATTN_STATIC_SHARED:
+            return f"it would need {self.shared_bytes()} bytes of shared memory, over {ATTN_STATIC_SHARED}"
+        return None
+
+
+@dataclass
+class KernelPlan:
+    """Per .cu file: the -D defines and the kernels to load. `fallbacks`: op -> why it runs as torch
+    ops on the GPU (one line each, shown to the user once)."""
+
+    files: dict[str, tuple[Defines, tuple[str, ...]]] = field(default_factory=dict)
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    heads_per_cta: int = 1
+    attn_min_ctas: int = MIN_CTAS_SMALL_Q
+
+    @property
+    def attention_decode(self) -> bool:
+        return "paged_attention.cu" in self.files
+
+
+def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool) -> KernelPlan:
+    """The kernels for `config` with the cache of `geometry` (its dtype is the model's);
+    `clusters`: the GPU has thread-block clusters (sm_90+)."""
+    if geometry.dtype not in DTYPE_DEFINES:
+        raise ValueError(f"no CUDA kernels for {geometry.dtype}")
+    dtype = ((DTYPE_DEFINES[geometry.dtype], None),)
+    model = tuple(sorted(geometry.defines().items())) + (("NUM_HEADS", config.num_heads),) + dtype
+    plan = KernelPlan()
+    plan.files["kv_write.cu"] = (model, ("rope_write_kv",))
+    plan.files["elementwise.cu"] = (dtype, ("rms_norm_vec", "rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"))
+    gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),
+                    ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST))
+    plan.files["gemv.cu"] = (gemv, tuple(gemv_kernel_names()))
+    plan.files["argmax.cu"] = (dtype + (("ARGMAX_THREADS", ARGMAX_THREADS),), ("argmax_rows",))
+
+    plan.heads_per_cta = heads_per_cta(config.num_heads // config.num_kv_heads)
+    small_q = plan.heads_per_cta <= 4  # q and its sums in registers leave room for more rows and CTAs
+    plan.attn_min_ctas = MIN_CTAS_SMALL_Q if small_q else MIN_CTAS_LARGE_Q
+    unroll = UNROLL_SMALL_Q if small_q else UNROLL_LARGE_Q
+    shape = AttentionShape(geometry.head_dim, geometry.itemsize, plan.heads_per_cta, geometry.block_size, unroll)
+    why = shape.unsupported()
+    if why is not None:
+        plan.fallbacks["decode attention"] = (f"head_dim {geometry.head_dim} in {str(geometry.dtype).removeprefix('torch.')}: "
+                                              f"{why}")
+        return plan
+    attention = model + (
+        ("HEADS_PER_CTA", plan.heads_per_cta),
+        ("PARTITION_SIZE", PARTITION_SIZE),
+        ("ATTN_THREADS", ATTN_THREADS),
+        ("ATTN_UNROLL", unroll),
+        ("ATTN_STAGES", ATTN_STAGES),
+        ("ATTN_MIN_SPAN", MIN_SPAN),
+        ("ATTN_MIN_CTAS", plan.attn_min_ctas),
+        ("ATTN_CLUSTER", ATTN_CLUSTER),
+        ("ATTN_CLUSTER_MIN_SPAN", CLUSTER_MIN_SPAN),
+    )
+    names = ("paged_attention_decode",) + (("paged_attention_decode_cluster",) if clusters else ())
+    plan.files["paged_attention.cu"] = (attention, names)
+    return plan
+
+
+def define_flags(defines: Defines) -> list[str]:
+    return [f"-D{k}" if v is None else f"-D{k}={v}" for k, v in defines]

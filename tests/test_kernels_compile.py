@@ -1,0 +1,127 @@
+"""Every CUDA kernel compiles, with nvcc, for every preset geometry and dtype, exactly as the CUDA
+backend would build it (cuda_build.plan_kernels: the same files, kernels and -D defines), and
+what the plan sends to torch ops instead is what our kernels truly cannot serve.
+
+No GPU needed: nvcc is on the developers' and CI's machines (skipped with a reason without it).
+A geometry that fails here is one a user would have hit at run time.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+import torch
+
+from pagedcli.backends.cuda_build import COMPILE_OPTIONS, AttentionShape, define_flags, kernel_folder, plan_kernels
+from pagedcli.config import CacheGeometry, ModelConfig
+from pagedcli.models import RANDOM_PRESETS
+
+NVCC = shutil.which("nvcc")
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc (the CUDA toolkit) is not on PATH")
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Shapes beyond the presets: head_dim 80, 96, 256; query heads per kv head 16, 7, 5 and 1.
+SYNTHETIC = {"gqa16-d80": (32, 2, 80), "gqa7-d96": (14, 2, 96), "gqa5-d256": (20, 4, 256), "mha-d256": (8, 8, 256)}
+
+
+def preset_configs() -> dict[str, ModelConfig]:
+    return {name: ModelConfig.from_file(path) for name, path in RANDOM_PRESETS.items()}
+
+
+def synthetic_config(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
+    return ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
+                                  "intermediate_size": 2048, "num_hidden_layers": 2, "num_attention_heads": heads,
+                                  "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": 1000,
+                                  "max_position_embeddings": 4096}, source="test")
+
+
+def geometry(config: ModelConfig, dtype, block_size: int = 16) -> CacheGeometry:
+    return CacheGeometry.build(config, dtype, block_size, num_blocks=8 * config.num_layers)
+
+
+def all_builds() -> list[tuple[str, str, tuple]]:
+    """(what, file, defines) for every distinct build the backend could ask for on an H200 (sm_90)."""
+    configs = preset_configs() | {k: synthetic_config(*v) for k, v in SYNTHETIC.items()}
+    builds = {}
+    for name, config in configs.items():
+        for dtype in DTYPES:
+            plan = plan_kernels(config, geometry(config, dtype), clusters=True)
+            for file, (defines, _) in plan.files.items():
+                builds.setdefault((file, defines), f"{name} {str(dtype).removeprefix('torch.')}")
+    # the block sizes the kernels unroll over, at the reference geometry
+    config = configs["llama-3.2-1b"]
+    for block_size in (8, 32, 64):
+        plan = plan_kernels(config, geometry(config, torch.bfloat16, block_size), clusters=True)
+        for file, (defines, _) in plan.files.items():
+            builds.setdefault((file, defines), f"llama-3.2-1b block {block_size}")
+    return [(what, file, defines) for (file, defines), what in builds.items()]
+
+
+def nvcc(file: str, defines, arch: str = "sm_90") -> tuple[bool, str]:
+    folder = kernel_folder()
+    cmd = [NVCC, *COMPILE_OPTIONS, f"-arch={arch}", "-cubin", "-o", "/dev/null", f"-I{folder}",
+           *define_flags(defines), str(folder / file)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    return done.returncode == 0, done.stderr
+
+
+def test_every_kernel_compiles_for_every_preset_and_dtype():
+    builds = all_builds()
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda b: nvcc(b[1], b[2]), builds))
+    failed = [f"{what}: {file}\n{err[-600:]}" for (what, file, _), (ok, err) in zip(builds, results) if not ok]
+    assert not failed, "\n\n".join(failed)
+
+
+def test_kernels_compile_without_clusters_for_older_gpus():
+    """sm_80 (A100): no thread-block clusters; the plan leaves the cluster kernel out."""
+    config = preset_configs()["llama-3.2-1b"]
+    plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=False)
+    assert plan.files["paged_attention.cu"][1] == ("paged_attention_decode",)
+    ok, err = nvcc("paged_attention.cu", plan.files["paged_attention.cu"][0], arch="sm_80")
+    assert ok, err
+
+
+def test_plan_sends_to_torch_only_what_the_kernel_cannot_serve():
+    """head_dim 100 in bf16 is 200 bytes a row (not whole 16-byte vectors): torch ops, with a reason
+    naming the head_dim; in fp32 (400 bytes) the kernel serves it; a 256-wide fp32 row (1 KiB) is
+    more than a warp's loads. Everything else the presets need has its kernel."""
+    configs = preset_configs()
+    for name, config in configs.items():
+        for dtype in DTYPES:
+            plan = plan_kernels(config, geometry(config, dtype), clusters=True)
+            row_bytes = config.head_dim * torch.empty((), dtype=dtype).element_size()
+            expect_kernel = row_bytes % 16 == 0 and row_bytes <= 512
+            assert plan.attention_decode == expect_kernel, (name, dtype)
+            assert set(plan.fallbacks) == (set() if expect_kernel else {"decode attention"}), (name, dtype)
+    odd = synthetic_config(32, 32, 100)
+    plan = plan_kernels(odd, geometry(odd, torch.bfloat16), clusters=True)
+    assert "head_dim 100 in bfloat16" in plan.fallbacks["decode attention"]
+    assert plan_kernels(odd, geometry(odd, torch.float32), clusters=True).attention_decode
+    wide = synthetic_config(8, 8, 256)
+    assert not plan_kernels(wide, geometry(wide, torch.float32), clusters=True).attention_decode
+
+
+def test_shared_memory_mirror_matches_the_kernel():
+    """cuda_build's sum of the decode kernel's shared memory is the kernel's own: a shape just over
+    the limit by the Python count fails nvcc's static_assert, one just under compiles."""
+    base = AttentionShape(head_dim=256, itemsize=2, heads_per_cta=8, block_size=16, unroll=2)
+    assert base.unsupported() is None  # 8 heads of 256 in bf16 fit
+    config = synthetic_config(64, 8, 256)
+    plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=True)
+    defines = plan.files["paged_attention.cu"][0]
+    ok, err = nvcc("paged_attention.cu", defines)
+    assert ok, err
+    # ATTN_STAGES 8 doubles the ring: the Python count says over 48 KiB, and so must the compiler
+    bigger = tuple((k, 8 if k == "ATTN_STAGES" else v) for k, v in defines)
+    import pagedcli.backends.cuda_build as cb
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cb, "ATTN_STAGES", 8)
+        assert replace(base).shared_bytes() > cb.ATTN_STATIC_SHARED
+    ok, err = nvcc("paged_attention.cu", bigger)
+    assert not ok and "shared memory over 48 KiB" in err
