@@ -114,15 +114,21 @@ class AttentionShape:
         return self.head_dim * self.itemsize
 
     @property
+    def vec_bytes(self) -> int:
+        """The kernel's load width (ATTN_VEC_BYTES): 16 bytes, or 8 for a row that is not whole
+        16-byte vectors (head_dim 100 in bf16); 0 when neither divides the row."""
+        return next((v for v in (VEC_BYTES, VEC_BYTES // 2) if self.row_bytes % v == 0), 0)
+
+    @property
     def row_vecs(self) -> int:
-        return self.row_bytes // VEC_BYTES
+        return self.row_bytes // self.vec_bytes
 
     def shared_bytes(self) -> int:
         """Static shared memory of the decode kernel's cluster variant (the larger of the two)."""
         rows_per_warp = WARP_SIZE // next_pow2(self.row_vecs)
         warps = ATTN_THREADS // WARP_SIZE
         score_floats = -(-self.heads_per_cta * (PARTITION_SIZE + rows_per_warp) // 4) * 4
-        ring_floats = ATTN_STAGES * self.unroll * ATTN_THREADS * VEC_BYTES // 4
+        ring_floats = ATTN_STAGES * self.unroll * ATTN_THREADS * self.vec_bytes // 4
         acc_floats = warps * self.heads_per_cta * self.head_dim
         smem_floats = max(score_floats + ring_floats, acc_floats)
         heads = self.heads_per_cta
@@ -132,11 +138,11 @@ class AttentionShape:
 
     def unsupported(self) -> str | None:
         """Why the decode kernel cannot serve this shape, or None."""
-        if self.row_bytes % VEC_BYTES:
+        if not self.vec_bytes:
             return (f"a head's row is {self.row_bytes} bytes ({self.head_dim} x {self.itemsize}), "
-                    f"not a whole number of {VEC_BYTES}-byte vectors")
+                    f"not a whole number of {VEC_BYTES // 2}-byte loads")
         if self.row_vecs > WARP_SIZE:
-            return f"a head's row is {self.row_bytes} bytes, more than one warp's {WARP_SIZE * VEC_BYTES}"
+            return f"a head's row is {self.row_bytes} bytes, more than one warp's {WARP_SIZE * self.vec_bytes}"
         if self.shared_bytes() > ATTN_STATIC_SHARED:
             return f"it would need {self.shared_bytes()} bytes of shared memory, over {ATTN_STATIC_SHARED}"
         return None
@@ -192,6 +198,7 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool) -
         ("ATTN_MIN_CTAS", plan.attn_min_ctas),
         ("ATTN_CLUSTER", ATTN_CLUSTER),
         ("ATTN_CLUSTER_MIN_SPAN", CLUSTER_MIN_SPAN),
+        ("ATTN_VEC_BYTES", shape.vec_bytes),
     )
     names = ("paged_attention_decode",) + (("paged_attention_decode_cluster",) if clusters else ())
     plan.files["paged_attention.cu"] = (attention, names)

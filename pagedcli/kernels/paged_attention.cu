@@ -19,7 +19,7 @@
 // online softmax.
 // For each chunk:
 //   1. K pass: a token's K row for one kv head is HEAD_DIM contiguous elements, read as 16-byte
-//      vectors by a group of ROW_LANES lanes (HEAD_DIM = 64 in bf16: 8 lanes, 128 bytes; a warp
+//      vectors (8-byte ones for a row that is not whole 16-byte vectors) by a group of ROW_LANES lanes (HEAD_DIM = 64 in bf16: 8 lanes, 128 bytes; a warp
 //      reads 4 rows at once, a 128-thread CTA 16 rows). Each lane dots its 16 bytes with the
 //      matching slice of every query head (in registers, pre-scaled by log2(e)/sqrt(HEAD_DIM) so
 //      that softmax can use exp2), the group sums with shuffles, and the scores go to shared
@@ -48,9 +48,42 @@
 
 #if !defined(HEADS_PER_CTA) || !defined(PARTITION_SIZE) || !defined(ATTN_THREADS) || !defined(ATTN_UNROLL) || \
     !defined(ATTN_STAGES) || !defined(ATTN_MIN_CTAS) || !defined(ATTN_MIN_SPAN) || !defined(ATTN_CLUSTER) ||      \
-    !defined(ATTN_CLUSTER_MIN_SPAN)
-#error "paged_attention.cu needs -DHEADS_PER_CTA -DPARTITION_SIZE -DATTN_THREADS -DATTN_UNROLL -DATTN_STAGES -DATTN_MIN_CTAS -DATTN_MIN_SPAN -DATTN_CLUSTER -DATTN_CLUSTER_MIN_SPAN (backends/cuda.py)"
+    !defined(ATTN_CLUSTER_MIN_SPAN) || !defined(ATTN_VEC_BYTES)
+#error "paged_attention.cu needs -DHEADS_PER_CTA -DPARTITION_SIZE -DATTN_THREADS -DATTN_UNROLL -DATTN_STAGES -DATTN_MIN_CTAS -DATTN_MIN_SPAN -DATTN_CLUSTER -DATTN_CLUSTER_MIN_SPAN -DATTN_VEC_BYTES (backends/cuda_build.py)"
 #endif
+
+// The width of one K/V (and q) load: 16 bytes, or 8 where a head's row is not a whole number of
+// 16-byte vectors (head_dim 100 in bf16: 200 bytes). backends/cuda_build.py picks it.
+#if ATTN_VEC_BYTES == 16
+typedef uint4 kv_vec_t;
+#elif ATTN_VEC_BYTES == 8
+typedef uint2 kv_vec_t;
+#else
+#error "ATTN_VEC_BYTES must be 16 or 8"
+#endif
+constexpr int KV_VEC = ATTN_VEC_BYTES / (int)sizeof(scalar_t);  // elements in one load
+constexpr int KV_WORDS = ATTN_VEC_BYTES / 4;
+
+// The elements of one load, as floats (common.cuh's unpack_vec, for either width).
+__device__ __forceinline__ void unpack_kv(const kv_vec_t& raw, float (&out)[KV_VEC]) {
+#if ATTN_VEC_BYTES == 16
+    const unsigned int w[KV_WORDS] = {raw.x, raw.y, raw.z, raw.w};
+#else
+    const unsigned int w[KV_WORDS] = {raw.x, raw.y};
+#endif
+#pragma unroll
+    for (int i = 0; i < KV_WORDS; ++i) {
+#if defined(DTYPE_F32)
+        out[i] = __uint_as_float(w[i]);
+#elif defined(DTYPE_BF16)
+        out[2 * i] = __uint_as_float(w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+#else
+        out[2 * i] = to_float((scalar_t)(w[i] & 0xffffu));
+        out[2 * i + 1] = to_float((scalar_t)(w[i] >> 16));
+#endif
+    }
+}
 
 constexpr int GQA = NUM_HEADS / NUM_KV_HEADS;  // query heads per kv head
 static_assert(GQA % HEADS_PER_CTA == 0, "HEADS_PER_CTA must divide the GQA group");
@@ -58,9 +91,9 @@ constexpr int HEAD_SLOTS = next_pow2(HEADS_PER_CTA);  // heads padded to a power
 
 // How a K/V row (one token, one kv head) maps onto lanes.
 constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(scalar_t);
-static_assert(ROW_BYTES % VEC_BYTES == 0, "a head's row must be a whole number of 16-byte vectors");
-constexpr int ROW_VECS = ROW_BYTES / VEC_BYTES;  // 16-byte vectors in a row
-static_assert(ROW_VECS <= WARP_SIZE, "a head's row must fit in one warp's 16-byte loads");
+static_assert(ROW_BYTES % ATTN_VEC_BYTES == 0, "a head's row must be a whole number of loads");
+constexpr int ROW_VECS = ROW_BYTES / ATTN_VEC_BYTES;  // loads in a row
+static_assert(ROW_VECS <= WARP_SIZE, "a head's row must fit in one warp's loads");
 constexpr int ROW_LANES = next_pow2(ROW_VECS);  // lanes that share a row (the lanes past ROW_VECS idle)
 constexpr int ROWS_PER_WARP = WARP_SIZE / ROW_LANES;
 constexpr int NUM_WARPS = ATTN_THREADS / WARP_SIZE;
@@ -81,7 +114,7 @@ constexpr int BLOCKS_PER_CHUNK = PARTITION_SIZE / BLOCK_SIZE;
 // reuse the space.
 constexpr int SCORE_STRIDE = PARTITION_SIZE + ROWS_PER_WARP;
 constexpr int SCORE_FLOATS = (HEADS_PER_CTA * SCORE_STRIDE + 3) / 4 * 4;  // the ring after it starts 16-byte aligned
-constexpr int RING_FLOATS = STAGES * UNROLL * ATTN_THREADS * VEC_BYTES / 4;
+constexpr int RING_FLOATS = STAGES * UNROLL * ATTN_THREADS * ATTN_VEC_BYTES / 4;
 constexpr int ACC_FLOATS = NUM_WARPS * HEADS_PER_CTA * HEAD_DIM;
 constexpr int SMEM_FLOATS = SCORE_FLOATS + RING_FLOATS > ACC_FLOATS ? SCORE_FLOATS + RING_FLOATS : ACC_FLOATS;
 static_assert(SCORE_FLOATS % 4 == 0, "the ring must start 16-byte aligned");
@@ -95,13 +128,17 @@ static_assert(SMEM_FLOATS * 4 + BLOCKS_PER_CHUNK * 4 + (2 * NUM_WARPS + 4) * HEA
 // Output elements (HEADS_PER_CTA x HEAD_DIM) each thread keeps across the chunks of its span.
 constexpr int OWNED = (HEADS_PER_CTA * HEAD_DIM + ATTN_THREADS - 1) / ATTN_THREADS;
 
-// A 16-byte load the compiler may not hoist out of the chunk loop (asm volatile): reloading q per
-// chunk (an L1 hit) keeps it out of the registers during the V pass.
-__device__ __forceinline__ uint4 load_vec_keep_in_loop(const scalar_t* p) {
-    uint4 r;
+// A load the compiler may not hoist out of the chunk loop (asm volatile): reloading q per chunk
+// (an L1 hit) keeps it out of the registers during the V pass.
+__device__ __forceinline__ kv_vec_t load_vec_keep_in_loop(const scalar_t* p) {
+    kv_vec_t r;
+#if ATTN_VEC_BYTES == 16
     asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                  : "l"(p));
+#else
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+#endif
     return r;
 }
 
@@ -120,13 +157,20 @@ __device__ __forceinline__ unsigned int shared_address(const void* p) {
     return a;
 }
 
-// 16 bytes from global to shared memory; zeros (and no read) when !valid.
-__device__ __forceinline__ void copy_async_16(uint4* dst, const void* src, bool valid) {
+// One load from global to shared memory; zeros (and no read) when !valid. 16 bytes bypass L1
+// (.cg); 8-byte copies exist only through it (.ca).
+__device__ __forceinline__ void copy_async(kv_vec_t* dst, const void* src, bool valid) {
 #if __CUDA_ARCH__ >= 800
+#if ATTN_VEC_BYTES == 16
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
 #else
-    *dst = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;"
+                 :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 8 : 0) : "memory");
+#endif
+#else
+    if (valid) *dst = *reinterpret_cast<const kv_vec_t*>(src);
+    else *dst = kv_vec_t{};
 #endif
 }
 
@@ -148,13 +192,13 @@ __device__ __forceinline__ void copy_async_wait() {
 // V, later ones are empty. Each step is one commit group, empty or not, so that the groups a thread
 // waits for are counted the same way everywhere. This lane's UNROLL rows of the step; rows past
 // the chunk's n tokens become zeros.
-__device__ __forceinline__ void issue_step(uint4* ring, int g, int iters, const unsigned char* k_base,
+__device__ __forceinline__ void issue_step(kv_vec_t* ring, int g, int iters, const unsigned char* k_base,
                                            const unsigned char* v_base, const int* blocks, int n,
                                            int row_in_step, bool lane_active, int tid) {
     if (g < 2 * iters) {
         const unsigned char* base = g < iters ? k_base : v_base;
         const int t0 = (g < iters ? g : g - iters) * TOKENS_PER_ITER;
-        uint4* slot = ring + (size_t)(g % STAGES) * UNROLL * ATTN_THREADS + tid;
+        kv_vec_t* slot = ring + (size_t)(g % STAGES) * UNROLL * ATTN_THREADS + tid;
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int t = t0 + u * ROWS_PER_STEP + row_in_step;
@@ -162,16 +206,16 @@ __device__ __forceinline__ void issue_step(uint4* ring, int g, int iters, const 
             const unsigned char* src =
                 valid ? base + (size_t)blocks[t / BLOCK_SIZE] * BLOCK_BYTES + (size_t)(t % BLOCK_SIZE) * TOKEN_STRIDE
                       : base;
-            copy_async_16(slot + u * ATTN_THREADS, src, valid);
+            copy_async(slot + u * ATTN_THREADS, src, valid);
         }
     }
     copy_async_commit();
 }
 
 // This thread's UNROLL vectors of step g, once landed.
-__device__ __forceinline__ void read_step(uint4 (&raw)[UNROLL], const uint4* ring, int g, int tid) {
+__device__ __forceinline__ void read_step(kv_vec_t (&raw)[UNROLL], const kv_vec_t* ring, int g, int tid) {
     copy_async_wait<STAGES - 2>();  // step g's group is complete (STAGES - 2 newer ones may not be)
-    const uint4* slot = ring + (size_t)(g % STAGES) * UNROLL * ATTN_THREADS + tid;
+    const kv_vec_t* slot = ring + (size_t)(g % STAGES) * UNROLL * ATTN_THREADS + tid;
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) raw[u] = slot[u * ATTN_THREADS];
 }
@@ -359,7 +403,7 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
     __shared__ float head_max[HEADS_PER_CTA];
     __shared__ bool last_to_finish;
     float* const scores = smem;
-    uint4* const ring = reinterpret_cast<uint4*>(smem + SCORE_FLOATS);
+    kv_vec_t* const ring = reinterpret_cast<kv_vec_t*>(smem + SCORE_FLOATS);
 
     const int warp = tid / WARP_SIZE;
     const int lane = tid % WARP_SIZE;
@@ -382,9 +426,9 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
     for (int k = 0; k < OWNED; ++k) owned[k] = 0.0f;
 
     const int* __restrict__ seq_table = table + slot * table_slot_stride;
-    const unsigned char* __restrict__ k_base = pool + (size_t)kv_head * ROW_BYTES + (size_t)lane_in_row * VEC_BYTES;
+    const unsigned char* __restrict__ k_base = pool + (size_t)kv_head * ROW_BYTES + (size_t)lane_in_row * ATTN_VEC_BYTES;
     const unsigned char* __restrict__ v_base = k_base + V_OFFSET;
-    const scalar_t* __restrict__ q_base = q + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM + lane_in_row * VEC;
+    const scalar_t* __restrict__ q_base = q + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM + lane_in_row * KV_VEC;
 
     for (int chunk_start = span_start; chunk_start < span_end; chunk_start += PARTITION_SIZE) {
         const int n = min(PARTITION_SIZE, span_end - chunk_start);  // tokens in this chunk
@@ -404,35 +448,35 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
 
         // 1. K pass: scores[h][t] = q_h . k_t (log2 units).
         {
-            float qf[HEADS_PER_CTA][VEC];
+            float qf[HEADS_PER_CTA][KV_VEC];
 #pragma unroll
             for (int h = 0; h < HEADS_PER_CTA; ++h) {
                 if (lane_active) {
-                    unpack_vec(load_vec_keep_in_loop(q_base + h * HEAD_DIM), qf[h]);
+                    unpack_kv(load_vec_keep_in_loop(q_base + h * HEAD_DIM), qf[h]);
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) qf[h][j] *= scale_log2;
+                    for (int j = 0; j < KV_VEC; ++j) qf[h][j] *= scale_log2;
                 } else {
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) qf[h][j] = 0.0f;
+                    for (int j = 0; j < KV_VEC; ++j) qf[h][j] = 0.0f;
                 }
             }
             for (int it = 0; it < iters; ++it) {
                 const int t0 = it * TOKENS_PER_ITER;
-                uint4 cur[UNROLL];
+                kv_vec_t cur[UNROLL];
                 read_step(cur, ring, it, tid);
                 issue_step(ring, it + STAGES - 1, iters, k_base, v_base, chunk_blocks, n, row_in_step, lane_active,
                            tid);
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) {
-                    float kf[VEC];
-                    unpack_vec(cur[u], kf);
+                    float kf[KV_VEC];
+                    unpack_kv(cur[u], kf);
                     float dot[HEAD_SLOTS];
 #pragma unroll
                     for (int h = 0; h < HEAD_SLOTS; ++h) {
                         dot[h] = 0.0f;
                         if (h < HEADS_PER_CTA) {
 #pragma unroll
-                            for (int j = 0; j < VEC; ++j) dot[h] = fmaf(qf[h][j], kf[j], dot[h]);
+                            for (int j = 0; j < KV_VEC; ++j) dot[h] = fmaf(qf[h][j], kf[j], dot[h]);
                         }
                     }
                     reduce_row(dot, lane_in_row);
@@ -487,15 +531,15 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
         }
 
         // 3. V pass: acc[h] = sum over this lane group's rows of p[h][t] * v_t.
-        float acc[HEADS_PER_CTA][VEC];
+        float acc[HEADS_PER_CTA][KV_VEC];
 #pragma unroll
         for (int h = 0; h < HEADS_PER_CTA; ++h) {
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) acc[h][j] = 0.0f;
+            for (int j = 0; j < KV_VEC; ++j) acc[h][j] = 0.0f;
         }
         for (int it = 0; it < iters; ++it) {
             const int t0 = it * TOKENS_PER_ITER;
-            uint4 cur_v[UNROLL];
+            kv_vec_t cur_v[UNROLL];
             read_step(cur_v, ring, iters + it, tid);
             issue_step(ring, iters + it + STAGES - 1, iters, k_base, v_base, chunk_blocks, n, row_in_step,
                        lane_active, tid);
@@ -503,13 +547,13 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
             for (int u = 0; u < UNROLL; ++u) {
                 const int t = t0 + u * ROWS_PER_STEP + row_in_step;
                 if (t < n) {
-                    float vf[VEC];
-                    unpack_vec(cur_v[u], vf);
+                    float vf[KV_VEC];
+                    unpack_kv(cur_v[u], vf);
 #pragma unroll
                     for (int h = 0; h < HEADS_PER_CTA; ++h) {
                         const float p = scores[h * SCORE_STRIDE + t];
 #pragma unroll
-                        for (int j = 0; j < VEC; ++j) acc[h][j] = fmaf(p, vf[j], acc[h][j]);
+                        for (int j = 0; j < KV_VEC; ++j) acc[h][j] = fmaf(p, vf[j], acc[h][j]);
                     }
                 }
             }
@@ -522,7 +566,7 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
 #pragma unroll
             for (int h = 0; h < HEADS_PER_CTA; ++h) {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) acc[h][j] += __shfl_xor_sync(FULL_MASK, acc[h][j], off);
+                for (int j = 0; j < KV_VEC; ++j) acc[h][j] += __shfl_xor_sync(FULL_MASK, acc[h][j], off);
             }
         }
         __syncthreads();
@@ -531,8 +575,8 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
 #pragma unroll
             for (int h = 0; h < HEADS_PER_CTA; ++h) {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    warp_acc[(warp * HEADS_PER_CTA + h) * HEAD_DIM + lane * VEC + j] = acc[h][j];
+                for (int j = 0; j < KV_VEC; ++j) {
+                    warp_acc[(warp * HEADS_PER_CTA + h) * HEAD_DIM + lane * KV_VEC + j] = acc[h][j];
                 }
             }
         }
