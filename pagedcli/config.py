@@ -16,6 +16,7 @@ from pagedcli.rope import REQUIRED_FIELDS
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 DEFAULT_BLOCK_SIZE = 16  # tokens per block, as in tiny-vllm and vLLM
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)  # the kernels unroll over these
+DEFAULT_MAX_POSITIONS = 2048  # max_position_embeddings when config.json has none (transformers' default)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class ModelConfig:
                 num_heads=heads,
                 num_kv_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                max_position_embeddings=int(d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
                 rope_theta=float(rope_theta),
                 rope_scaling=rope_scaling,
@@ -146,7 +147,7 @@ def rope_settings(d: dict, source: str) -> tuple[float, dict | None]:
     if rope_type not in REQUIRED_FIELDS:
         raise RunError(f"{source}: rope scaling type {rope_type!r} is not supported",
                        f"supported: {', '.join(REQUIRED_FIELDS)}")
-    for name in REQUIRED_FIELDS[rope_type]:
+    for name in REQUIRED_FIELDS[rope_type]:  # (yarn's factor may be null: max / original length then)
         value = rope.get(name)
         if name not in rope or not (isinstance(value, (int, float)) or (rope_type == "yarn" and value is None)):
             raise RunError(f"{source}: rope scaling type {rope_type!r} needs a number {name!r}"
@@ -159,7 +160,7 @@ def rope_settings(d: dict, source: str) -> tuple[float, dict | None]:
     if rope_type == "default":
         return float(theta), None
     if rope_type in ("llama3", "yarn"):  # transformers' default: the length it was trained at
-        rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
+        rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
     return float(theta), {"rope_type": rope_type, **rope}
 
 
