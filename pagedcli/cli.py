@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from pagedcli.errors import PagedCliError, RunError, UsageError
+from pagedcli.presets import RANDOM_PRESETS
 
 app = typer.Typer(
     add_completion=False,
@@ -39,8 +40,9 @@ def _group() -> None:
 
 # --- options shared by every command that runs a model ------------------------------------------
 Model = Annotated[Optional[str], typer.Option(
-    "--model", "-m", help="Model folder, Hub id, `demo`, or `random:llama-3.2-1b`. "
-    "Default: Llama-3.2-1B-Instruct if cached, else the built-in demo model.")]
+    "--model", "-m", help="Model folder, Hub id, `demo`, or random weights: `random:<preset>` or "
+    "`random:<folder with config.json>`. Default: Llama-3.2-1B-Instruct if cached, else the built-in demo model. "
+    f"Presets (public checkpoints' shapes): {', '.join(RANDOM_PRESETS)}.")]
 Device = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
 Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")]
 Batch = Annotated[int, typer.Option("--batch", "-b", help="Concurrent sequences (slots).")]

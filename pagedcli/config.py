@@ -11,10 +11,12 @@ from pathlib import Path
 import torch
 
 from pagedcli.errors import RunError, UsageError
+from pagedcli.rope import REQUIRED_FIELDS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 DEFAULT_BLOCK_SIZE = 16  # tokens per block, as in tiny-vllm and vLLM
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)  # the kernels unroll over these
+DEFAULT_MAX_POSITIONS = 2048  # max_position_embeddings when config.json has none (transformers' default)
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,10 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = None  # the rope parameters (rope_type and its fields); None for default
     tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q, k, v and o projections have biases
+    mlp_bias: bool = False  # gate, up and down projections have biases
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, repr=False, compare=False)
@@ -44,9 +48,25 @@ class ModelConfig:
         return self.num_heads * self.head_dim
 
     @property
+    def rope_type(self) -> str:
+        return self.rope_scaling["rope_type"] if self.rope_scaling else "default"
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the positions serve: max_position_embeddings, which dynamic NTK
+        (whose max_position_embeddings is the trained length) stretches by its factor."""
+        if self.rope_type == "dynamic":
+            return int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         per_layer = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + 3 * h * i + 2 * h
+        if self.attention_bias:
+            per_layer += self.q_dim + 2 * self.kv_dim + h
+        if self.mlp_bias:
+            per_layer += 2 * i + h
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
@@ -67,14 +87,7 @@ class ModelConfig:
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise RunError(f"{source}: hidden_act {act!r} is not supported", "Llama uses silu")
-        if d.get("attention_bias") or d.get("mlp_bias"):
-            raise RunError(f"{source}: attention_bias/mlp_bias are not supported", "Llama has no biases")
-        # transformers >= 5 writes RoPE settings as `rope_parameters` (theta and scaling together)
-        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-        rope_theta = d.get("rope_theta", rope.pop("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        if rope_type not in ("llama3", "default"):
-            raise RunError(f"{source}: rope scaling type {rope_type!r} is not supported", "supported: llama3")
+        rope_theta, rope_scaling = rope_settings(d, source)
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
@@ -86,11 +99,13 @@ class ModelConfig:
                 num_heads=heads,
                 num_kv_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                max_position_embeddings=int(d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
                 rope_theta=float(rope_theta),
-                rope_scaling=rope if rope_type == "llama3" else None,
+                rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", False)),
+                mlp_bias=bool(d.get("mlp_bias", False)),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=token_ids(d.get("eos_token_id")),
                 raw=d,
@@ -115,6 +130,38 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise RunError(f"{path} is not a JSON object")
         return cls.from_dict(d, source=str(path))
+
+
+def rope_settings(d: dict, source: str) -> tuple[float, dict | None]:
+    """config.json's RoPE settings as (rope_theta, parameters or None for the default type), read
+    as transformers reads them: `rope_scaling`, or transformers 5's `rope_parameters` (which holds
+    the theta too); the type as `rope_type` or `type`."""
+    rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise RunError(f"{source}: rope_scaling {rope!r} is not an object", "is this a Llama config.json?")
+    rope = dict(rope)
+    theta = rope.pop("rope_theta", None)
+    theta = d.get("rope_theta", 10000.0) if theta is None else theta
+    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    if rope_type not in REQUIRED_FIELDS:
+        raise RunError(f"{source}: rope scaling type {rope_type!r} is not supported",
+                       f"supported: {', '.join(REQUIRED_FIELDS)}")
+    for name in REQUIRED_FIELDS[rope_type]:  # (yarn's factor may be null: max / original length then)
+        value = rope.get(name)
+        if name not in rope or not (isinstance(value, (int, float)) or (rope_type == "yarn" and value is None)):
+            raise RunError(f"{source}: rope scaling type {rope_type!r} needs a number {name!r}"
+                           + ("" if name not in rope else f", not {value!r}"), "is this config.json complete?")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise RunError(f"{source}: partial_rotary_factor {rope['partial_rotary_factor']} is not supported",
+                       "Llama rotates whole heads")
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise RunError(f"{source}: rope_theta {theta!r} is not a positive number")
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type in ("llama3", "yarn"):  # transformers' default: the length it was trained at
+        rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
+    return float(theta), {"rope_type": rope_type, **rope}
 
 
 def read_json(path: Path) -> dict:

@@ -101,7 +101,7 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
     cache_bytes = parse_size(opts.cache_size or DEFAULT_CACHE[device.type])
     geometry = CacheGeometry.build(config, model.dtype, opts.block_size, opts.num_blocks, cache_bytes)
     pool_len = geometry.pool_tokens
-    max_model_len = min(config.max_position_embeddings, pool_len, opts.max_model_len or pool_len)
+    max_model_len = min(config.context_length, pool_len, opts.max_model_len or pool_len)
     cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks, opts.prefix_caching)
     if device.type == "cuda":
         from pagedcli.backends.cuda import CudaBackend

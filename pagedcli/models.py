@@ -3,8 +3,8 @@
 - a local Hugging Face folder (config.json, model.safetensors or a sharded index, tokenizer.json, ...);
 - a Hub id such as meta-llama/Llama-3.2-1B-Instruct (the local cache first, then a download);
 - `demo`: the small Shakespeare model that ships inside the package;
-- `random:llama-3.2-1b` (or `random:<folder with config.json>`): random weights of real shapes,
-  for benchmarks without a download;
+- `random:<preset>` (the config.json files in data/presets, e.g. `random:llama-3.2-1b`) or
+  `random:<folder with config.json>`: random weights of real shapes, for benchmarks without a download;
 - nothing: Llama-3.2-1B-Instruct when it is already in the local Hugging Face cache, else `demo`.
 """
 
@@ -17,11 +17,11 @@ from typing import Callable
 
 from pagedcli.config import ModelConfig, read_json, token_ids
 from pagedcli.errors import RunError, UsageError
+from pagedcli.presets import RANDOM_PRESETS
 
 DATA = Path(__file__).parent / "data"
 DEMO_FOLDER = DATA / "demo"
 REFERENCE_MODEL = "meta-llama/Llama-3.2-1B-Instruct"
-RANDOM_PRESETS = {"llama-3.2-1b": DATA / "llama-3.2-1b.json"}
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
 
 
@@ -81,9 +81,8 @@ def _random(spec: str) -> ModelSource:
         config_path = Path(what).expanduser()
         config_path = config_path / "config.json" if config_path.is_dir() else config_path
         if not config_path.is_file():
-            presets = ", ".join(f"random:{p}" for p in RANDOM_PRESETS)
             raise UsageError(f"--model {spec}: no such preset or config file",
-                             f"use {presets} or random:<folder with config.json>")
+                             f"presets: {', '.join(RANDOM_PRESETS)}; or random:<folder with config.json>")
     return ModelSource(spec, ModelConfig.from_file(config_path), None, random=True)
 
 

@@ -26,6 +26,11 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+    # biases, when config.json has attention_bias / mlp_bias (fused like their weights)
+    qkv_bias: torch.Tensor | None = None  # [q_dim + 2 kv_dim]
+    o_bias: torch.Tensor | None = None  # [hidden]
+    gate_up_bias: torch.Tensor | None = None  # [2 intermediate]
+    down_bias: torch.Tensor | None = None  # [hidden]
 
 
 @dataclass
@@ -40,7 +45,7 @@ class Weights:
         """Bytes of distinct weight tensors (a tied lm_head counts once)."""
         seen, total = set(), 0
         for t in [self.embed, self.norm, self.lm_head] + [w for l in self.layers for w in vars(l).values()]:
-            if t.data_ptr() not in seen:
+            if t is not None and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
         return total
@@ -61,6 +66,12 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
             p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
         }
+        if c.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (c.q_dim,), p + "self_attn.k_proj.bias": (c.kv_dim,),
+                       p + "self_attn.v_proj.bias": (c.kv_dim,), p + "self_attn.o_proj.bias": (c.hidden_size,)}
+        if c.mlp_bias:
+            shapes |= {p + "mlp.gate_proj.bias": (c.intermediate_size,), p + "mlp.up_proj.bias": (c.intermediate_size,),
+                       p + "mlp.down_proj.bias": (c.hidden_size,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     return shapes
@@ -118,7 +129,7 @@ class _TensorReader:
 
     def fused(self, names: list[str]) -> torch.Tensor:
         rows = [self.shapes[n][0] for n in names]
-        out = torch.empty((sum(rows), self.shapes[names[0]][1]), dtype=self.dtype, device=self.device)
+        out = torch.empty((sum(rows),) + self.shapes[names[0]][1:], dtype=self.dtype, device=self.device)
         for name, part in zip(names, out.split(rows)):
             self.read_into(name, part)
         return out
@@ -130,6 +141,7 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device) 
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
+        attn, mlp = config.attention_bias, config.mlp_bias
         layers.append(LayerWeights(
             input_norm=reader.read(p + "input_layernorm.weight"),
             qkv=reader.fused([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
@@ -137,6 +149,10 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device) 
             post_norm=reader.read(p + "post_attention_layernorm.weight"),
             gate_up=reader.fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
             down=reader.read(p + "mlp.down_proj.weight"),
+            qkv_bias=reader.fused([p + f"self_attn.{x}_proj.bias" for x in "qkv"]) if attn else None,
+            o_bias=reader.read(p + "self_attn.o_proj.bias") if attn else None,
+            gate_up_bias=reader.fused([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]) if mlp else None,
+            down_bias=reader.read(p + "mlp.down_proj.bias") if mlp else None,
         ))
     embed = reader.read("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else reader.read("lm_head.weight")
@@ -155,8 +171,12 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 
     def ones(n):
         return torch.ones(n, dtype=dtype, device=device)
 
-    layers = [LayerWeights(ones(h), normal(config.q_dim + 2 * config.kv_dim, h), normal(h, config.q_dim), ones(h),
-                           normal(2 * i, h), normal(h, i)) for _ in range(config.num_layers)]
+    qkv_rows = config.q_dim + 2 * config.kv_dim
+    attn, mlp = config.attention_bias, config.mlp_bias
+    layers = [LayerWeights(ones(h), normal(qkv_rows, h), normal(h, config.q_dim), ones(h), normal(2 * i, h), normal(h, i),
+                           qkv_bias=normal(qkv_rows) if attn else None, o_bias=normal(h) if attn else None,
+                           gate_up_bias=normal(2 * i) if mlp else None, down_bias=normal(h) if mlp else None)
+              for _ in range(config.num_layers)]
     embed = normal(config.vocab_size, h)
     lm_head = embed if config.tie_word_embeddings else normal(config.vocab_size, h)
     return Weights(embed, layers, ones(h), lm_head)

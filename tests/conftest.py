@@ -48,10 +48,12 @@ def hf_checkpoint(folder: Path, seed: int = 0, **overrides) -> Path:
     cfg.update(overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
-    with torch.no_grad():  # default init leaves norms at 1; vary them so a misplaced norm shows
+    with torch.no_grad():  # default init leaves norms at 1 and biases at 0; vary them so a misplaced one shows
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
     model.save_pretrained(folder)
     return folder
 

@@ -1,14 +1,19 @@
 """Backends: the steps of a forward pass, behind one small interface.
 
 What llama.py calls, layer by layer:
-- `attention_inputs(layer, x, norm_weight, qkv, eps, batch)`: RMSNorm(x) @ qkv.T, RoPE, and k and v
-  into their cache blocks; returns the rotated queries;
+- `attention_inputs(layer, x, norm_weight, qkv, eps, batch, bias=None)`: RMSNorm(x) @ qkv.T (+ bias),
+  RoPE, and k and v into their cache blocks; returns the rotated queries;
 - `attend(layer, q, batch)`: each new token's query against its sequence's K/V, read through the
   block table (causal: a token sees its own position and the ones before it);
-- `linear_add(x, weight, residual)`: residual + x @ weight.T (the o and down projections);
-- `norm_linear_silu(x, norm_weight, gate_up, eps)`: silu(gate) * up of RMSNorm(x) @ gate_up.T (the
-  MLP's first half);
+- `linear_add(x, weight, residual, bias=None)`: residual + (x @ weight.T + bias) (the o and down
+  projections);
+- `norm_linear_silu(x, norm_weight, gate_up, eps, bias=None)`: silu(gate) * up of RMSNorm(x) @ gate_up.T
+  (+ bias) (the MLP's first half);
 - `logits(x, norm_weight, lm_head, eps)`: the final norm and the LM head, as float32.
+
+`bias` is None unless config.json has attention_bias / mlp_bias (fused like the weights: q|k|v,
+gate|up). RoPE's cos and sin come from `backend.rope` (pagedcli.rope.RotaryTable): fixed tables
+`backend.cos`, `backend.sin` for the static types, per-token rows for dynamic NTK.
 
 Around it: `prepare(batch)` (the runner, once per step: index tensors the layers share) and
 `argmax(logits)` (the sampler: greedy tokens). The halves the fused steps are made of are methods

@@ -218,8 +218,12 @@ class CudaBackend(TorchBackend):
         else:
             self._step = {}  # decode needs nothing from the host: the batch tensors go to the kernels
             self._scratch_for(batch.slots.shape[0])
+        if not self.rope.static:  # per-token RoPE rows (dynamic NTK): the torch path's indices
+            self._step |= self._rope_indices(batch)
 
     def rope_write_kv(self, layer: int, q, k, v, batch: StepBatch):
+        if not self.rope.static:  # the kernel reads fixed cos/sin tables
+            return super().rope_write_kv(layer, q, k, v, batch)
         T = q.shape[0]
         kv_heads = self.cache.geometry.num_kv_heads
         if q.shape[1:] != (self.num_heads, self.head_dim) or k.shape[1:] != (kv_heads, self.head_dim) \
@@ -236,7 +240,9 @@ class CudaBackend(TorchBackend):
         ) + self._rope_kv_args(layer, batch, q_out))
         return q_out
 
-    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch):
+    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None):
+        if bias is not None or not self.rope.static:  # gemv.cu has no bias and reads fixed cos/sin tables
+            return super().attention_inputs(layer, x, norm_weight, qkv, eps, batch, bias)
         geo = self.cache.geometry
         T = x.shape[0] if x.dim() == 2 else 0
         if T == batch.positions.shape[0] and qkv.shape[0] == (self.num_heads + 2 * geo.num_kv_heads) * self.head_dim:
@@ -335,11 +341,15 @@ class CudaBackend(TorchBackend):
         out = self._gemv("rms_norm_float", x, lm_head, norm_weight, eps)
         return out if out is not None else super().logits(x, norm_weight, lm_head, eps)
 
-    def norm_linear_silu(self, x, norm_weight, gate_up, eps):
+    def norm_linear_silu(self, x, norm_weight, gate_up, eps, bias=None):
+        if bias is not None:  # gemv.cu has no bias
+            return super().norm_linear_silu(x, norm_weight, gate_up, eps, bias)
         out = self._gemv("rms_norm_silu_mul", x, gate_up, norm_weight, eps)
         return out if out is not None else super().norm_linear_silu(x, norm_weight, gate_up, eps)
 
-    def linear_add(self, x, weight, residual):
+    def linear_add(self, x, weight, residual, bias=None):
+        if bias is not None:  # gemv.cu has no bias
+            return super().linear_add(x, weight, residual, bias)
         out = self._gemv("plain_add", x, weight, residual=residual)
         return out if out is not None else super().linear_add(x, weight, residual)
 

@@ -23,8 +23,8 @@ class TorchBackend:
         self.cache = cache
         self.config = config
         self.block_size = cache.geometry.block_size
-        rope = RotaryTable(config, cache.max_model_len, cache.device)
-        self.cos, self.sin = rope.cos.to(cache.geometry.dtype), rope.sin.to(cache.geometry.dtype)
+        self.rope = RotaryTable(config, cache.max_model_len, cache.device, cache.geometry.dtype)
+        self.cos, self.sin = self.rope.cos, self.rope.sin  # the static types' tables (None for dynamic)
         self._step: dict = {}  # per-step index tensors shared by all layers
 
     # --- the layer's steps around its GEMMs ------------------------------------------------------
@@ -43,27 +43,29 @@ class TorchBackend:
         """RMSNorm(x) @ weight.T: the pre-norm of attention and of the MLP, with the GEMM after it."""
         return self._norm_then_matmul(x, norm_weight, weight, eps)
 
-    def _norm_then_matmul(self, x, norm_weight, weight, eps):
+    def _norm_then_matmul(self, x, norm_weight, weight, eps, bias=None):
         # the composites below build on this, not on norm_linear: a backend that fuses norm_linear
         # and falls back to these composites has already found its fused kernel does not apply
-        return self.rms_norm(x, norm_weight, eps) @ weight.T
+        return _linear(self.rms_norm(x, norm_weight, eps), weight, bias)
 
-    def linear_add(self, x, weight, residual):
-        """residual + x @ weight.T: the o and down projections, back into the residual stream. The
-        residual may be updated in place (the CUDA backend does): callers use only what is returned."""
-        return residual + x @ weight.T
+    def linear_add(self, x, weight, residual, bias=None):
+        """residual + (x @ weight.T + bias): the o and down projections, back into the residual
+        stream. The residual may be updated in place (the CUDA backend does): callers use only what
+        is returned."""
+        return residual + _linear(x, weight, bias)
 
-    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch):
-        """RMSNorm(x) @ qkv.T, then RoPE on q and k and k, v into the cache: the rotated queries,
-        [T, heads, head_dim]."""
+    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None):
+        """RMSNorm(x) @ qkv.T (+ bias), then RoPE on q and k and k, v into the cache: the rotated
+        queries, [T, heads, head_dim]."""
         T, c = x.shape[0], self.config
-        q, k, v = self._norm_then_matmul(x, norm_weight, qkv, eps).split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        qkv_out = self._norm_then_matmul(x, norm_weight, qkv, eps, bias)
+        q, k, v = qkv_out.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
         return self.rope_write_kv(layer, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
                                   v.view(T, c.num_kv_heads, c.head_dim), batch)
 
-    def norm_linear_silu(self, x, norm_weight, gate_up, eps):
-        """silu(gate) * up of RMSNorm(x) @ gate_up.T: the MLP's first half, with its pre-norm."""
-        return self.silu_mul(self._norm_then_matmul(x, norm_weight, gate_up, eps))
+    def norm_linear_silu(self, x, norm_weight, gate_up, eps, bias=None):
+        """silu(gate) * up of RMSNorm(x) @ gate_up.T (+ bias): the MLP's first half, with its pre-norm."""
+        return self.silu_mul(self._norm_then_matmul(x, norm_weight, gate_up, eps, bias))
 
     def logits(self, x, norm_weight, lm_head, eps):
         """The final norm and the LM head: float32 logits of the dtype's product."""
@@ -80,13 +82,24 @@ class TorchBackend:
         self._step = self._rope_indices(batch) | self._attention_indices(batch)
 
     def _rope_indices(self, batch: StepBatch) -> dict:
-        """What rope_write_kv needs: each new token's rotary row and where its K/V go."""
-        slots = batch.slots.long()
+        """What rope_write_kv needs: each new token's rotary row and where its K/V go.
+
+        Rows at position -1 are padding (a CUDA graph's rows past the real batch) and must write
+        nothing: each takes row 0's write instead (the same values to the same place), and when
+        row 0 is padding too (so is every row) all write back what is there. Device ops only."""
+        positions = batch.positions
+        cos, sin = self.rope.rows(positions.clamp(min=0), batch.context_lens[batch.token_seq])
+        T = positions.shape[0]
+        real = positions >= 0
+        source = torch.where(real, torch.arange(T, device=positions.device), 0)
+        at = positions.clamp(min=0)[source]
         return {
-            "cos": self.cos[batch.positions], "sin": self.sin[batch.positions],
-            "token_slot": slots[batch.token_seq],
-            "token_block": batch.positions // self.block_size,
-            "token_offset": batch.positions % self.block_size,
+            "cos": cos, "sin": sin,
+            "token_slot": batch.slots.long()[batch.token_seq][source],
+            "token_block": at // self.block_size,
+            "token_offset": at % self.block_size,
+            "write_row": source,
+            "write_nothing": ~real[source][:, None, None],
         }
 
     def _attention_indices(self, batch: StepBatch) -> dict:
@@ -116,8 +129,9 @@ class TorchBackend:
         s = self._step
         q, k = apply_rope(q, s["cos"], s["sin"]), apply_rope(k, s["cos"], s["sin"])
         physical = self.cache.device_table[s["token_slot"], layer, s["token_block"]].long()
-        self.cache.pool[physical, 0, s["token_offset"]] = k
-        self.cache.pool[physical, 1, s["token_offset"]] = v
+        pool, offset, row, keep = self.cache.pool, s["token_offset"], s["write_row"], s["write_nothing"]
+        pool[physical, 0, offset] = torch.where(keep, pool[physical, 0, offset], k[row])
+        pool[physical, 1, offset] = torch.where(keep, pool[physical, 1, offset], v[row])
         return q
 
     def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -131,3 +145,8 @@ class TorchBackend:
             q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=s["mask"], enable_gqa=True
         )  # [B, heads, Lq, head_dim]
         return out.transpose(1, 2)[batch.token_seq, s["token_row"]]  # [T, heads, head_dim]
+
+
+def _linear(x, weight, bias):
+    """x @ weight.T (+ bias, as nn.Linear adds it)."""
+    return x @ weight.T if bias is None else F.linear(x, weight, bias)
