@@ -107,6 +107,18 @@ def test_plan_sends_to_torch_only_what_the_kernel_cannot_serve():
     assert plan_kernels(wide, geometry(wide, torch.bfloat16), clusters=True).attention_decode
 
 
+def test_biases_and_dynamic_rope_are_named_as_torch_ops():
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+            "max_position_embeddings": 64}
+    cases = {"q/k/v and o projections": {"attention_bias": True}, "gate/up and down projections": {"mlp_bias": True},
+             "RoPE and the K/V write": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}}
+    for op, extra in cases.items():
+        config = ModelConfig.from_dict(base | extra, source="test")
+        plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=True)
+        assert set(plan.fallbacks) == {op} and plan.attention_decode
+
+
 def test_shared_memory_mirror_matches_the_kernel():
     """cuda_build's sum of the decode kernel's shared memory is the kernel's own: a shape just over
     the limit by the Python count fails nvcc's static_assert, one just under compiles."""

@@ -5,6 +5,7 @@
 #   tools/prepare_gpu_assets.sh          # here: copy ../shared assets into .gpu/ (git-ignored)
 #   TRAIN=1 tools/gpu_round.sh           # there (the device tool carries .gpu/)
 #   TUNE=1 BENCH=0 TESTS=tests/test_cuda_kernels.py tools/gpu_round.sh   # kernels, tunables, profile
+#   ZOO=1 BENCH=0 TESTS=none tools/gpu_round.sh   # bench every preset at batch 1 and 16 (docs/performance.md's table)
 #
 # The whole GPU suite takes about 8 minutes on an H200 (most of it the end-to-end tests against
 # transformers): where one call is limited to 10 minutes, run the tests in one (BENCH=0) and
@@ -42,6 +43,15 @@ if [ "${TUNE:-0}" = 1 ]; then
   log "batch-1 decode under the backend's tunables, then a kernel profile"
   eval "tune_args=(${TUNE_ARGS:-})"  # quoted words stay whole: TUNE_ARGS='--only "gemv (default)"'
   timeout "${TUNE_TIMEOUT:-240}" python3 tools/tune_decode.py "${tune_args[@]}" 2>&1 | tee "$OUT/tune.txt"
+fi
+
+if [ "${ZOO:-0}" = 1 ]; then
+  log "bench every preset (random weights of public checkpoints' shapes), batch 1 and 16, 128 in / 128 out"
+  for preset in $(python3 -c "from pagedcli.presets import RANDOM_PRESETS; print(' '.join(RANDOM_PRESETS))"); do
+    timeout 120 pagedcli bench --model "random:$preset" --batch 1,16 --input-len 128 --output-len 128 --json \
+      >>"$OUT/zoo.jsonl" 2>>"$OUT/zoo.err" || echo "$preset: exit $?" | tee -a "$OUT/zoo.err"
+  done
+  python3 tools/zoo_table.py "$OUT/zoo.jsonl" | tee "$OUT/zoo.md"
 fi
 
 if [ "${BENCH:-1}" = 1 ]; then

@@ -178,6 +178,15 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool) -
     plan.files["gemv.cu"] = (gemv, tuple(gemv_kernel_names()))
     plan.files["argmax.cu"] = (dtype + (("ARGMAX_THREADS", ARGMAX_THREADS),), ("argmax_rows",))
 
+    # what gemv.cu and kv_write.cu have no epilogue or table for (the CUDA backend checks the same)
+    if config.attention_bias:
+        plan.fallbacks["q/k/v and o projections"] = "attention_bias: gemv.cu adds no bias; cuBLAS, then torch's add"
+    if config.mlp_bias:
+        plan.fallbacks["gate/up and down projections"] = "mlp_bias: gemv.cu adds no bias; cuBLAS, then torch's add"
+    if config.rope_type == "dynamic":
+        plan.fallbacks["RoPE and the K/V write"] = ("dynamic NTK RoPE rotates each token by its sequence's length, "
+                                                    "not by one fixed table")
+
     plan.heads_per_cta = heads_per_cta(config.num_heads // config.num_kv_heads)
     small_q = plan.heads_per_cta <= 4  # q and its sums in registers leave room for more rows and CTAs
     plan.attn_min_ctas = MIN_CTAS_SMALL_Q if small_q else MIN_CTAS_LARGE_Q
