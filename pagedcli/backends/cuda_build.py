@@ -26,7 +26,7 @@ ATTN_STAGES = 4  # load steps of the decode kernel in flight per lane (cp.async 
 # serving <= 4 query heads, and more (q and the sums then take more registers).
 UNROLL_SMALL_Q, MIN_CTAS_SMALL_Q = 4, 5
 UNROLL_LARGE_Q, MIN_CTAS_LARGE_Q = 2, 3
-MAX_HEADS_PER_CTA = 8  # query heads one decode CTA serves (q and the accumulators live in registers)
+MAX_HEADS_PER_CTA = 4  # query heads one decode CTA serves (docs/performance.md: 8 was slower at GQA 8)
 ATTN_STATIC_SHARED = 48 * 1024  # static shared memory a CTA may declare (CUDA's limit)
 # Cap on decode CTAs (per SM) when choosing the number of splits (docs/performance.md: the splits a
 # short context does not need still launch CTAs that find no work and leave).
