@@ -151,10 +151,30 @@ def start_requests(opts, prompts, prompt_file, chat, sampling: dict, samples, co
     params = gen.sampling_defaults(params, loaded.source.generation_config, given,
                                    f"{loaded.source.name}'s generation_config.json")
     seqs = gen.add_requests(loaded.engine, loaded.tokenizer, texts, params, use_chat, samples)
-    for s in seqs:
-        if s.error and s.id % samples == 0:  # one line per prompt, not per answer
-            err.print(f"[bold red]error:[/bold red] prompt {s.id // samples + 1}: {escape(s.error)}", soft_wrap=True)
+    report_failures(seqs, samples)
     return loaded, seqs, use_chat
+
+
+def report_failures(seqs, samples: int, skip: set[int] | None = None) -> None:
+    """One line per failed request. skip None: before the run, where every failure is a refused
+    prompt (one line per prompt, for all its answers); else after it, the answers that failed while
+    running (those not in `skip`, the refused), one line each."""
+    for s in seqs:
+        if not s.error or (skip is not None and s.id in skip):
+            continue
+        prompt, answer = divmod(s.id, samples)
+        if skip is None and answer:
+            continue  # said once, for its prompt's first answer
+        what = f"prompt {prompt + 1}" if skip is None or samples == 1 else f"answer {prompt + 1}.{answer + 1}"
+        err.print(f"[bold red]error:[/bold red] {what}: {escape(s.error)}", soft_wrap=True)
+
+
+def exit_for_failures(seqs, refused: set[int]) -> None:
+    """Exit 2 when a prompt was refused (a usage mistake), else 1 when a request failed while running."""
+    if refused:
+        raise typer.Exit(2)
+    if any(s.error for s in seqs):
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -204,13 +224,14 @@ def generate(
     out = view.out if view else None
     printer = (JsonPrinter(loaded.tokenizer, seqs, samples, out) if json_output
                else TextPrinter(loaded.tokenizer, seqs, samples, echo_prompt=not use_chat, out=out))
+    refused = {s.id for s in seqs if s.error}
     start = time.perf_counter()
     with view or contextlib.nullcontext():
         gen.run(engine, printer, seqs, on_step=view.on_step if view else None)
+    report_failures(seqs, samples, refused)
     if not json_output:
         notice(gen.summary(seqs, time.perf_counter() - start, engine))
-    if any(s.error for s in seqs):
-        raise typer.Exit(2)
+    exit_for_failures(seqs, refused)
 
 
 @app.command("inspect-cache")
@@ -256,14 +277,15 @@ def inspect_cache(
     num_layers = loaded.engine.cache.geometry.num_layers
     if not 0 <= layer < num_layers:
         raise UsageError(f"--layer {layer} is out of range", f"the model has layers 0-{num_layers - 1}")
+    refused = {s.id for s in seqs if s.error}
     snap, view = ic.capture(loaded.engine, slot, at_step)
+    report_failures(seqs, samples, refused)
     decode = functools.partial(loaded.tokenizer.decode, skip_special_tokens=False)
     if json_output:
         print(json.dumps(ic.to_json(snap, view, decode), ensure_ascii=False))
     else:
         Console(highlight=False).print(ic.render(snap, view, decode, layer))
-    if any(s.error for s in seqs):  # shown, but a prompt was refused: as generate does
-        raise typer.Exit(2)
+    exit_for_failures(seqs, refused)  # shown, but a request failed: as generate does
 
 
 @app.command()
