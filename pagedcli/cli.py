@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from pagedcli.errors import PagedCliError, RunError, UsageError
+from pagedcli.errors import PagedCliError, RunError, UsageError, allocation_failure
 
 app = typer.Typer(
     add_completion=False,
@@ -84,8 +84,10 @@ def friendly_errors(fn):
             sys.stdout.flush()
             err.print("\n[yellow]interrupted[/yellow]")
             raise typer.Exit(130) from None
-        except MemoryError:
-            fail(RunError("out of memory", "use a smaller --cache-size or --batch"))
+        except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeErrors
+            if (oom := allocation_failure(e)) is None:
+                raise
+            fail(oom)
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise  # (a closed pipe, as in `| head`, is click's to handle: it exits quietly)
@@ -93,10 +95,6 @@ def friendly_errors(fn):
             with contextlib.suppress(OSError, ValueError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             fail(RunError(f"writing the output failed: {e.strerror}", "free some space, or write it elsewhere"))
-        except Exception as e:
-            if type(e).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError
-                fail(RunError("out of GPU memory", "use a smaller --cache-size or --batch"))
-            raise
 
     return wrapper
 
