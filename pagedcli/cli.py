@@ -1,6 +1,8 @@
 """The command line: options, messages and exit codes only; the work happens elsewhere.
 
-Exit codes: 0 done, 1 a failure while running, 2 a usage mistake, 130 interrupted (Ctrl-C).
+Exit codes: 0 done, 1 a failure while running, 2 a usage mistake; ended by a signal, 128 + its
+number: 130 interrupted (Ctrl-C), 143 terminated (SIGTERM), 129 hung up (SIGHUP), 141 the reader of
+stdout went away (a closed pipe).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -77,26 +80,64 @@ def friendly_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with ending_signals():
+                return fn(*args, **kwargs)
         except PagedCliError as e:
             fail(e)
-        except KeyboardInterrupt:
-            sys.stdout.flush()
-            err.print("\n[yellow]interrupted[/yellow]")
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (Terminated)
+            signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+            with contextlib.suppress(OSError, ValueError):  # (after SIGHUP the terminal may be gone)
+                sys.stdout.flush()
+                err.print(f"\n[yellow]{ENDED_BY.get(signum, 'interrupted')}[/yellow]")
+            raise typer.Exit(128 + signum) from None
         except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeErrors
             if (oom := allocation_failure(e)) is None:
                 raise
             fail(oom)
         except OSError as e:
+            if e.errno == errno.EPIPE:  # whoever read the output stopped (`| head`): end quietly, as SIGPIPE would
+                with contextlib.suppress(OSError, ValueError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                raise typer.Exit(128 + signal.SIGPIPE) from None
             if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise  # (a closed pipe, as in `| head`, is click's to handle: it exits quietly)
+                raise
             # the output could not be written: say so once, and let nothing else try to write it
             with contextlib.suppress(OSError, ValueError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             fail(RunError(f"writing the output failed: {e.strerror}", "free some space, or write it elsewhere"))
 
     return wrapper
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the program is, so that it ends as Ctrl-C ends it (what was
+    printed stays, the engine gives its blocks back)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+ENDED_BY = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}
+
+
+@contextlib.contextmanager
+def ending_signals():
+    """SIGTERM and SIGHUP raise Terminated while a command runs (exit 143 and 129, as 130 for Ctrl-C)."""
+    def raise_terminated(signum, _frame):
+        raise Terminated(signum)
+
+    previous = {}
+    try:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, raise_terminated)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def fail(e: PagedCliError):
@@ -325,6 +366,9 @@ def bench(
         raise UsageError(f"--compare {compare!r} is not known", "use --compare hf")
     if prefix_len < 0:
         raise UsageError(f"--prefix-len {prefix_len}: must be 0 or more")
+    if prefix_len and prompt_file is not None:
+        raise UsageError("--prefix-len makes random prompts share a prefix, so it cannot apply to --prompt-file",
+                         "leave one of them out (a file's prompts share what they share)")
     if num_prompts is not None and num_prompts < 1:
         raise UsageError(f"--num-prompts {num_prompts}: must be at least 1", "leave it out for one per slot")
     if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):

@@ -45,6 +45,7 @@ def _draw(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs >= p.top_p  # keep the smallest prefix reaching top_p
+        drop[0] = False  # and the likeliest token always (transformers, vLLM): a top_p that is 0 in float32 drops all
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=seq.generator)[0]
