@@ -8,6 +8,8 @@ held against (as gpt-fast reports GB/s beside tokens/s).
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
 import statistics
 import time
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 
 from pagedcli.engine import Engine
-from pagedcli.errors import UsageError
+from pagedcli.errors import RunError, UsageError
 from pagedcli.loader import EngineOptions, Model, build_engine
 from pagedcli.sequence import SamplingParams
 
@@ -102,12 +104,9 @@ def measure_bandwidth(device: torch.device) -> float:
     """Device memory bandwidth in GB/s from a large copy (bytes read + bytes written), measured
     once per device and kept in ~/.cache/pagedcli."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{torch.get_num_threads()}t"
-    try:
-        cached = json.loads(BANDWIDTH_CACHE.read_text())
-    except (OSError, json.JSONDecodeError):
-        cached = {}
+    cached = _read_bandwidth_cache()
     if name in cached:
-        return float(cached[name])
+        return cached[name]
     nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
@@ -127,6 +126,20 @@ def measure_bandwidth(device: torch.device) -> float:
     except OSError:
         pass
     return gbps
+
+
+def _read_bandwidth_cache() -> dict[str, float]:
+    """The measured bandwidths, by device; a cache file that is missing, unreadable or not what this
+    writes counts as empty (it is measured again and rewritten), and so does any entry that is not
+    a positive number."""
+    try:
+        cached = json.loads(BANDWIDTH_CACHE.read_bytes().decode("utf-8"))
+    except (OSError, ValueError):  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        return {}
+    if not isinstance(cached, dict):
+        return {}
+    return {k: float(v) for k, v in cached.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0}
 
 
 def _sync(device: torch.device) -> None:
@@ -204,6 +217,10 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
             progress(num_finished, n)
     _sync(device)
     elapsed = time.perf_counter() - start
+    failed = [s for s in seqs if s.error]
+    if failed:  # figures for fewer requests than asked would be mislabelled
+        which = "every request" if len(failed) == n else f"{len(failed)} of {n} requests"
+        raise RunError(f"{which} failed, the first: {failed[0].error}")
 
     geo = engine.cache.geometry
     output_tokens = sum(len(s.output_token_ids) for s in seqs)
@@ -262,8 +279,8 @@ def _warm_up(engine: Engine, requests: list) -> None:
 
 
 def plot_path(path: Path) -> Path:
-    """Where --plot will write, checked before the benchmark runs: a PNG file (".png" added when the
-    name has no suffix) in a folder that exists."""
+    """Where --plot will write, checked before the benchmark runs: a file in a format matplotlib
+    writes (PNG, ".png", when the name has no suffix) in a folder that exists and may be written."""
     path = Path(path).expanduser()
     if path.is_dir():
         raise UsageError(f"--plot {path}: is a folder", "give a file name, e.g. bench.png")
@@ -271,11 +288,19 @@ def plot_path(path: Path) -> Path:
         path = path.with_suffix(".png")
     if not path.parent.is_dir():
         raise UsageError(f"--plot {path}: no folder {path.parent}", "create it, or save the plot elsewhere")
+    if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"--plot {path}: cannot be written (permission denied)", "save the plot elsewhere")
+    _pyplot()  # matplotlib is there, before the benchmark runs
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise UsageError(f"--plot {path}: matplotlib cannot write {path.suffix} files",
+                         f"use one of {', '.join('.' + f for f in sorted(formats))}")
     return path
 
 
-def plot(results: list[dict], path: Path) -> None:
-    """tokens/s and decode step time against batch size, beside the roofline step time."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -283,6 +308,12 @@ def plot(results: list[dict], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib", 'pip install "pagedcli[plot]"') from None
+    return plt
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """tokens/s and decode step time against batch size, beside the roofline step time."""
+    plt = _pyplot()
     batches = [r["batch"] for r in results]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(batches, [r["decode_tokens_per_s"] for r in results], "o-", label="decode")

@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from pagedcli.config import CacheGeometry
-from pagedcli.errors import RunError
+from pagedcli.errors import allocation_failure
 from pagedcli.prefix_cache import PrefixCache, extend_block_hashes
 
 UNASSIGNED = -1
+MAX_ID = int(np.iinfo(np.int32).max)  # block ids and slots are int32 (the table, the step's batch): at most this
 
 
 class OutOfBlocks(Exception):
@@ -91,11 +92,12 @@ class KVCache:
         self.device = torch.device(device)
         try:  # zeros, not empty: never-written token slots must hold finite numbers
             self.pool = torch.zeros(geometry.pool_shape, dtype=geometry.dtype, device=self.device)
-        except RuntimeError as e:  # the CPU allocator's failure (and CUDA's out-of-memory error) are RuntimeErrors
-            if "alloc" not in str(e).lower():
+        except (RuntimeError, MemoryError) as e:
+            oom = allocation_failure(e, f"the KV pool ({geometry.pool_bytes / 2**30:,.1f} GiB)",
+                                     "use a smaller --cache-size or --num-blocks")
+            if oom is None:
                 raise
-            raise RunError(f"the KV pool ({geometry.pool_bytes / 2**30:,.1f} GiB) does not fit in {self.device.type} "
-                           "memory", "use a smaller --cache-size or --num-blocks") from None
+            raise oom from None
         self.prefix_cache = PrefixCache() if prefix_caching else None
         self.allocator = BlockAllocator(geometry.num_blocks, shuffle_seed,
                                         on_reuse=self.prefix_cache.forget if prefix_caching else None)

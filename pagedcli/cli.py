@@ -1,6 +1,8 @@
 """The command line: options, messages and exit codes only; the work happens elsewhere.
 
-Exit codes: 0 done, 1 a failure while running, 2 a usage mistake, 130 interrupted (Ctrl-C).
+Exit codes: 0 done, 1 a failure while running, 2 a usage mistake; ended by a signal, 128 + its
+number: 130 interrupted (Ctrl-C), 143 terminated (SIGTERM), 129 hung up (SIGHUP), 141 the reader of
+stdout went away (a closed pipe).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from pagedcli.errors import PagedCliError, RunError, UsageError
+from pagedcli.errors import PagedCliError, RunError, UsageError, allocation_failure
 from pagedcli.presets import RANDOM_PRESETS
 
 app = typer.Typer(
@@ -79,28 +82,64 @@ def friendly_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with ending_signals():
+                return fn(*args, **kwargs)
         except PagedCliError as e:
             fail(e)
-        except KeyboardInterrupt:
-            sys.stdout.flush()
-            err.print("\n[yellow]interrupted[/yellow]")
-            raise typer.Exit(130) from None
-        except MemoryError:
-            fail(RunError("out of memory", "use a smaller --cache-size or --batch"))
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (Terminated)
+            signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+            with contextlib.suppress(OSError, ValueError):  # (after SIGHUP the terminal may be gone)
+                sys.stdout.flush()
+                err.print(f"\n[yellow]{ENDED_BY.get(signum, 'interrupted')}[/yellow]")
+            raise typer.Exit(128 + signum) from None
+        except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeErrors
+            if (oom := allocation_failure(e)) is None:
+                raise
+            fail(oom)
         except OSError as e:
+            if e.errno == errno.EPIPE:  # whoever read the output stopped (`| head`): end quietly, as SIGPIPE would
+                with contextlib.suppress(OSError, ValueError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                raise typer.Exit(128 + signal.SIGPIPE) from None
             if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise  # (a closed pipe, as in `| head`, is click's to handle: it exits quietly)
+                raise
             # the output could not be written: say so once, and let nothing else try to write it
             with contextlib.suppress(OSError, ValueError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             fail(RunError(f"writing the output failed: {e.strerror}", "free some space, or write it elsewhere"))
-        except Exception as e:
-            if type(e).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError
-                fail(RunError("out of GPU memory", "use a smaller --cache-size or --batch"))
-            raise
 
     return wrapper
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the program is, so that it ends as Ctrl-C ends it (what was
+    printed stays, the engine gives its blocks back)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+ENDED_BY = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}
+
+
+@contextlib.contextmanager
+def ending_signals():
+    """SIGTERM and SIGHUP raise Terminated while a command runs (exit 143 and 129, as 130 for Ctrl-C)."""
+    def raise_terminated(signum, _frame):
+        raise Terminated(signum)
+
+    previous = {}
+    try:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, raise_terminated)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def fail(e: PagedCliError):
@@ -153,10 +192,30 @@ def start_requests(opts, prompts, prompt_file, chat, sampling: dict, samples, co
     params = gen.sampling_defaults(params, loaded.source.generation_config, given,
                                    f"{loaded.source.name}'s generation_config.json")
     seqs = gen.add_requests(loaded.engine, loaded.tokenizer, texts, params, use_chat, samples)
-    for s in seqs:
-        if s.error and s.id % samples == 0:  # one line per prompt, not per answer
-            err.print(f"[bold red]error:[/bold red] prompt {s.id // samples + 1}: {escape(s.error)}", soft_wrap=True)
+    report_failures(seqs, samples)
     return loaded, seqs, use_chat
+
+
+def report_failures(seqs, samples: int, skip: set[int] | None = None) -> None:
+    """One line per failed request. skip None: before the run, where every failure is a refused
+    prompt (one line per prompt, for all its answers); else after it, the answers that failed while
+    running (those not in `skip`, the refused), one line each."""
+    for s in seqs:
+        if not s.error or (skip is not None and s.id in skip):
+            continue
+        prompt, answer = divmod(s.id, samples)
+        if skip is None and answer:
+            continue  # said once, for its prompt's first answer
+        what = f"prompt {prompt + 1}" if skip is None or samples == 1 else f"answer {prompt + 1}.{answer + 1}"
+        err.print(f"[bold red]error:[/bold red] {what}: {escape(s.error)}", soft_wrap=True)
+
+
+def exit_for_failures(seqs, refused: set[int]) -> None:
+    """Exit 2 when a prompt was refused (a usage mistake), else 1 when a request failed while running."""
+    if refused:
+        raise typer.Exit(2)
+    if any(s.error for s in seqs):
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -206,13 +265,14 @@ def generate(
     out = view.out if view else None
     printer = (JsonPrinter(loaded.tokenizer, seqs, samples, out) if json_output
                else TextPrinter(loaded.tokenizer, seqs, samples, echo_prompt=not use_chat, out=out))
+    refused = {s.id for s in seqs if s.error}
     start = time.perf_counter()
     with view or contextlib.nullcontext():
         gen.run(engine, printer, seqs, on_step=view.on_step if view else None)
+    report_failures(seqs, samples, refused)
     if not json_output:
         notice(gen.summary(seqs, time.perf_counter() - start, engine))
-    if any(s.error for s in seqs):
-        raise typer.Exit(2)
+    exit_for_failures(seqs, refused)
 
 
 @app.command("inspect-cache")
@@ -258,14 +318,15 @@ def inspect_cache(
     num_layers = loaded.engine.cache.geometry.num_layers
     if not 0 <= layer < num_layers:
         raise UsageError(f"--layer {layer} is out of range", f"the model has layers 0-{num_layers - 1}")
+    refused = {s.id for s in seqs if s.error}
     snap, view = ic.capture(loaded.engine, slot, at_step)
+    report_failures(seqs, samples, refused)
     decode = functools.partial(loaded.tokenizer.decode, skip_special_tokens=False)
     if json_output:
         print(json.dumps(ic.to_json(snap, view, decode), ensure_ascii=False))
     else:
         Console(highlight=False).print(ic.render(snap, view, decode, layer))
-    if any(s.error for s in seqs):  # shown, but a prompt was refused: as generate does
-        raise typer.Exit(2)
+    exit_for_failures(seqs, refused)  # shown, but a request failed: as generate does
 
 
 @app.command()
@@ -307,6 +368,9 @@ def bench(
         raise UsageError(f"--compare {compare!r} is not known", "use --compare hf")
     if prefix_len < 0:
         raise UsageError(f"--prefix-len {prefix_len}: must be 0 or more")
+    if prefix_len and prompt_file is not None:
+        raise UsageError("--prefix-len makes random prompts share a prefix, so it cannot apply to --prompt-file",
+                         "leave one of them out (a file's prompts share what they share)")
     if num_prompts is not None and num_prompts < 1:
         raise UsageError(f"--num-prompts {num_prompts}: must be at least 1", "leave it out for one per slot")
     if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):

@@ -287,6 +287,6 @@ def parse_size(text: str) -> int:
         value = float(num)
     except ValueError:
         value = -1
-    if unit not in units or value <= 0:
+    if unit not in units or not 0 < value < float("inf"):  # (nan fails the comparison too)
         raise UsageError(f"--cache-size {text!r} is not a size", "write it like 2GiB, 512MiB or 100MB")
     return int(value * units[unit])

@@ -2,7 +2,12 @@
 
 `UsageError` is a mistake in what the user asked for (exit code 2); `RunError` is something that
 went wrong while doing it (exit code 1). Both carry a hint: the way out.
+
+`allocation_failure` is the one place that recognizes running out of memory, in any of the forms
+torch, numpy and Python report it.
 """
+
+import re
 
 
 class PagedCliError(Exception):
@@ -23,3 +28,25 @@ class UsageError(PagedCliError):
 
 class RunError(PagedCliError):
     exit_code = 1
+
+
+# what torch's allocators say when they fail (a plain RuntimeError on the CPU; torch.OutOfMemoryError,
+# a RuntimeError too, on a GPU)
+_ALLOCATION_TEXT = re.compile(r"can't allocate|cannot allocate|out of memory|failed to allocate", re.IGNORECASE)
+OUT_OF_MEMORY_HINT = "use a smaller --cache-size, --batch or prompt"
+
+
+def is_allocation_failure(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and bool(_ALLOCATION_TEXT.search(str(e))))
+
+
+def allocation_failure(e: BaseException, what: str | None = None, hint: str = OUT_OF_MEMORY_HINT) -> RunError | None:
+    """The one-line RunError for a failed allocation (None when `e` is something else): "`what`
+    does not fit in memory", or "out of memory" with torch's figure of what it asked for, if it
+    gives one."""
+    if not is_allocation_failure(e):
+        return None
+    where = "GPU memory" if "cuda" in str(e).lower() or type(e).__name__ == "OutOfMemoryError" else "cpu memory"
+    asked = re.search(r"tried to allocate ([\d.]+ ?[KMGT]i?B|\d+ bytes)", str(e), re.IGNORECASE)
+    detail = f" (it asked for {asked.group(1)})" if asked else ""
+    return RunError(f"{what} does not fit in {where}" if what else f"out of {where}{detail}", hint)

@@ -13,11 +13,15 @@ from pagedcli.sequence import SamplingParams, Sequence
 
 
 def read_prompts(prompts: list[str], prompt_file: Path | None) -> list[str]:
-    """Arguments first, then the file's non-empty lines."""
+    """Arguments first, then the file's non-empty lines. Lines end at "\n" (or "\r\n") only, not
+    at the other breaks str.splitlines knows (U+2028, U+0085, form feed...), which a prompt may hold;
+    a byte-order mark at the start of the file is not part of its first prompt."""
     prompts = list(prompts)
+    for i, prompt in enumerate(prompts):
+        check_text(prompt, f"prompt {i + 1}")
     if prompt_file is not None:
         try:
-            text = Path(prompt_file).read_bytes().decode("utf-8")
+            text = Path(prompt_file).read_bytes().decode("utf-8-sig")
         except FileNotFoundError:
             raise UsageError(f"--prompt-file {prompt_file}: no such file") from None
         except IsADirectoryError:
@@ -27,13 +31,25 @@ def read_prompts(prompts: list[str], prompt_file: Path | None) -> list[str]:
         except UnicodeDecodeError as e:
             raise UsageError(f"--prompt-file {prompt_file}: not UTF-8 text (byte {e.start})",
                              "save it as UTF-8, one prompt per line") from None
-        prompts += [line for line in text.splitlines() if line.strip()]
+        prompts += [line.removesuffix("\r") for line in text.split("\n") if line.strip()]
     if not prompts:
         if prompt_file is not None:
             raise UsageError(f"--prompt-file {prompt_file}: has no prompts (every line is empty)",
                              "write one prompt per line")
         raise UsageError("no prompt given", 'pass one, e.g. pagedcli generate "ROMEO:", or use --prompt-file')
     return prompts
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse text that is not valid Unicode: an argument with bytes that are not UTF-8 arrives
+    with them as lone surrogates (Python's surrogateescape), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        bad = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+        raise UsageError(f"{what} is not valid UTF-8 text ({bad} at character {e.start + 1})",
+                         "pass UTF-8 text, or put the prompts in a UTF-8 --prompt-file") from None
 
 
 def sampling_defaults(params: SamplingParams, generation_config: dict, given: set[str],

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from pagedcli.backends import TorchBackend
-from pagedcli.cache import KVCache
+from pagedcli.cache import MAX_ID, KVCache
 from pagedcli.config import DEFAULT_BLOCK_SIZE, CacheGeometry, parse_size
 from pagedcli.engine import Engine
 from pagedcli.errors import UsageError
@@ -43,6 +43,9 @@ class EngineOptions:
     def __post_init__(self):  # checked here, so before anything slow is loaded
         if self.batch < 1:
             raise UsageError(f"--batch {self.batch}: needs at least one slot", "use --batch 1 or more")
+        if self.batch > MAX_ID:
+            raise UsageError(f"--batch {self.batch}: more slots than the {MAX_ID:,} a block table can number",
+                             "use a smaller --batch")
 
 
 def pick_device(requested: str) -> torch.device:
@@ -100,6 +103,10 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
     config, device = model.source.config, model.device
     cache_bytes = parse_size(opts.cache_size or DEFAULT_CACHE[device.type])
     geometry = CacheGeometry.build(config, model.dtype, opts.block_size, opts.num_blocks, cache_bytes)
+    if geometry.num_blocks > MAX_ID:
+        option = f"--num-blocks {opts.num_blocks}" if opts.num_blocks is not None else f"--cache-size {opts.cache_size}"
+        raise UsageError(f"{option}: {geometry.num_blocks:,} blocks, more than the {MAX_ID:,} a block table can number",
+                         "use a smaller --cache-size or --num-blocks")
     pool_len = geometry.pool_tokens
     max_model_len = min(config.context_length, pool_len, opts.max_model_len or pool_len)
     cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks, opts.prefix_caching)

@@ -10,6 +10,8 @@ from typing import TextIO
 from pagedcli.sequence import Sequence
 from pagedcli.tokenizer import StreamDecoder, Tokenizer
 
+ERROR_MARK = " [error]"  # ends the text of an answer that failed (stderr says why)
+
 
 class TextPrinter:
     """Streams the answer of the earliest unfinished prompt as it is generated; answers of later
@@ -54,7 +56,7 @@ class TextPrinter:
             self.pending[seq.id] = ""
             if not seq.is_finished:
                 return
-            self.out.write("\n")
+            self.out.write(ERROR_MARK * bool(seq.error) + "\n")
             self.current += 1
             self.started = False
 

@@ -17,6 +17,7 @@ from collections import deque
 import torch
 
 from pagedcli.cache import KVCache
+from pagedcli.sampler import NOT_FINITE
 from pagedcli.sequence import Sequence, Status
 
 
@@ -216,7 +217,12 @@ class Scheduler:
             seq.num_cached = len(seq)  # everything fed this step is now in the cache
             self.cache.register(seq.slot, seq, seq.num_cached)
             p = seq.params
-            if token in self.stop_ids and not p.ignore_eos:
+            if token == NOT_FINITE:
+                seq.finish_reason = "error"
+                seq.error = (f"its logits are not finite (NaN or inf) at new token {len(seq.output_token_ids) + 1}, so "
+                             "it was stopped (a number overflowed: try --dtype bfloat16 or float32, or the weights "
+                             "are broken)")
+            elif token in self.stop_ids and not p.ignore_eos:
                 seq.finish_reason = "stop"
             else:
                 seq.output_token_ids.append(token)

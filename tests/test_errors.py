@@ -121,7 +121,8 @@ def test_bad_cache_and_device_options(stories, args, code, fragment):
     (["--seed", str(2**70)], 2, f"--seed {2**70}: must fit in 64 bits"),
     (["--max-model-len", "0"], 2, "--max-model-len 0: must be at least 1"),
     (["--model", ""], 2, "--model is empty"),
-    (["--num-blocks", "100000000000"], 1, "does not fit in cpu memory"),  # 1.6 PB: refused at once
+    (["--num-blocks", "100000000000"], 2, "more than the 2,147,483,647 a block table can number"),  # int32 ids
+    (["--num-blocks", "100000000"], 1, "does not fit in cpu memory"),  # 1.5 TiB: refused at once
 ])
 def test_values_no_run_can_use(stories, args, code, fragment):
     model = [] if "--model" in args else ["--model", str(stories)]

@@ -3,6 +3,12 @@
 Attention gathers each sequence's K/V from its blocks (logical block -> physical block -> token
 offset) into a padded batch and runs scaled-dot-product attention with a causal mask. That gather
 is a read through the block table, done afresh in every layer; nothing is kept between steps.
+
+Key positions a sequence does not own (padding past its context: unassigned table entries, which
+read some other block, and the unwritten rest of its own last block, which may hold what a former
+owner left) are zeroed after the gather, not only masked: a masked score weighs 0, but 0 x inf and
+0 x NaN are NaN, so one request's overflow would reach its neighbours. Long prefills run in chunks
+of query rows, so the mask and the scores stay within ATTENTION_CHUNK_ELEMENTS, not [Lq, Lk].
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ from pagedcli.batch import StepBatch
 from pagedcli.cache import KVCache
 from pagedcli.config import ModelConfig
 from pagedcli.rope import RotaryTable, apply_rope
+
+# Most mask entries times heads (the scores SDPA may materialize) one attention call handles:
+# 2**26, 256 MiB of float32 scores; longer prefills run in chunks of query rows under it.
+ATTENTION_CHUNK_ELEMENTS = 1 << 26
 
 
 class TorchBackend:
@@ -103,27 +113,46 @@ class TorchBackend:
         }
 
     def _attention_indices(self, batch: StepBatch) -> dict:
-        """What attend needs: the keys each sequence gathers through its blocks, the causal mask,
-        and the way from packed tokens to padded rows and back."""
+        """What attend needs: the keys each sequence gathers through its blocks, which of them it
+        owns, the causal mask (whole, or built per chunk of query rows when it would be large),
+        and the way from packed tokens to padded rows and back. No host sync: shapes come from the
+        batch's host lists."""
         dev = batch.token_ids.device
-        Lq, Lk = max(batch.num_new), max(batch.context_lens_host)
+        Lq, Lk, B = max(batch.num_new), max(batch.context_lens_host), len(batch.num_new)
         key_pos = torch.arange(Lk, device=dev)
         ctx = batch.context_lens.long()
         num_new = torch.tensor(batch.num_new, device=dev)
         starts = torch.cumsum(num_new, 0) - num_new  # first token of each sequence in T
         row = torch.arange(Lq, device=dev)
-        q_pos = (ctx - num_new)[:, None] + row[None, :]  # [B, Lq] positions of the queries
-        q_valid = row[None, :] < num_new[:, None]
-        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < ctx[:, None, None])
-        mask |= ~q_valid[:, :, None] & (key_pos == 0)  # padding rows see one key: no NaN
-        return {
+        owned = key_pos[None, :] < ctx[:, None]  # [B, Lk]: the sequence's own, written keys
+        chunk = max(1, ATTENTION_CHUNK_ELEMENTS // (B * Lk * self.config.num_heads))
+        s = {
             "key_block": (key_pos // self.block_size).clamp(max=self.cache.max_blocks_per_seq - 1),
             "key_offset": key_pos % self.block_size,
             "slots": batch.slots.long(),
-            "mask": mask[:, None],  # [B, 1, Lq, Lk]
+            "owned": owned[:, :, None, None],  # [B, Lk, 1, 1], against the gathered [B, Lk, kv_heads, head_dim]
+            "q_start": ctx - num_new,  # [B] position of each sequence's first query
+            "num_new": num_new,
+            "key_pos": key_pos,
+            "chunk": chunk,
             "pad_index": (starts[:, None] + row[None, :]).clamp(max=batch.token_ids.numel() - 1),
             "token_row": torch.arange(batch.token_ids.numel(), device=dev) - starts[batch.token_seq],
         }
+        if chunk >= Lq:  # the common case: one mask for every layer
+            s["mask"] = self._mask(s, 0, Lq)
+        return s
+
+    @staticmethod
+    def _mask(s: dict, first: int, stop: int) -> torch.Tensor:
+        """[B, 1, rows, Lk] for query rows first..stop-1: a query sees the keys it owns up to its
+        own position; a padding row (past its sequence's new tokens) sees key 0 alone, so its
+        softmax has something to weigh (its output is dropped)."""
+        row = torch.arange(first, stop, device=s["key_pos"].device)
+        q_pos = s["q_start"][:, None] + row[None, :]  # [B, rows]
+        key_pos = s["key_pos"][None, None, :]
+        mask = (key_pos <= q_pos[:, :, None]) & s["owned"][:, None, :, 0, 0]
+        mask |= (row[None, :] >= s["num_new"][:, None])[:, :, None] & (key_pos == 0)
+        return mask[:, None]
 
     def rope_write_kv(self, layer: int, q, k, v, batch: StepBatch):
         s = self._step
@@ -140,10 +169,19 @@ class TorchBackend:
         physical = table[s["slots"][:, None], s["key_block"][None, :]].long().clamp(min=0)  # [B, Lk]
         k = self.cache.pool[physical, 0, s["key_offset"][None, :]]  # [B, Lk, kv_heads, head_dim]
         v = self.cache.pool[physical, 1, s["key_offset"][None, :]]
-        q_pad = q[s["pad_index"]]  # [B, Lq, heads, head_dim]
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=s["mask"], enable_gqa=True
-        )  # [B, heads, Lq, head_dim]
+        # keys the sequence does not own become exact zeros: masked out, and 0 x 0 is 0
+        k, v = (torch.where(s["owned"], x, 0) for x in (k, v))
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, Lk, head_dim]
+        q_pad = q[s["pad_index"]].transpose(1, 2)  # [B, heads, Lq, head_dim]
+        Lq = q_pad.shape[2]
+        if "mask" in s:
+            out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=s["mask"], enable_gqa=True)
+        else:  # a long prefill: chunks of query rows, each with its own slice of the mask
+            out = torch.cat([
+                F.scaled_dot_product_attention(q_pad[:, :, i:i + s["chunk"]], k, v, enable_gqa=True,
+                                               attn_mask=self._mask(s, i, min(i + s["chunk"], Lq)))
+                for i in range(0, Lq, s["chunk"])
+            ], dim=2)  # [B, heads, Lq, head_dim]
         return out.transpose(1, 2)[batch.token_seq, s["token_row"]]  # [T, heads, head_dim]
 
 
