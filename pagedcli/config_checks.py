@@ -68,6 +68,12 @@ def check_config(d: dict, source: str) -> None:
             _fail(source, key, value, "must be a whole number of at least 1")
     check_bools(d, source, BOOLS)
     check_token_ids(d, source)
+    archs = d.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        _fail(source, "architectures", archs, "is not a list of names", 'e.g. ["LlamaForCausalLM"]')
+    for key in ("model_type", "hidden_act"):
+        if d.get(key) is not None and not isinstance(d[key], str):
+            _fail(source, key, d[key], "is not a name", 'e.g. "llama", "silu"')
     eps = d.get("rms_norm_eps")
     if eps is not None and not (is_number(eps) and eps >= 0):
         _fail(source, "rms_norm_eps", eps, "must be a number of at least 0", "Llama uses 1e-5 or 1e-6")
@@ -99,14 +105,12 @@ def _check_rope(rope, key: str, source: str) -> None:
         if rope.get(name) is not None and not isinstance(rope[name], str):
             _fail(source, f"{key}.{name}", rope[name], "is not a name", 'e.g. "llama3", or "default" for none')
     kind = rope.get("rope_type") or rope.get("type")  # as the parser reads it
-    for name in ROPE_POSITIVE:
-        value = rope.get(name)
-        if value is not None and not (is_number(value) and value > 0):
-            _fail(source, f"{key}.{name}", value, "must be a positive number")
+    for name in ROPE_POSITIVE:  # present, null included, means given: the parser takes it as it is
+        if name in rope and not (is_number(rope[name]) and rope[name] > 0):
+            _fail(source, f"{key}.{name}", rope[name], "must be a positive number")
     for name in ROPE_NUMBERS:
-        value = rope.get(name)
-        if value is not None and not is_number(value):
-            _fail(source, f"{key}.{name}", value, "must be a number")
+        if name in rope and not is_number(rope[name]):
+            _fail(source, f"{key}.{name}", rope[name], "must be a number")
     for name in ROPE_REQUIRED.get(kind, ()):
         if name not in rope:
             raise RunError(f"{source}: {key} of type {kind!r} has no {name}", f"add {key}.{name}")

@@ -109,8 +109,8 @@ def _shard(folder: Path, index: Path, name: str) -> Path:
 
 
 class _TensorReader:
-    """Looks tensors up across shards; checks each tensor's layer, dtype and shape before reading
-    it, and its values as they are read."""
+    """Looks tensors up across shards; checks the layers, and every tensor's dtype and shape,
+    before reading any, and each tensor's values as it is read."""
 
     def __init__(self, files: list[Path], config: ModelConfig, dtype, device):
         self.dtype, self.device = dtype, device
@@ -134,6 +134,8 @@ class _TensorReader:
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise RunError(f"tensor {missing[0]}{more} missing from {folder}", "is this a Llama checkpoint?")
+        for name in shapes:  # from the headers, before any tensor is allocated or read
+            self._check_header(name)
 
     def _check_layers(self, config: ModelConfig, folder: Path) -> None:
         """The checkpoint's layers are the config's: a layer more would go unused (and the output
@@ -149,17 +151,22 @@ class _TensorReader:
             raise RunError(f"config.json's num_hidden_layers is {config.num_layers}, but {folder} holds {have} layers",
                            "fix num_hidden_layers in config.json, or download the checkpoint again")
 
+    def _check_header(self, name: str) -> None:
+        try:
+            tensor_slice = self.where[name].get_slice(name)
+            stored, shape = tensor_slice.get_dtype(), tuple(tensor_slice.get_shape())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise RunError(f"tensor {name} could not be read ({_first_line(e)})",
+                           "the file may be truncated; download it again") from None
+        if stored not in FLOAT_DTYPES:
+            raise RunError(f"tensor {name} holds {stored} values, not floating point",
+                           "pagedcli reads float weights (quantized checkpoints are not supported)")
+        if shape != self.shapes[name]:
+            raise RunError(f"tensor {name} has shape {list(shape)}, config.json implies {list(self.shapes[name])}")
+
     def read_into(self, name: str, out: torch.Tensor) -> None:
         handle = self.where[name]
         try:
-            tensor_slice = handle.get_slice(name)
-            stored = tensor_slice.get_dtype()
-            if stored not in FLOAT_DTYPES:
-                raise RunError(f"tensor {name} holds {stored} values, not floating point",
-                               "pagedcli reads float weights (quantized checkpoints are not supported)")
-            shape = tuple(tensor_slice.get_shape())
-            if shape != self.shapes[name]:
-                raise RunError(f"tensor {name} has shape {list(shape)}, config.json implies {list(self.shapes[name])}")
             out.copy_(handle.get_tensor(name))
         except (SafetensorError, OSError, ValueError) as e:
             raise RunError(f"tensor {name} could not be read ({_first_line(e)})",
