@@ -310,3 +310,26 @@ def test_a_chat_template_that_works_is_used(model):
     from pagedcli.tokenizer import Tokenizer
 
     assert Tokenizer(model).render_chat("hi") == "<s>Q: hi A:"
+
+
+def test_a_hugging_face_cache_snapshot_may_link_its_shards_to_the_repos_blobs(model, tmp_path):
+    """The Hub cache keeps files in <repo>/blobs and links them from <repo>/snapshots/<rev>."""
+    shard(model)
+    repo = tmp_path / "models--x--y"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in model.iterdir():
+        blob = repo / "blobs" / f"blob-{f.name}"
+        shutil.move(f, blob)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    code, out, err = generate(snapshot, "--raw", "--ignore-eos", "--max-tokens", "8", "Once upon a time")
+    assert code == 0, err
+    assert "Once upon a time, there was" in out
+
+
+def test_sizes_far_beyond_the_checkpoints_are_refused_before_anything_is_allocated(model):
+    edit_json(model / "config.json", vocab_size=2**40)  # 2**46 floats: allocated, and failed, before the check
+    code, _, err = generate(model, "hi")
+    assert_one_line(code, err, 1, "tensor model.embed_tokens.weight has shape [512, 64], config.json implies "
+                    f"[{2**40}, 64]")
