@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from pagedcli.config_checks import check_config
 from pagedcli.errors import RunError, UsageError
+from pagedcli.files import read_json
 from pagedcli.rope import REQUIRED_FIELDS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -72,6 +73,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        check_config(d, source)
         archs = d.get("architectures") or []
         model_type = d.get("model_type")
         if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
@@ -114,22 +116,14 @@ class ModelConfig:
             raise RunError(f"{source}: required key {e.args[0]!r} is missing", "is this a Llama config.json?") from None
         except (TypeError, ValueError) as e:
             raise RunError(f"{source}: a value has the wrong type ({e})", "is this a Llama config.json?") from None
-        if cfg.num_heads % cfg.num_kv_heads:
-            raise RunError(
-                f"{source}: num_attention_heads {cfg.num_heads} is not a multiple of "
-                f"num_key_value_heads {cfg.num_kv_heads}"
-            )
         return cfg
 
     @classmethod
     def from_file(cls, path: Path) -> "ModelConfig":
         path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise UsageError(f"{path} not found", "a model folder needs a config.json")
-        d = read_json(path)
-        if not isinstance(d, dict):
-            raise RunError(f"{path} is not a JSON object")
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(read_json(path), source=str(path))
 
 
 def rope_settings(d: dict, source: str) -> tuple[float, dict | None]:
@@ -163,19 +157,6 @@ def rope_settings(d: dict, source: str) -> tuple[float, dict | None]:
         rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
     return float(theta), {"rope_type": rope_type, **rope}
 
-
-def read_json(path: Path) -> dict:
-    """A model folder's JSON file: {} when it is absent, a one-line error when it is broken."""
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RunError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise RunError(f"{path} holds a JSON {type(value).__name__}, not an object", "a model folder's JSON files "
-                       "are objects of settings")
-    return value
 
 
 def token_ids(value) -> tuple[int, ...]:

@@ -57,7 +57,13 @@ def sampling_defaults(params: SamplingParams, generation_config: dict, given: se
     """The model's own sampling settings (generation_config.json: do_sample, temperature, top_k,
     top_p), as transformers and vLLM apply them, for every option the user did not give. A value
     the options would refuse is refused here too, naming the file (`source`)."""
-    if not generation_config.get("do_sample"):
+    do_sample = generation_config.get("do_sample")
+    if not isinstance(do_sample, (bool, type(None))):  # "false" is true to Python: never guess
+        if "temperature" in given:  # the option decides greedy or not; the file's other settings are not used
+            return params
+        raise RunError(f"{source}: do_sample {do_sample!r} is not true or false",
+                       "fix the file (true or false, without quotes), or pass --temperature")
+    if not do_sample:
         return params
     defaults = {"temperature": generation_config.get("temperature", 1.0), "top_k": generation_config.get("top_k", 0),
                 "top_p": generation_config.get("top_p", 1.0)}

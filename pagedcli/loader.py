@@ -87,6 +87,10 @@ def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: No
     dtype = pick_dtype(opts.dtype, device)
     source = resolve_model(opts.model, notice)
     tokenizer = Tokenizer(source.folder) if source.has_tokenizer else None
+    if tokenizer is not None and source.config.vocab_size > tokenizer.vocab_size:
+        v, t = source.config.vocab_size, tokenizer.vocab_size
+        notice(f"warning: config.json's vocab_size {v} is above the tokenizer's {t}: ids {t}-{v - 1} have no text "
+               f"(fine if the vocabulary is padded; else the tokenizer is not this model's)")
     check(source, tokenizer)
     if source.random:
         weights = random_weights(source.config, dtype, device, opts.seed)

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pagedcli.config import ModelConfig, read_json, token_ids
+from pagedcli.config import ModelConfig, token_ids
+from pagedcli.config_checks import check_generation_config
 from pagedcli.errors import RunError, UsageError
+from pagedcli.files import read_json
 from pagedcli.presets import RANDOM_PRESETS
 
 DATA = Path(__file__).parent / "data"
@@ -39,7 +41,7 @@ class ModelSource:
 
     @property
     def has_tokenizer(self) -> bool:
-        return self.folder is not None and (self.folder / "tokenizer.json").is_file()
+        return self.folder is not None and (self.folder / "tokenizer.json").exists()  # unreadable: said on reading
 
 
 def resolve_model(spec: str | None, notice: Callable[[str], None] = lambda _: None) -> ModelSource:
@@ -70,7 +72,9 @@ def resolve_model(spec: str | None, notice: Callable[[str], None] = lambda _: No
 def _from_folder(folder: Path, name: str) -> ModelSource:
     folder = Path(folder)
     config = ModelConfig.from_file(folder / "config.json")
-    return ModelSource(name, config, folder, generation_config=read_json(folder / "generation_config.json"))
+    generation_config = read_json(folder / "generation_config.json")
+    check_generation_config(generation_config, str(folder / "generation_config.json"))
+    return ModelSource(name, config, folder, generation_config=generation_config)
 
 
 def _random(spec: str) -> ModelSource:

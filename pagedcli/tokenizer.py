@@ -3,26 +3,37 @@ transformers renders it (jinja2, sandboxed), and incremental detokenization for 
 
 from __future__ import annotations
 
+import signal
+import threading
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from pagedcli.config import read_json
+from pagedcli.config_checks import check_chat_template, check_tokenizer_config
 from pagedcli.errors import RunError, UsageError
+from pagedcli.files import read_json, read_text
+
+# A chat template is a program from the model folder: its render is stopped past these (the
+# templates of real models render a prompt in milliseconds, and add a few hundred characters)
+RENDER_SECONDS = 5.0
+RENDER_MAX_CHARS = 1 << 20  # beyond the prompt's own length
 
 
 class Tokenizer:
     def __init__(self, folder: Path):
         folder = Path(folder)
         path = folder / "tokenizer.json"
-        if not path.is_file():
+        if not path.exists():
             raise UsageError(f"no tokenizer.json in {folder}", "the model folder needs the tokenizer its checkpoint came with")
+        text = read_text(path)
         try:
-            self.tok = HFTokenizer.from_file(str(path))
+            self.tok = HFTokenizer.from_str(text)
         except Exception as e:  # tokenizers raises a bare Exception for a bad file
-            raise RunError(f"{path} could not be read ({e})") from None
+            raise RunError(f"{path} could not be read ({_first_line(e)})") from None
         config = read_json(folder / "tokenizer_config.json")
+        check_tokenizer_config(config, str(folder / "tokenizer_config.json"))
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.add_bos = bool(config.get("add_bos_token", False))
@@ -57,18 +68,39 @@ class Tokenizer:
         def raise_exception(message):
             raise TemplateError(message)
 
+        def failed(why: str):
+            return RunError(f"the model's chat template failed: {why}", "use --raw to feed the prompt as is")
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        limit = len(prompt) + RENDER_MAX_CHARS
+        pieces, size = [], 0
         try:
-            return env.from_string(self.chat_template).render(
-                messages=[{"role": "user", "content": prompt}],
-                add_generation_prompt=True,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+            with _time_limit(RENDER_SECONDS):
+                for piece in env.from_string(self.chat_template).generate(
+                    messages=[{"role": "user", "content": prompt}],
+                    add_generation_prompt=True,
+                    bos_token=self.bos_token or "",
+                    eos_token=self.eos_token or "",
+                ):
+                    pieces.append(piece)
+                    size += len(piece)
+                    if size > limit:
+                        raise failed(f"it rendered more than {limit} characters")
         except TemplateError as e:
-            raise RunError(f"the model's chat template failed: {e}", "use --raw to feed the prompt as is") from None
+            raise failed(_first_line(e)) from None
+        except _RenderTimeout:
+            raise failed(f"it ran for more than {RENDER_SECONDS:g} s") from None
+        except RecursionError:
+            raise failed("it recurses too deeply") from None
+        except MemoryError:
+            raise failed("it ran out of memory") from None
+        except RunError:
+            raise
+        except Exception as e:  # the template is a program from the model folder: any error is its own
+            raise failed(f"{type(e).__name__}: {_first_line(e)}") from None
+        return "".join(pieces)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -110,9 +142,41 @@ class StreamDecoder:
 def _read_template(folder: Path) -> str | None:
     """transformers >= 4.43 may keep the template beside tokenizer_config.json."""
     jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    return read_json(folder / "chat_template.json").get("chat_template")
+    if jinja.exists():
+        return read_text(jinja)
+    path = folder / "chat_template.json"
+    template = read_json(path).get("chat_template")
+    check_chat_template(template, str(path))
+    return template
+
+
+class _RenderTimeout(BaseException):  # not an Exception: no handler inside jinja may swallow it
+    pass
+
+
+@contextmanager
+def _time_limit(seconds: float):
+    """Stop the block after `seconds` (a SIGALRM timer: only where Python can take signals, in the
+    main thread; elsewhere the length limit alone bounds a render)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(*_):
+        raise _RenderTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else type(e).__name__
 
 
 def _token_text(value) -> str | None:

@@ -239,7 +239,7 @@ BASE = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=
     ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "rope scaling type 'longrope' is not supported"),
     ({"type": "su", "factor": 2.0}, "rope scaling type 'su' is not supported"),
     ({"rope_type": "linear"}, "'linear' needs a number 'factor'"),
-    ({"type": "dynamic", "factor": None}, "'dynamic' needs a number 'factor', not None"),
+    ({"type": "dynamic", "factor": None}, "rope_scaling.factor None must be a positive number"),
     ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, "needs a number 'low_freq_factor'"),
     ({"rope_type": "yarn"}, "'yarn' needs a number 'factor'"),
     ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
