@@ -55,7 +55,7 @@ def edit_tensors(folder: Path, fn):
 
 
 @pytest.mark.parametrize("field, value, fragment", [
-    ("rope_scaling", {"rope_type": "llama3", "original_max_position_embeddings": 256}, "'llama3' needs a number 'factor'"),
+    ("rope_scaling", {"rope_type": "llama3", "original_max_position_embeddings": 256}, "rope scaling type 'llama3' needs a number 'factor'"),
     ("rope_scaling", {"rope_type": "llama3", "factor": "8", "original_max_position_embeddings": 256},
      "rope_scaling.factor '8' must be a positive number"),
     ("rope_scaling", {"rope_type": "llama3", "factor": 8, "original_max_position_embeddings": 256,
