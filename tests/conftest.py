@@ -1,5 +1,7 @@
-"""Shared fixtures: the real assets in ../shared, tiny random Llama checkpoints written by
-transformers (the oracle), and an engine factory."""
+"""Shared fixtures: the small freely licensed assets in tests/assets (stories260K, a slice of tiny
+Shakespeare), what cannot ship with the repo found in a `shared` folder (PAGEDCLI_SHARED, or
+../shared beside the checkout), tiny random Llama checkpoints written by transformers (the oracle),
+and an engine factory."""
 
 from __future__ import annotations
 
@@ -10,26 +12,45 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / "tests" / "assets"
+
+# What the tests read but the repo does not ship, and why (the skip reason a fresh clone shows).
+UNSHIPPED = {
+    "tokenizers/llama3": "the Llama 3 tokenizer (Llama 3 Community License: not redistributed here)",
+    "configs/Llama-3.2-1B-Instruct": "Meta's config.json of Llama-3.2-1B-Instruct (Llama 3.2 Community License: not redistributed here)",
+}
 
 
-def shared_dir() -> Path | None:
-    for candidate in (os.environ.get("PAGEDCLI_SHARED"), REPO.parent / "shared", REPO / "shared"):
-        if candidate and (Path(candidate) / "models" / "stories260K").is_dir():
-            return Path(candidate)
+def shared_asset(relative: str) -> Path | None:
+    """`relative` inside PAGEDCLI_SHARED, ../shared beside the checkout, or ./shared; None if in none."""
+    for folder in (os.environ.get("PAGEDCLI_SHARED"), REPO.parent / "shared", REPO / "shared"):
+        if folder and (Path(folder) / relative).exists():
+            return Path(folder) / relative
     return None
 
 
-@pytest.fixture(scope="session")
-def shared() -> Path:
-    path = shared_dir()
+def unshipped(relative: str) -> Path:
+    """An asset the repo cannot ship, or a skip that names it and where to put it."""
+    path = shared_asset(relative)
     if path is None:
-        pytest.skip("../shared (test assets) not found; set PAGEDCLI_SHARED")
+        pytest.skip(f"needs {UNSHIPPED[relative]}: set PAGEDCLI_SHARED to a folder with {relative}/")
     return path
 
 
 @pytest.fixture(scope="session")
-def stories(shared) -> Path:
-    return shared / "models" / "stories260K"
+def stories() -> Path:
+    """stories260K (llama2.c, MIT), shipped in tests/assets."""
+    return ASSETS / "stories260K"
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer() -> Path:
+    return unshipped("tokenizers/llama3")
+
+
+@pytest.fixture(scope="session")
+def llama_1b_config() -> Path:
+    return unshipped("configs/Llama-3.2-1B-Instruct") / "config.json"
 
 
 @pytest.fixture(autouse=True)

@@ -86,7 +86,7 @@ def test_freed_blocks_are_reused_by_later_prompts(tmp_path, make_engine):
     assert any(len(ids) > 1 for ids in owners.values()), "no block was ever reused"
 
 
-def test_real_model_tells_its_story(stories, make_engine, shared):
+def test_real_model_tells_its_story(stories, make_engine):
     """stories260K from BOS: the greedy text SOURCE.md gives, which llama2.c documents."""
     expected = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
                 "One day, she saw a big, red ball. She wanted to play with it, but it was too high")

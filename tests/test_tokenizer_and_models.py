@@ -17,8 +17,8 @@ from pagedcli.weights import load_weights
 
 
 @pytest.fixture(scope="module")
-def llama3(shared):
-    return Tokenizer(shared / "tokenizers" / "llama3")
+def llama3(llama3_tokenizer):
+    return Tokenizer(llama3_tokenizer)
 
 
 def test_llama3_chat_template_renders_like_transformers(llama3):
@@ -34,10 +34,10 @@ def test_raw_prompt_gets_bos_from_the_post_processor(llama3, stories):
     assert Tokenizer(stories).encode("Once upon a time") == [1, 403, 407, 261, 378]
 
 
-def test_chat_template_matches_transformers_apply_chat_template(shared):
+def test_chat_template_matches_transformers_apply_chat_template(llama3_tokenizer):
     from transformers import PreTrainedTokenizerFast
 
-    folder = shared / "tokenizers" / "llama3"
+    folder = llama3_tokenizer
     hf = PreTrainedTokenizerFast.from_pretrained(folder)
     for prompt in ["  padded  ", "line one\nline two", "Größe? 日本"]:
         ref = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
@@ -92,9 +92,9 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     assert a.lm_head is a.embed  # tied: one tensor
 
 
-def test_random_preset_has_the_real_llama_shapes(shared):
+def test_random_preset_has_the_real_llama_shapes(llama_1b_config):
     src = resolve_model("random:llama-3.2-1b")
-    real = ModelConfig.from_file(shared / "configs" / "Llama-3.2-1B-Instruct" / "config.json")
+    real = ModelConfig.from_file(llama_1b_config)
     assert src.config.num_parameters == real.num_parameters == 1_235_814_400
     assert src.random and src.folder is None
 

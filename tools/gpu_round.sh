@@ -2,7 +2,7 @@
 # One full round on a GPU machine, in one command: install, (optionally) train the built-in
 # model, run the GPU tests and the benchmarks. Results land in $OUT.
 #
-#   tools/prepare_gpu_assets.sh          # here: copy ../shared assets into .gpu/ (git-ignored)
+#   tools/prepare_gpu_assets.sh          # here: copy what ../shared adds to tests/assets into .gpu/ (git-ignored)
 #   TRAIN=1 tools/gpu_round.sh           # there (the device tool carries .gpu/)
 #   TUNE=1 BENCH=0 TESTS=tests/test_cuda_kernels.py tools/gpu_round.sh   # kernels, tunables, profile
 #   ZOO=1 BENCH=0 TESTS=none tools/gpu_round.sh   # bench every preset at batch 1 and 16 (docs/performance.md's table)
@@ -21,6 +21,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
 
 if [ "${TRAIN:-0}" = 1 ]; then
+  [ -f .gpu/shared/data/tinyshakespeare.txt ] || { echo "TRAIN=1 needs .gpu/shared/data/tinyshakespeare.txt (tools/prepare_gpu_assets.sh)"; exit 1; }
   log "train the demo model (background, ${TRAIN_MINUTES:-4} min)"
   (python3 tools/train_demo_model.py --data .gpu/shared/data/tinyshakespeare.txt --out /tmp/demo \
      --minutes "${TRAIN_MINUTES:-4}" >"$OUT/train.log" 2>&1; echo "train exit $?" >>"$OUT/train.log") &

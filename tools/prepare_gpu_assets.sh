@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# Copy what a GPU round reads from ../shared into .gpu/shared (git-ignored; carried by the device tool).
+# Copy what a GPU round reads from ../shared (or $PAGEDCLI_SHARED) into .gpu/shared (git-ignored;
+# carried by the device tool). stories260K needs no copy: it is in tests/assets, which travels with
+# the working tree. What is missing here is left out with a note: the tests that need it skip, and
+# TRAIN=1 needs data/tinyshakespeare.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 shared=${PAGEDCLI_SHARED:-../shared}
-mkdir -p .gpu/shared/models .gpu/shared/configs .gpu/shared/data
-cp -r "$shared/models/stories260K" .gpu/shared/models/
-cp -r "$shared/configs/Llama-3.2-1B-Instruct" .gpu/shared/configs/
-cp "$shared/data/tinyshakespeare.txt" "$shared/data/SOURCE.md" .gpu/shared/data/
+mkdir -p .gpu/shared
+for asset in configs/Llama-3.2-1B-Instruct data/tinyshakespeare.txt data/SOURCE.md; do
+  if [ -e "$shared/$asset" ]; then
+    mkdir -p ".gpu/shared/$(dirname "$asset")"
+    cp -r "$shared/$asset" ".gpu/shared/$asset"
+  else
+    echo "prepare_gpu_assets: $shared/$asset not found, left out" >&2
+  fi
+done
 chmod -R u+w .gpu
 du -sh .gpu
