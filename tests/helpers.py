@@ -81,3 +81,27 @@ def check_block_accounting(engine) -> None:
     for slot in range(cache.max_slots):
         if slot not in running_slots:
             assert cache.num_blocks_of_slot[slot] == 0, f"slot {slot} holds blocks but runs nothing"
+
+
+def assert_one_line(code, stderr, expected_code, *fragments):
+    """A clean failure: the exit code, one `error:` line holding each fragment, no traceback."""
+    assert code == expected_code, stderr
+    assert "Traceback" not in stderr
+    assert len([line for line in stderr.strip().splitlines() if line.startswith("error:")]) == 1, stderr
+    for f in fragments:
+        assert f in stderr, stderr
+
+
+def run_greedy(loaded, prompt_list, steps):
+    """Greedy answers of all prompts in one engine, block accounting checked after every step, the
+    pool whole at the end: [(tokens, [logits of each step])] in prompt order."""
+    from pagedcli.sequence import SamplingParams
+
+    engine = loaded.engine
+    logits = record_logits(engine)
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=steps, ignore_eos=True)) for p in prompt_list]
+    while engine.has_unfinished:
+        engine.step()
+        check_block_accounting(engine)
+    assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+    return [(seq.output_token_ids, logits[seq.id]) for seq in seqs]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import invoke
+from helpers import assert_one_line, invoke
 
 
 def generate(*args):
@@ -28,14 +28,6 @@ def model_copy(stories, tmp_path):
     for f in folder.iterdir():
         f.chmod(0o644)
     return folder
-
-
-def assert_one_line(code, stderr, expected_code, *fragments):
-    assert code == expected_code, stderr
-    assert "Traceback" not in stderr
-    assert len([line for line in stderr.strip().splitlines() if line.startswith("error:")]) == 1, stderr
-    for f in fragments:
-        assert f in stderr, stderr
 
 
 def test_config_json_missing(model_copy):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import invoke
+from helpers import assert_one_line, invoke
 
 
 @pytest.fixture
@@ -28,14 +28,6 @@ def model(stories, tmp_path) -> Path:
 
 def generate(folder, *args):
     return invoke("generate", "--model", str(folder), "--max-tokens", "3", *args)
-
-
-def assert_one_line(code, stderr, expected_code, *fragments):
-    assert code == expected_code, stderr
-    assert "Traceback" not in stderr
-    assert len([line for line in stderr.strip().splitlines() if line.startswith("error:")]) == 1, stderr
-    for f in fragments:
-        assert f in stderr, stderr
 
 
 def edit_json(path: Path, **changes):

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from helpers import check_block_accounting, hf_greedy, hf_model, record_logits
+from helpers import hf_greedy, hf_model, run_greedy
 from conftest import hf_checkpoint
 from pagedcli.sequence import SamplingParams
 
@@ -34,19 +34,13 @@ def prompts(lengths, vocab, seed=0):
 
 
 def assert_matches_hf(loaded, folder, prompt_list, steps=STEPS):
-    engine = loaded.engine
-    logits = record_logits(engine)
-    seqs = [engine.add_request(p, SamplingParams(max_tokens=steps, ignore_eos=True)) for p in prompt_list]
-    while engine.has_unfinished:
-        engine.step()
-        check_block_accounting(engine)
+    results = run_greedy(loaded, prompt_list, steps)
     ref = hf_model(folder)
-    for seq, prompt in zip(seqs, prompt_list):
+    for (ours, logits), prompt in zip(results, prompt_list):
         tokens, ref_logits = hf_greedy(ref, prompt, steps)
-        diff = max((a - b).abs().max().item() for a, b in zip(logits[seq.id], ref_logits))
+        diff = max((a - b).abs().max().item() for a, b in zip(logits, ref_logits))
         assert diff < ATOL, f"logits differ by {diff}"
-        assert seq.output_token_ids == tokens, f"prompt of {len(prompt)} tokens diverges"
-    assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+        assert ours == tokens, f"prompt of {len(prompt)} tokens diverges"
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import hf_checkpoint
-from helpers import check_block_accounting, hf_greedy, hf_model, invoke, record_logits
+from helpers import hf_greedy, hf_model, invoke, run_greedy
 from test_oracle import ATOL, prompts
 from pagedcli.batch import StepBatch
 from pagedcli.config import ModelConfig
@@ -34,14 +34,7 @@ STEPS = 12
 
 def run_engine(loaded, prompt_list, steps=STEPS):
     """Greedy answers and each step's logits, all prompts in one engine."""
-    engine = loaded.engine
-    logits = record_logits(engine)
-    seqs = [engine.add_request(p, SamplingParams(max_tokens=steps, ignore_eos=True)) for p in prompt_list]
-    while engine.has_unfinished:
-        engine.step()
-        check_block_accounting(engine)
-    assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
-    return [(seq.output_token_ids, logits[seq.id]) for seq in seqs]
+    return run_greedy(loaded, prompt_list, steps)
 
 
 def assert_same(ours, ref):
