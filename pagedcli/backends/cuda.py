@@ -1,4 +1,4 @@
-"""The CUDA backend: our own kernels (pagedcli/kernels/*.cu), compiled at run time by CuPy.
+"""The CUDA backend: our own kernels (kernels/*.cu), compiled at run time by CuPy.
 
 What runs where:
 - `attention_inputs`, `norm_linear_silu`, `linear_add`, `logits` (and `norm_linear`)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -63,7 +64,14 @@ Defines = tuple[tuple[str, object], ...]
 
 
 def kernel_folder():
-    return resources.files("pagedcli") / "kernels"
+    """The .cu/.cuh files. Installed, they are the package pagedcli.kernels (pyproject's package-dir
+    maps it to the top-level kernels/). Run from a checkout without installing it (PYTHONPATH), that
+    mapping does not exist, and another install's pagedcli.kernels may answer instead: the
+    checkout's own kernels/, beside pagedcli/, comes first."""
+    checkout = Path(__file__).resolve().parents[2] / "kernels"
+    if (checkout / "__init__.py").is_file() and (checkout / "geometry.cuh").is_file():
+        return checkout
+    return resources.files("pagedcli.kernels")
 
 
 def kernel_source(name: str) -> str:
