@@ -12,7 +12,7 @@ def invoke(*args) -> tuple[int, str, str]:
     into a clean exit is raised again, so that the test shows its traceback."""
     from typer.testing import CliRunner
 
-    from pagedcli.cli import app
+    from pagedcli.commands.app import app
 
     result = CliRunner().invoke(app, list(args))
     if result.exit_code == 1 and result.exception is not None and not isinstance(result.exception, SystemExit):
@@ -42,7 +42,7 @@ def hf_greedy(model, prompt: list[int], steps: int, device="cpu"):
 def record_logits(engine):
     """Wrap the runner so each step's logits are kept per sequence id: {id: [logits, ...]}."""
     seen: dict[int, list[torch.Tensor]] = {}
-    run = engine.runner.run
+    run = engine.runner.execute
 
     def recording(seqs, is_prefill, feed=None):
         logits = run(seqs, is_prefill, feed)
@@ -50,7 +50,7 @@ def record_logits(engine):
             seen.setdefault(seq.id, []).append(row.clone())
         return logits
 
-    engine.runner.run = recording
+    engine.runner.execute = recording
     return seen
 
 

@@ -43,9 +43,9 @@ if _OK:  # these import cupy lazily, but keep CPU-only collection free of GPU wo
     import pagedcli.backends.cuda as cuda_backend
     from pagedcli.backends.cuda import CudaBackend
     from pagedcli.backends.torch import TorchBackend
-    from pagedcli.batch import StepBatch
-    from pagedcli.cache import KVCache
-    from pagedcli.config import CacheGeometry, ModelConfig
+    from pagedcli.engine.batch import StepBatch
+    from pagedcli.engine.cache import KVCache
+    from pagedcli.model.config import CacheGeometry, ModelConfig
 
 DEVICE = "cuda"
 LENGTHS = (1, 15, 16, 17, 1000, 4097)

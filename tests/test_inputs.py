@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from helpers import invoke
-from pagedcli import bench
+from pagedcli.bench import measure as bench
 from pagedcli.errors import UsageError
-from pagedcli.generate import read_prompts
-from pagedcli.sampler import _draw
-from pagedcli.sequence import SamplingParams, Sequence
+from pagedcli.commands.generate import read_prompts
+from pagedcli.engine.sampler import _draw
+from pagedcli.engine.sequence import SamplingParams, Sequence
 
 DEMO = Path(__file__).parent.parent / "pagedcli" / "data" / "demo"
 

@@ -22,9 +22,9 @@ import torch
 
 import pagedcli.backends.cuda as cuda_backend
 import pagedcli.backends.cuda_build as cuda_build
-from pagedcli.bench import Workload, measure_bandwidth, run_batch
-from pagedcli.loader import EngineOptions, build_engine, load_model
-from pagedcli.sequence import SamplingParams
+from pagedcli.bench.measure import Workload, measure_bandwidth, run_batch
+from pagedcli.model.loader import EngineOptions, build_engine, load_model
+from pagedcli.engine.sequence import SamplingParams
 
 VARIANTS = {
     "gemv (default)": {},
@@ -90,7 +90,7 @@ def gemv_table(model, opts) -> None:
     """Each GEMM of a layer at batch 1, alone: our fused GEMV against the cuBLAS path (our
     norm/silu kernels around torch.matmul), timed as kernel_bench times the attention kernel."""
     from pagedcli.backends.torch import TorchBackend
-    from pagedcli.kernel_bench import time_ms
+    from pagedcli.bench.kernel import time_ms
 
     engine = build_engine(model, opts)
     be, w = engine.runner.model.backend, engine.runner.model.w
@@ -129,7 +129,7 @@ def read_floor_table(model) -> None:
 
     import cupy
 
-    from pagedcli.kernel_bench import time_ms
+    from pagedcli.bench.kernel import time_ms
 
     w = model.weights
     sizes = {name: t.numel() * t.element_size() for name, t in (
@@ -164,7 +164,7 @@ def read_floor_table(model) -> None:
 def attention_table() -> None:
     """The decode-attention kernel alone at batch 1 (Llama-3.2-1B's heads) in an engine sized for
     long contexts, with and without clusters, under the cluster tunables (splits in brackets)."""
-    from pagedcli.kernel_bench import bench_decode_kernel
+    from pagedcli.bench.kernel import bench_decode_kernel
 
     contexts = [128, 256, 512, 1024, 2048, 4096, 8192]
     print("\nattention alone, batch 1, max_model_len 131072 (us per call) at contexts " + ", ".join(map(str, contexts)))

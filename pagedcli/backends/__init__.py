@@ -12,7 +12,7 @@ What llama.py calls, layer by layer:
 - `logits(x, norm_weight, lm_head, eps)`: the final norm and the LM head, as float32.
 
 `bias` is None unless config.json has attention_bias / mlp_bias (fused like the weights: q|k|v,
-gate|up). RoPE's cos and sin come from `backend.rope` (pagedcli.rope.RotaryTable): fixed tables
+gate|up). RoPE's cos and sin come from `backend.rope` (pagedcli.model.rope.RotaryTable): fixed tables
 `backend.cos`, `backend.sin` for the static types, per-token rows for dynamic NTK.
 
 Around it: `prepare(batch)` (the runner, once per step: index tensors the layers share) and

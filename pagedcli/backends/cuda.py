@@ -39,9 +39,9 @@ from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHU
                                           kernel_source, plan_kernels)
 from pagedcli.backends.torch import TorchBackend
 from pagedcli.backends.torch_decode import decode_attention_full_width
-from pagedcli.batch import StepBatch
-from pagedcli.cache import KVCache
-from pagedcli.config import ModelConfig
+from pagedcli.engine.batch import StepBatch
+from pagedcli.engine.cache import KVCache
+from pagedcli.model.config import ModelConfig
 from pagedcli.errors import RunError
 
 def cuda_available() -> tuple[bool, str]:
@@ -137,7 +137,7 @@ class CudaBackend(TorchBackend):
         self._argmax_scratch: dict[int, tuple] = {}  # batch size -> (keys, counters), zero between launches
 
     # --- launching ----------------------------------------------------------------------------
-    def _launch(self, kernel: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+    def _launch_kernel(self, kernel: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
         """Launch on torch's current stream (the capture stream while a CUDA graph is captured)."""
         import cupy
 
@@ -235,7 +235,7 @@ class CudaBackend(TorchBackend):
             return q_out
         geo = self.cache.geometry  # work items per token: rotary pairs of q and k, V elements
         items = (self.num_heads + geo.num_kv_heads) * self.head_dim // 2 + geo.kv_dim
-        self._launch("rope_write_kv", (T, -(-items // KV_WRITE_THREADS)), (KV_WRITE_THREADS,), (
+        self._launch_kernel("rope_write_kv", (T, -(-items // KV_WRITE_THREADS)), (KV_WRITE_THREADS,), (
             _ptr(q), _ptr(k), _ptr(v), np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0)),
         ) + self._rope_kv_args(layer, batch, q_out))
         return q_out
@@ -275,7 +275,7 @@ class CudaBackend(TorchBackend):
         splits, part_out, part_max, part_sum, counters = self._scratch_for(B)
         table, slot_stride, _ = self._layer_table(layer)
         kernel = "paged_attention_decode_cluster" if self.uses_clusters(B) else "paged_attention_decode"
-        self._launch(kernel, (self.num_heads // self.heads_per_cta, B, splits), (ATTN_THREADS,), (
+        self._launch_kernel(kernel, (self.num_heads // self.heads_per_cta, B, splits), (ATTN_THREADS,), (
             _ptr(out), _ptr(q), _ptr(self.cache.pool), table, slot_stride, _ptr(batch.slots), _ptr(batch.context_lens),
             np.int32(self.max_context), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(counters),
             self.scale_log2,
@@ -295,7 +295,7 @@ class CudaBackend(TorchBackend):
         out = torch.empty_like(x)
         vec = self.vec if hidden % self.vec == 0 and _aligned(x, weight, out) else 1
         threads = min(1024, max(32, -(-hidden // vec // 32) * 32))
-        self._launch(f"rms_norm_{'vec' if vec > 1 else 'scalar'}", (rows,), (threads,), (
+        self._launch_kernel(f"rms_norm_{'vec' if vec > 1 else 'scalar'}", (rows,), (threads,), (
             _ptr(x), _ptr(weight), _ptr(out), np.int32(hidden), np.float32(eps),
         ))
         return out
@@ -311,7 +311,7 @@ class CudaBackend(TorchBackend):
             return out
         vec = self.vec if inter % self.vec == 0 and _aligned(gate_up, out) else 1
         blocks = max(1, min(-(-total // (vec * SILU_THREADS)), 16 * self.num_sms))
-        self._launch(f"silu_mul_{'vec' if vec > 1 else 'scalar'}", (blocks,), (SILU_THREADS,), (
+        self._launch_kernel(f"silu_mul_{'vec' if vec > 1 else 'scalar'}", (blocks,), (SILU_THREADS,), (
             _ptr(gate_up), _ptr(out), np.int32(inter), np.int64(total),
         ))
         return out
@@ -327,7 +327,7 @@ class CudaBackend(TorchBackend):
         keys, counters = self._argmax_scratch[B]
         tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
         chunks = max(1, min(-(-vocab // ARGMAX_CHUNK), 4 * self.num_sms))
-        self._launch("argmax_rows", (chunks, B), (ARGMAX_THREADS,), (
+        self._launch_kernel("argmax_rows", (chunks, B), (ARGMAX_THREADS,), (
             _ptr(logits), np.int64(logits.stride(0)), np.int32(vocab), _ptr(tokens), _ptr(keys), _ptr(counters),
         ))
         return tokens
@@ -385,7 +385,7 @@ class CudaBackend(TorchBackend):
         kernel = f"gemv_{bucket}_{op}"
         split = self.gemv_split(units, K)
         ctas = min(-(-units * split // (GEMV_THREADS // 32)), GEMV_CTAS_PER_SM * self.num_sms)
-        self._launch(kernel, (ctas,), (GEMV_THREADS,), (
+        self._launch_kernel(kernel, (ctas,), (GEMV_THREADS,), (
             _ptr(weight), np.int32(N), np.int32(K), np.int32(rows), np.int32(split), _ptr(x), np.int64(x.stride(0)),
             _ptr(norm_weight), np.float32(eps),
         ) + tail, shared_mem=shared)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pagedcli.config import CacheGeometry, ModelConfig
+from pagedcli.model.config import CacheGeometry, ModelConfig
 
 PARTITION_SIZE = 512  # tokens per split-KV chunk of the decode kernel (a multiple of every block size)
 ATTN_THREADS = 128  # threads of a decode CTA

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedcli.batch import StepBatch
-from pagedcli.cache import KVCache
-from pagedcli.config import ModelConfig
-from pagedcli.rope import RotaryTable, apply_rope
+from pagedcli.engine.batch import StepBatch
+from pagedcli.engine.cache import KVCache
+from pagedcli.model.config import ModelConfig
+from pagedcli.model.rope import RotaryTable, apply_rope
 
 # Most mask entries times heads (the scores SDPA may materialize) one attention call handles:
 # 2**26, 256 MiB of float32 scores; longer prefills run in chunks of query rows under it.

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from pagedcli.config_checks import check_config
+from pagedcli.model.config_checks import check_config
 from pagedcli.errors import RunError, UsageError
-from pagedcli.files import read_json
-from pagedcli.rope import REQUIRED_FIELDS
+from pagedcli.model.files import read_json
+from pagedcli.model.rope import REQUIRED_FIELDS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 DEFAULT_BLOCK_SIZE = 16  # tokens per block, as in tiny-vllm and vLLM

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedcli.batch import StepBatch
-from pagedcli.config import ModelConfig
-from pagedcli.weights import Weights
+from pagedcli.engine.batch import StepBatch
+from pagedcli.model.config import ModelConfig
+from pagedcli.model.weights import Weights
 
 
 class Llama:

@@ -26,7 +26,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.text import Text
 
-from pagedcli.snapshot import CacheSnapshot, SlotView
+from pagedcli.engine.snapshot import CacheSnapshot, SlotView
 
 REFRESH_S = 0.2  # seconds between frames: five a second reads as live
 MAX_SHARE = 0.03  # of the wall time, at most, spent taking snapshots and drawing them

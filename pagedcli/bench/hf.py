@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 
 from pagedcli.errors import UsageError
-from pagedcli.loader import Model
+from pagedcli.model.loader import Model
 
 
 def hf_model(model: Model):

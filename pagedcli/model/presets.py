@@ -5,5 +5,5 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PRESETS_DIR = Path(__file__).parent / "data" / "presets"
+PRESETS_DIR = Path(__file__).parent.parent / "data" / "presets"
 RANDOM_PRESETS: dict[str, Path] = {p.stem: p for p in sorted(PRESETS_DIR.glob("*.json"))}

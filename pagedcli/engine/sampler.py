@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedcli.sequence import Sequence
+from pagedcli.engine.sequence import Sequence
 
 NOT_FINITE = -1  # the token of a row whose logits hold a NaN or an inf
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedcli.batch import StepBatch
-from pagedcli.cache import KVCache
-from pagedcli.llama import Llama
-from pagedcli.sequence import Sequence
+from pagedcli.engine.batch import StepBatch
+from pagedcli.engine.cache import KVCache
+from pagedcli.model.network import Llama
+from pagedcli.engine.sequence import Sequence
 
 
 def graph_buckets(max_slots: int) -> list[int]:
@@ -43,7 +43,7 @@ class ModelRunner:
             return self.graphs.last_tokens
         return self.model.backend.argmax(logits)
 
-    def run(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for each sequence's next token, [len(seqs), vocab] float32.
 
         feed (decode only): the tokens to feed, [len(seqs)] on the device, sampled by a step the
@@ -61,7 +61,7 @@ class ModelRunner:
             else:
                 tokens, num_cached = [0] * len(seqs), [len(s) for s in seqs]  # stand-ins for `feed`
             if self.graphs is not None:
-                return self.graphs.run(slots, tokens, num_cached, feed)
+                return self.graphs.replay(slots, tokens, num_cached, feed)
             batch = StepBatch.build(False, slots, [[t] for t in tokens], num_cached, self.device)
             if feed is not None:
                 batch.token_ids.copy_(feed)
@@ -146,7 +146,7 @@ class DecodeGraphs:
             self.captured[n] = self._capture(n)
         return self.captured[n]
 
-    def run(self, slots: list[int], tokens: list[int], num_cached: list[int],
+    def replay(self, slots: list[int], tokens: list[int], num_cached: list[int],
             feed: torch.Tensor | None = None) -> torch.Tensor:
         b = len(slots)
         n = next(size for size in self.buckets if size >= b)

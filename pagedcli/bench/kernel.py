@@ -24,9 +24,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from pagedcli.batch import StepBatch
-from pagedcli.cache import KVCache
-from pagedcli.config import CacheGeometry, ModelConfig
+from pagedcli.engine.batch import StepBatch
+from pagedcli.engine.cache import KVCache
+from pagedcli.model.config import CacheGeometry, ModelConfig
 
 ROTATE_BYTES = 256 * 2**20  # aim for at least this much K/V across the copies used in turn
 MAX_COPIES = 32

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from pagedcli.errors import PagedCliError, RunError, UsageError, allocation_failure
-from pagedcli.presets import RANDOM_PRESETS
+from pagedcli.model.presets import RANDOM_PRESETS
 
 app = typer.Typer(
     add_completion=False,
@@ -154,7 +154,7 @@ def notice(text: str) -> None:
 
 def engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager,
                    prefix_caching, overlap):
-    from pagedcli.loader import EngineOptions
+    from pagedcli.model.loader import EngineOptions
 
     if model is not None and not model.strip():
         raise UsageError("--model is empty", "pass a model folder, a Hub id, or `demo`")
@@ -170,9 +170,9 @@ def start_requests(opts, prompts, prompt_file, chat, sampling: dict, samples, co
     """Everything generate and inspect-cache share: check the input, load the model, queue the
     requests. `sampling` holds the sampling options as given (None: not given). Returns the
     loaded model, the sequences and whether the chat template is used."""
-    from pagedcli import generate as gen
-    from pagedcli.loader import load
-    from pagedcli.sequence import SamplingParams
+    from pagedcli.commands import generate as gen
+    from pagedcli.model.loader import load
+    from pagedcli.engine.sequence import SamplingParams
 
     given = {k for k, v in sampling.items() if v is not None}
     params = SamplingParams(**{k: sampling[k] for k in given})  # the rest: SamplingParams' defaults
@@ -246,8 +246,8 @@ def generate(
     overlap: Overlap = True,
 ):
     """Generate text for one or more prompts, streamed as it comes."""
-    from pagedcli import generate as gen
-    from pagedcli.output import JsonPrinter, TextPrinter
+    from pagedcli.commands import generate as gen
+    from pagedcli.commands.output import JsonPrinter, TextPrinter
 
     opts = engine_options(model, device, dtype, batch, block_size, num_blocks, cache_size, max_model_len, eager,
                           prefix_caching, overlap)
@@ -257,7 +257,7 @@ def generate(
     engine = loaded.engine
     view = None
     if live:
-        from pagedcli.view import open_live_view
+        from pagedcli.commands.live_view import open_live_view
 
         view = open_live_view(engine, loaded.tokenizer.decode, json_output)
         if view is None and not json_output:
@@ -268,7 +268,7 @@ def generate(
     refused = {s.id for s in seqs if s.error}
     start = time.perf_counter()
     with view or contextlib.nullcontext():
-        gen.run(engine, printer, seqs, on_step=view.on_step if view else None)
+        gen.stream_answers(engine, printer, seqs, on_step=view.on_step if view else None)
     report_failures(seqs, samples, refused)
     if not json_output:
         notice(gen.summary(seqs, time.perf_counter() - start, engine))
@@ -305,7 +305,7 @@ def inspect_cache(
     prefix_caching: PrefixCaching = True,
 ):
     """Run the prompts and show one slot's block table, down to byte addresses in the pool."""
-    from pagedcli import inspect_cache as ic
+    from pagedcli.commands import inspect_cache as ic
 
     if not 0 <= slot < max(batch, 1):
         raise UsageError(f"--slot {slot} is out of range",
@@ -359,9 +359,9 @@ def bench(
     overlap: Overlap = True,
 ):
     """Measure speed, memory and bandwidth against the hardware's roofline."""
-    from pagedcli import bench as b
-    from pagedcli.bench_view import Progress, results_table
-    from pagedcli.loader import load_model
+    from pagedcli.bench import measure as b
+    from pagedcli.commands.bench_view import Progress, results_table
+    from pagedcli.model.loader import load_model
 
     batches = _int_list(batch, "--batch")
     if compare not in (None, "hf"):
@@ -388,7 +388,7 @@ def bench(
     gbps = bandwidth or b.measure_bandwidth(loaded.device)
     hf = None
     if compare == "hf":
-        from pagedcli.bench_hf import hf_model
+        from pagedcli.bench.hf import hf_model
 
         hf = hf_model(loaded)
     results, told = [], set()
@@ -414,9 +414,9 @@ def bench(
 def _kernel_bench(loaded, json_output: bool, bandwidth: float | None) -> None:
     if loaded.device.type != "cuda":
         raise UsageError("--kernel times our CUDA kernel", "run it on a machine with an NVIDIA GPU and CuPy")
-    from pagedcli.bench import measure_bandwidth
-    from pagedcli.bench_view import kernel_table
-    from pagedcli.kernel_bench import bench_decode_kernel
+    from pagedcli.bench.measure import measure_bandwidth
+    from pagedcli.commands.bench_view import kernel_table
+    from pagedcli.bench.kernel import bench_decode_kernel
 
     c = loaded.source.config
     rows = bench_decode_kernel([1, 8, 64], [512, 4096], head_dim=c.head_dim, num_heads=c.num_heads,

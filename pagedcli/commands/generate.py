@@ -6,10 +6,10 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from pagedcli.engine import Engine
+from pagedcli.engine.engine import Engine
 from pagedcli.errors import RunError, UsageError
-from pagedcli.output import JsonPrinter, TextPrinter
-from pagedcli.sequence import SamplingParams, Sequence
+from pagedcli.commands.output import JsonPrinter, TextPrinter
+from pagedcli.engine.sequence import SamplingParams, Sequence
 
 
 def read_prompts(prompts: list[str], prompt_file: Path | None) -> list[str]:
@@ -115,7 +115,7 @@ def add_requests(engine: Engine, tokenizer, prompts: list[str], params: Sampling
     return seqs
 
 
-def run(engine: Engine, printer: TextPrinter | JsonPrinter, seqs: list[Sequence], on_step=None) -> None:
+def stream_answers(engine: Engine, printer: TextPrinter | JsonPrinter, seqs: list[Sequence], on_step=None) -> None:
     """Step until every request is done, feeding new tokens to the printer. Ctrl-C stops the
     engine (every block goes back) and leaves what was printed on the screen."""
     try:

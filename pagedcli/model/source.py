@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pagedcli.config import ModelConfig, token_ids
-from pagedcli.config_checks import check_generation_config
+from pagedcli.model.config import ModelConfig, token_ids
+from pagedcli.model.config_checks import check_generation_config
 from pagedcli.errors import RunError, UsageError
-from pagedcli.files import read_json
-from pagedcli.presets import RANDOM_PRESETS
+from pagedcli.model.files import read_json
+from pagedcli.model.presets import RANDOM_PRESETS
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent.parent / "data"
 DEMO_FOLDER = DATA / "demo"
 REFERENCE_MODEL = "meta-llama/Llama-3.2-1B-Instruct"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]

@@ -15,10 +15,10 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from pagedcli.engine import Engine
+from pagedcli.engine.engine import Engine
 from pagedcli.errors import UsageError
-from pagedcli.snapshot import CacheSnapshot, SlotView
-from pagedcli.view import human_bytes, request_label
+from pagedcli.engine.snapshot import CacheSnapshot, SlotView
+from pagedcli.commands.live_view import human_bytes, request_label
 
 
 # --- finding the moment ---------------------------------------------------------------------------

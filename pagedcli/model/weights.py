@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagedcli.config import ModelConfig
+from pagedcli.model.config import ModelConfig
 from pagedcli.errors import RunError
-from pagedcli.files import read_json
+from pagedcli.model.files import read_json
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of what a weight may be stored as
 LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")

@@ -21,9 +21,9 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from pagedcli.config import CacheGeometry
+from pagedcli.model.config import CacheGeometry
 from pagedcli.errors import allocation_failure
-from pagedcli.prefix_cache import PrefixCache, extend_block_hashes
+from pagedcli.engine.prefix_cache import PrefixCache, extend_block_hashes
 
 UNASSIGNED = -1
 MAX_ID = int(np.iinfo(np.int32).max)  # block ids and slots are int32 (the table, the step's batch): at most this

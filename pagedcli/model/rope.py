@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from pagedcli.config import ModelConfig
+    from pagedcli.model.config import ModelConfig
 
 # The fields each supported type must have (transformers refuses the config without them too).
 REQUIRED_FIELDS = {"default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),

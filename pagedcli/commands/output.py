@@ -7,8 +7,8 @@ import json
 import sys
 from typing import TextIO
 
-from pagedcli.sequence import Sequence
-from pagedcli.tokenizer import StreamDecoder, Tokenizer
+from pagedcli.engine.sequence import Sequence
+from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
 
 ERROR_MARK = " [error]"  # ends the text of an answer that failed (stderr says why)
 

@@ -9,15 +9,15 @@ from typing import Callable
 import torch
 
 from pagedcli.backends import TorchBackend
-from pagedcli.cache import MAX_ID, KVCache
-from pagedcli.config import DEFAULT_BLOCK_SIZE, CacheGeometry, parse_size
-from pagedcli.engine import Engine
+from pagedcli.engine.cache import MAX_ID, KVCache
+from pagedcli.model.config import DEFAULT_BLOCK_SIZE, CacheGeometry, parse_size
+from pagedcli.engine.engine import Engine
 from pagedcli.errors import UsageError
-from pagedcli.llama import Llama
-from pagedcli.models import ModelSource, resolve_model
-from pagedcli.runner import ModelRunner
-from pagedcli.tokenizer import Tokenizer
-from pagedcli.weights import Weights, load_weights, random_weights
+from pagedcli.model.network import Llama
+from pagedcli.model.source import ModelSource, resolve_model
+from pagedcli.engine.runner import ModelRunner
+from pagedcli.model.tokenizer import Tokenizer
+from pagedcli.model.weights import Weights, load_weights, random_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMALL_MODEL_BYTES = 64 << 20

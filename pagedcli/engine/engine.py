@@ -1,7 +1,7 @@
 """The engine: requests in, tokens out, one step at a time.
 
     step():  scheduler.schedule()  -> which sequences run, prefill or decode
-             runner.run()          -> the forward pass over the paged cache: logits
+             runner.execute()      -> the forward pass over the paged cache: logits
              sampler.sample()      -> one token per sequence
              scheduler.update()    -> append, finish, give blocks back
 
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedcli.cache import KVCache
-from pagedcli.runner import ModelRunner
-from pagedcli.sampler import sample
-from pagedcli.scheduler import Scheduler
-from pagedcli.sequence import SamplingParams, Sequence
-from pagedcli.snapshot import CacheSnapshot, take_snapshot
+from pagedcli.engine.cache import KVCache
+from pagedcli.engine.runner import ModelRunner
+from pagedcli.engine.sampler import sample
+from pagedcli.engine.scheduler import Scheduler
+from pagedcli.engine.sequence import SamplingParams, Sequence
+from pagedcli.engine.snapshot import CacheSnapshot, take_snapshot
 
 
 @dataclass
@@ -98,15 +98,15 @@ class Engine:
             seqs, is_prefill = self.scheduler.schedule()
             if not seqs:
                 return StepOutput(is_prefill, [], [])
-            step = self._launch(seqs, is_prefill)
+            step = self._queue_step(seqs, is_prefill)
         if self.overlap and not step.is_prefill:
             ahead = self.scheduler.schedule_ahead(step.seqs)
             if ahead:
-                self.in_flight = self._launch(ahead, False, after=step)
+                self.in_flight = self._queue_step(ahead, False, after=step)
                 self.num_launched_ahead += 1
         return self._finish(step)
 
-    def _launch(self, seqs: list[Sequence], is_prefill: bool, after: QueuedStep | None = None) -> QueuedStep:
+    def _queue_step(self, seqs: list[Sequence], is_prefill: bool, after: QueuedStep | None = None) -> QueuedStep:
         """Queue the forward pass and the sampling of one step. `after`: the decode step still in
         flight whose tokens this (decode) step feeds, taken from the device."""
         num_tokens = sum(len(s) - s.num_cached for s in seqs) if is_prefill else len(seqs)
@@ -119,7 +119,7 @@ class Engine:
             else:
                 row = {s.id: i for i, s in enumerate(after.seqs)}
                 feed = after.tokens[torch.tensor([row[s.id] for s in seqs]).to(after.tokens.device, non_blocking=True)]
-        logits = self.runner.run(seqs, is_prefill, feed)
+        logits = self.runner.execute(seqs, is_prefill, feed)
         if is_prefill:
             seqs, logits = self.scheduler.fork(seqs, logits)
         tokens = sample(logits, seqs, self.runner.argmax)
@@ -149,7 +149,7 @@ class Engine:
         self.num_steps += 1
         return StepOutput(step.is_prefill, seqs, tokens, finished, step.num_tokens, step.used_blocks, step.num_running)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+    def run_to_completion(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         """Run prompts to completion; returns their sequences in input order."""
         seqs = [self.add_request(p, params) for p in prompts]
         while self.has_unfinished:

@@ -16,9 +16,9 @@ from collections import deque
 
 import torch
 
-from pagedcli.cache import KVCache
-from pagedcli.sampler import NOT_FINITE
-from pagedcli.sequence import Sequence, Status
+from pagedcli.engine.cache import KVCache
+from pagedcli.engine.sampler import NOT_FINITE
+from pagedcli.engine.sequence import Sequence, Status
 
 
 class Scheduler:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from pagedcli.engine import Engine
+from pagedcli.engine.engine import Engine
 from pagedcli.errors import RunError, UsageError
-from pagedcli.loader import EngineOptions, Model, build_engine
-from pagedcli.sequence import SamplingParams
+from pagedcli.model.loader import EngineOptions, Model, build_engine
+from pagedcli.engine.sequence import SamplingParams
 
 BANDWIDTH_CACHE = Path.home() / ".cache" / "pagedcli" / "bandwidth.json"
 
@@ -61,7 +61,7 @@ def make_requests(w: Workload, n: int, vocab_size: int, avoid: set[int], tokeniz
     rng = random.Random(w.seed)
     out_lo, out_hi = parse_len(w.output_len, "--output-len")
     if w.prompt_file is not None:
-        from pagedcli.generate import read_prompts
+        from pagedcli.commands.generate import read_prompts
 
         if tokenizer is None:
             raise UsageError("--prompt-file needs a model with a tokenizer")
@@ -163,7 +163,7 @@ def run_point(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
         plain = run_batch(model, replace(opts, prefix_caching=False), batch, w, bandwidth_gbps)
         result["ttft_ms_without_prefix_cache"] = plain["ttft_ms"]
     if hf is not None:
-        from pagedcli.bench_hf import hf_generate
+        from pagedcli.bench.hf import hf_generate
 
         base = hf_generate(hf, requests_for(model, w, batch), batch, model.device, w.ignore_eos)
         result["hf_output_tokens_per_s"] = base["output_tokens_per_s"]
@@ -273,7 +273,7 @@ def check_lengths(requests: list[Request], max_model_len: int, w: Workload) -> N
 
 def _warm_up(engine: Engine, requests: list) -> None:
     """Graphs captured, kernels compiled, allocator and cuBLAS warm: none of it in the timing."""
-    engine.generate([r.prompt_token_ids for r in requests], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.run_to_completion([r.prompt_token_ids for r in requests], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.runner.capture_graphs()
     engine.reset()  # the timed run must not count the warm-up, nor find its blocks
 

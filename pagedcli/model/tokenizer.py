@@ -11,9 +11,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from pagedcli.config_checks import check_chat_template, check_tokenizer_config
+from pagedcli.model.config_checks import check_chat_template, check_tokenizer_config
 from pagedcli.errors import RunError, UsageError
-from pagedcli.files import read_json, read_text
+from pagedcli.model.files import read_json, read_text
 
 # A chat template is a program from the model folder: its render is stopped past these (the
 # templates of real models render a prompt in milliseconds, and add a few hundred characters)
