@@ -45,10 +45,10 @@ def record_logits(engine):
     run = engine.runner.execute
 
     def recording(seqs, is_prefill, feed=None):
-        logits = run(seqs, is_prefill, feed)
+        logits, greedy = run(seqs, is_prefill, feed)
         for seq, row in zip(seqs, logits):
             seen.setdefault(seq.id, []).append(row.clone())
-        return logits
+        return logits, greedy
 
     engine.runner.execute = recording
     return seen
@@ -81,3 +81,8 @@ def check_block_accounting(engine) -> None:
     for slot in range(cache.max_slots):
         if slot not in running_slots:
             assert cache.num_blocks_of_slot[slot] == 0, f"slot {slot} holds blocks but runs nothing"
+
+
+def blocks_of(cache, slot: int, layer: int) -> list[int]:
+    """The physical blocks `slot` holds in `layer`, in logical order."""
+    return cache.table[slot, layer, : cache.num_blocks_of_slot[slot]].tolist()

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import record_logits
+from helpers import blocks_of, record_logits
 from pagedcli.engine.sequence import SamplingParams
 
 PROMPTS = [[5, 9, 14, 3, 77, 21, 8, 40, 2, 19, 33, 60, 7, 18, 4, 90, 101, 12, 6],  # crosses a block boundary
@@ -40,7 +40,7 @@ def poison(engine, bad) -> None:
     whole = list(cache.allocator.free)
     for seq in engine.scheduler.running:
         for layer in range(cache.geometry.num_layers):
-            blocks = cache.blocks_of(seq.slot, layer)
+            blocks = blocks_of(cache, seq.slot, layer)
             if seq is bad:
                 whole += blocks
                 continue

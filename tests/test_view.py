@@ -19,7 +19,8 @@ from rich.console import Console
 from helpers import invoke
 from pagedcli.model.config import CacheGeometry
 from pagedcli.engine.snapshot import CacheSnapshot, SlotView, WaitingView
-from pagedcli.commands.live_view import LiveView, block_cells, render
+from pagedcli.commands.drawing import block_cells, render
+from pagedcli.commands.live_view import LiveView
 
 from conftest import REPO
 
@@ -76,7 +77,7 @@ def test_waste_is_shown_against_a_contiguous_max_length_cache():
 
 def test_blocks_shared_by_parallel_samples_are_drawn_blue_and_counted_once(stories, make_engine):
     from pagedcli.engine.sequence import SamplingParams
-    from pagedcli.commands.live_view import owners_of_blocks
+    from pagedcli.commands.drawing import owners_of_blocks
 
     loaded = make_engine(stories, batch=3, num_blocks=100)
     prompt = loaded.tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play")

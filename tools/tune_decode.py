@@ -2,8 +2,8 @@
 
     python3 tools/tune_decode.py [--output-len 256] [--profile-steps 32]
 
-Each variant sets module constants of pagedcli.backends.cuda (or, with "overlap", the engine
-option of that name), builds a fresh engine and times the workload `pagedcli bench` runs (random
+Each variant sets module constants of pagedcli.backends.cuda_build, cuda_launch and cuda (or, with
+"overlap", the engine option of that name), builds a fresh engine and times the workload `pagedcli bench` runs (random
 Llama-3.2-1B weights, 128-token prompt): the step as the bench sees it, and its CUDA graph replayed
 back to back (the GPU's part of it). Then each GEMM of a layer alone, ours against the cuBLAS path
 and against a kernel that only reads its weights (tools/read_floor.cu), attention alone, and the
@@ -22,6 +22,7 @@ import torch
 
 import pagedcli.backends.cuda as cuda_backend
 import pagedcli.backends.cuda_build as cuda_build
+import pagedcli.backends.cuda_launch as cuda_launch
 from pagedcli.bench.measure import Workload, measure_bandwidth, run_batch
 from pagedcli.model.loader import EngineOptions, build_engine, load_model
 from pagedcli.engine.sequence import SamplingParams
@@ -41,9 +42,10 @@ VARIANTS = {
 
 @contextlib.contextmanager
 def variant(settings: dict):
-    """The tunables set in both modules that read them: cuda_build (what is compiled) and cuda (how
-    it is launched)."""
-    saved = {(m, k): getattr(m, k) for m in (cuda_build, cuda_backend) for k in settings if hasattr(m, k)}
+    """The tunables set in every module that reads them: cuda_build (what is compiled), cuda_launch
+    and cuda (how it is launched)."""
+    saved = {(m, k): getattr(m, k) for m in (cuda_build, cuda_launch, cuda_backend) for k in settings
+             if hasattr(m, k)}
     try:
         for (m, k) in saved:
             setattr(m, k, settings[k])
@@ -136,10 +138,10 @@ def read_floor_table(model) -> None:
         ("qkv", w.layers[0].qkv), ("o", w.layers[0].o), ("gate_up", w.layers[0].gate_up),
         ("down", w.layers[0].down), ("lm_head", w.lm_head))}
     source = (Path(__file__).parent / "read_floor.cu").read_text()
-    threads = cuda_backend.GEMV_THREADS  # gemv.cu's grid: one wave of GEMV_CTAS_PER_SM CTAs an SM
-    options = ("-std=c++17", f"-DGEMV_THREADS={threads}", f"-DREAD_UNROLL={2 * cuda_backend.GEMV_UNROLL}")
+    threads = cuda_build.GEMV_THREADS  # gemv.cu's grid: one wave of GEMV_CTAS_PER_SM CTAs an SM
+    options = ("-std=c++17", f"-DGEMV_THREADS={threads}", f"-DREAD_UNROLL={2 * cuda_build.GEMV_UNROLL}")
     kernel = cupy.RawModule(code=source, options=options).get_function("read_all")
-    grid = cuda_backend.GEMV_CTAS_PER_SM * torch.cuda.get_device_properties(model.device).multi_processor_count
+    grid = cuda_build.GEMV_CTAS_PER_SM * torch.cuda.get_device_properties(model.device).multi_processor_count
     sink = torch.zeros(1, dtype=torch.int32, device=model.device)
 
     def launch(buffer: torch.Tensor) -> None:

@@ -136,7 +136,7 @@ def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads
                 batch=batch, context=context,
                 paged_ms=paged_ms, paged_gb_per_s=moved / paged_ms / 1e6,
                 sdpa_ms=sdpa_ms, sdpa_gb_per_s=moved / sdpa_ms / 1e6,
-                max_abs_diff=diff, splits=backend.num_splits(batch),
+                max_abs_diff=diff, splits=backend.shapes.num_splits(batch),
                 registers=backend.kernels["paged_attention_decode"].num_regs,
                 ctas_per_sm=backend.decode_ctas_per_sm,
             ))

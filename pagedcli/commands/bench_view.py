@@ -7,7 +7,7 @@ from rich import progress as rp
 from rich.console import Group
 from rich.table import Table
 
-from pagedcli.commands.live_view import human_bytes
+from pagedcli.commands.drawing import human_bytes
 
 
 class Progress:

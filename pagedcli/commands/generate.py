@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
-from pagedcli.engine.engine import Engine
+import typer
+
+from pagedcli.commands.exits import exit_for_failures, friendly_errors, notice, report_failures
+from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
 from pagedcli.errors import RunError, UsageError
-from pagedcli.commands.output import JsonPrinter, TextPrinter
-from pagedcli.engine.sequence import SamplingParams, Sequence
+
+if TYPE_CHECKING:  # the engine and torch load once a command runs, not for --help
+    from pagedcli.commands.output import JsonPrinter, TextPrinter
+    from pagedcli.engine.engine import Engine
+    from pagedcli.engine.sequence import SamplingParams, Sequence
 
 
 def read_prompts(prompts: list[str], prompt_file: Path | None) -> list[str]:
@@ -149,3 +158,67 @@ def summary(seqs: list[Sequence], elapsed: float, engine: Engine) -> str:
             else "the model's maximum length, or --max-model-len"
         parts.append(f"{cut} answer{'s' * (cut != 1)} stopped at {limit} tokens, prompt included ({why})")
     return ", ".join(parts)
+
+
+def start_requests(engine_flags: EngineFlags, requests: RequestFlags, command: str, **overrides):
+    """Everything generate and inspect-cache share: check the input, load the model, queue the
+    requests. Returns the loaded model, the sequences and whether the chat template is used."""
+    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.model.loader import load
+
+    opts = engine_flags.options(**overrides)
+    sampling = requests.sampling()
+    given = {k for k, v in sampling.items() if v is not None}
+    params = SamplingParams(**{k: sampling[k] for k in given})  # the rest: SamplingParams' defaults
+    check_sampling(params)
+    if requests.samples < 1:
+        raise UsageError(f"--n {requests.samples}: needs at least one answer per prompt")
+    texts = read_prompts(requests.prompts or [], requests.prompt_file)
+    chat = requests.chat
+
+    def check(source, tokenizer) -> None:  # before the weights are read
+        if tokenizer is None:
+            raise UsageError(f"--model {source.name} has no tokenizer", f"{command} needs a model folder with tokenizer.json")
+        if chat and not tokenizer.has_chat_template:
+            raise UsageError(f"--chat: model {source.name} has no chat template", "use --raw")
+
+    loaded = load(opts, notice, check)
+    use_chat = loaded.tokenizer.has_chat_template if chat is None else chat
+    params = sampling_defaults(params, loaded.source.generation_config, given,
+                               f"{loaded.source.name}'s generation_config.json")
+    seqs = add_requests(loaded.engine, loaded.tokenizer, texts, params, use_chat, requests.samples)
+    report_failures(seqs, requests.samples)
+    return loaded, seqs, use_chat
+
+
+@friendly_errors
+@flag_group(RequestFlags, "requests", first=True)
+@flag_group(EngineFlags, "engine_flags")
+def generate(
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per answer on stdout, nothing else.")] = False,
+    live: Annotated[bool, typer.Option("--live", help="Watch the KV cache while it runs (on a terminal only).")] = False,
+    *, requests: RequestFlags, engine_flags: EngineFlags,
+):
+    """Generate text for one or more prompts, streamed as it comes."""
+    from pagedcli.commands.output import JsonPrinter, TextPrinter
+
+    loaded, seqs, use_chat = start_requests(engine_flags, requests, "generate")
+    engine, samples = loaded.engine, requests.samples
+    view = None
+    if live:
+        from pagedcli.commands.live_view import open_live_view
+
+        view = open_live_view(engine, loaded.tokenizer.decode, json_output)
+        if view is None and not json_output:
+            notice("--live: stdout is not a terminal, so no live view")
+    out = view.out if view else None
+    printer = (JsonPrinter(loaded.tokenizer, seqs, samples, out) if json_output
+               else TextPrinter(loaded.tokenizer, seqs, samples, echo_prompt=not use_chat, out=out))
+    refused = {s.id for s in seqs if s.error}
+    start = time.perf_counter()
+    with view or contextlib.nullcontext():
+        stream_answers(engine, printer, seqs, on_step=view.on_step if view else None)
+    report_failures(seqs, samples, refused)
+    if not json_output:
+        notice(summary(seqs, time.perf_counter() - start, engine))
+    exit_for_failures(seqs, refused)

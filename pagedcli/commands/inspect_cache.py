@@ -11,14 +11,24 @@ v_offset. Every layer owns its own blocks, so the same tokens sit in a different
 
 from __future__ import annotations
 
-from rich.console import Group
+import functools
+import json
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from pagedcli.engine.engine import Engine
+from pagedcli.commands.drawing import human_bytes, request_label
+from pagedcli.commands.exits import exit_for_failures, friendly_errors, report_failures
+from pagedcli.commands.generate import start_requests
+from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
 from pagedcli.errors import UsageError
-from pagedcli.engine.snapshot import CacheSnapshot, SlotView
-from pagedcli.commands.live_view import human_bytes, request_label
+
+if TYPE_CHECKING:  # the engine and torch load once the command runs, not for --help
+    from pagedcli.engine.engine import Engine
+    from pagedcli.engine.snapshot import CacheSnapshot, SlotView
 
 
 # --- finding the moment ---------------------------------------------------------------------------
@@ -198,3 +208,34 @@ def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0) -> Group
             cells.append(Text(", ".join(f"slot {s}" for s in shared.get(physical, [])), style="blue"))
         table.add_row(*cells, Text(escape(texts[i]), style="cyan"))
     return Group(head, table)
+
+
+@friendly_errors
+@flag_group(RequestFlags, "requests", first=True)
+@flag_group(EngineFlags, "engine_flags", leave_out={"overlap": False})  # the cache as each step left it
+def inspect_cache(
+    slot: Annotated[int, typer.Option(help="The slot to show.")] = 0,
+    at_step: Annotated[Optional[int], typer.Option(help="Show the cache after this step (1: the first prefill). "
+                                                   "Default: the step before the slot's first request finishes.")] = None,
+    layer: Annotated[int, typer.Option(help="The layer whose blocks the table shows.")] = 0,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object with every layer's blocks.")] = False,
+    *, requests: RequestFlags, engine_flags: EngineFlags,
+):
+    """Run the prompts and show one slot's block table, down to byte addresses in the pool."""
+    batch, samples = engine_flags.batch, requests.samples
+    if not 0 <= slot < max(batch, 1):
+        raise UsageError(f"--slot {slot} is out of range",
+                         f"--batch {batch} gives " + ("slot 0 only" if batch == 1 else f"slots 0 to {batch - 1}"))
+    loaded, seqs, _ = start_requests(engine_flags, requests, "inspect-cache")
+    num_layers = loaded.engine.cache.geometry.num_layers
+    if not 0 <= layer < num_layers:
+        raise UsageError(f"--layer {layer} is out of range", f"the model has layers 0-{num_layers - 1}")
+    refused = {s.id for s in seqs if s.error}
+    snap, view = capture(loaded.engine, slot, at_step)
+    report_failures(seqs, samples, refused)
+    decode = functools.partial(loaded.tokenizer.decode, skip_special_tokens=False)
+    if json_output:
+        print(json.dumps(to_json(snap, view, decode), ensure_ascii=False))
+    else:
+        Console(highlight=False).print(render(snap, view, decode, layer))
+    exit_for_failures(seqs, refused)  # shown, but a request failed: as generate does

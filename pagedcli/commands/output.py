@@ -7,6 +7,7 @@ import json
 import sys
 from typing import TextIO
 
+from pagedcli.commands.options import with_flags
 from pagedcli.engine.sequence import Sequence
 from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
 
@@ -105,5 +106,5 @@ class JsonPrinter:
             "finish_reason": seq.finish_reason,
         }
         if seq.error:
-            r["error"] = seq.error
+            r["error"] = with_flags(seq.error)
         return r

@@ -29,10 +29,6 @@ UNASSIGNED = -1
 MAX_ID = int(np.iinfo(np.int32).max)  # block ids and slots are int32 (the table, the step's batch): at most this
 
 
-class OutOfBlocks(Exception):
-    """Not enough free blocks; the scheduler decides what to do (wait, or preempt)."""
-
-
 class BlockAllocator:
     """The free blocks and a reference count per block.
 
@@ -56,7 +52,8 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free):
-            raise OutOfBlocks(f"{n} blocks asked, {len(self.free)} free")
+            # the scheduler asks only for blocks it has counted free: reaching this is a bug
+            raise RuntimeError(f"{n} blocks asked, {len(self.free)} free")
         blocks = [self.free.popitem(last=False)[0] for _ in range(n)]
         self.ref_count[blocks] = 1
         if self.on_reuse is not None:
@@ -94,7 +91,7 @@ class KVCache:
             self.pool = torch.zeros(geometry.pool_shape, dtype=geometry.dtype, device=self.device)
         except (RuntimeError, MemoryError) as e:
             oom = allocation_failure(e, f"the KV pool ({geometry.pool_bytes / 2**30:,.1f} GiB)",
-                                     "use a smaller --cache-size or --num-blocks")
+                                     "use a smaller `cache_size` or `num_blocks`")
             if oom is None:
                 raise
             raise oom from None
@@ -124,7 +121,7 @@ class KVCache:
         return max(new_logical, 0) * self.geometry.num_layers
 
     def grow(self, slot: int, num_tokens: int) -> None:
-        """Give `slot` blocks for `num_tokens` tokens in every layer; raises OutOfBlocks, changing nothing."""
+        """Give `slot` blocks for `num_tokens` tokens in every layer; raises RuntimeError (a bug: the scheduler counts first), changing nothing."""
         have = self.num_blocks_of_slot[slot]
         want = self.geometry.blocks_for(num_tokens)
         if want <= have:
@@ -173,7 +170,9 @@ class KVCache:
         self.num_offered[slot] = len(prefix)  # found in the cache: nothing to offer
         self.grow(slot, num_tokens)
 
-    def forget_cached_prefixes(self) -> None:
+    def reset(self) -> None:
+        """Forget the cached prefixes and zero the counters (between runs: every slot is free)."""
+        self.num_copied_blocks = 0
         if self.prefix_cache is not None:
             self.prefix_cache = PrefixCache()
             self.allocator.on_reuse = self.prefix_cache.forget
@@ -237,6 +236,12 @@ class KVCache:
             self.allocator.release(shared.tolist())
         self.grow(slot, num_tokens)
 
+    def drop_pending_copies(self) -> None:
+        """Copy-on-write copies queued for a step that will never run (every request aborted):
+        their blocks were just freed, and a later step must not copy into blocks that may belong
+        to someone else by then."""
+        self.pending_copies.clear()
+
     def copy_pending_blocks(self) -> None:
         """Carry out the copies copy-on-write asked for (before the forward pass writes)."""
         if not self.pending_copies:
@@ -246,9 +251,6 @@ class KVCache:
         self.pending_copies.clear()
         # non_blocking, as in sync_device_table
         self.pool[dst.to(self.device, non_blocking=True)] = self.pool[src.to(self.device, non_blocking=True)]
-
-    def blocks_of(self, slot: int, layer: int) -> list[int]:
-        return self.table[slot, layer, : self.num_blocks_of_slot[slot]].tolist()
 
     # --- the device mirror ----------------------------------------------------------------
     def _mark_changed(self, slot: int, start: int, stop: int) -> None:

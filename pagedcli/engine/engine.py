@@ -1,7 +1,7 @@
 """The engine: requests in, tokens out, one step at a time.
 
     step():  scheduler.schedule()  -> which sequences run, prefill or decode
-             runner.execute()      -> the forward pass over the paged cache: logits
+             runner.execute()      -> the forward pass over the paged cache: logits, greedy tokens
              sampler.sample()      -> one token per sequence
              scheduler.update()    -> append, finish, give blocks back
 
@@ -119,10 +119,13 @@ class Engine:
             else:
                 row = {s.id: i for i, s in enumerate(after.seqs)}
                 feed = after.tokens[torch.tensor([row[s.id] for s in seqs]).to(after.tokens.device, non_blocking=True)]
-        logits = self.runner.execute(seqs, is_prefill, feed)
-        if is_prefill:
-            seqs, logits = self.scheduler.fork(seqs, logits)
-        tokens = sample(logits, seqs, self.runner.argmax)
+        logits, greedy = self.runner.execute(seqs, is_prefill, feed)
+        if is_prefill:  # parallel samples join their prompt's parent, and sample from its row
+            seqs, rows = self.scheduler.fork(seqs)
+            if rows is not None:
+                index = torch.tensor(rows).to(logits.device)
+                logits, greedy = logits[index], greedy[index]
+        tokens = sample(logits, greedy, seqs)
         if tokens.is_cuda:
             host, ready = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True), torch.cuda.Event()
             host.copy_(tokens, non_blocking=True)
@@ -162,23 +165,14 @@ class Engine:
         assert not self.has_unfinished, "reset with requests still running"
         self.sequences.clear()
         self.num_steps = self.num_launched_ahead = 0
-        self.scheduler.num_preemptions = 0
-        self.scheduler.prompt_tokens = self.scheduler.cached_prompt_tokens = 0
-        self.cache.num_copied_blocks = 0
-        self.cache.forget_cached_prefixes()
+        self.scheduler.reset()
+        self.cache.reset()
 
     def abort_all(self) -> None:
         """Finish every unfinished request now (Ctrl-C): every block goes back."""
         self.in_flight = None  # its rows end with everyone else's
-        forked = [c for children in self.scheduler.forks.values() for c in children]
-        self.scheduler.forks.clear()
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + forked:
-            seq.finish_reason = seq.finish_reason or "abort"
-            self.scheduler.finish(seq)
-        self.scheduler.waiting.clear()
-        # copy-on-write copies queued for a step that never ran: their blocks were just freed, and
-        # a later step must not copy into blocks that may belong to someone else by then
-        self.cache.pending_copies.clear()
+        self.scheduler.abort_all()
+        self.cache.drop_pending_copies()
 
     def snapshot(self) -> CacheSnapshot:
         return take_snapshot(self)

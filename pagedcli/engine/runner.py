@@ -36,15 +36,11 @@ class ModelRunner:
             for n in self.graphs.buckets:
                 self.graphs.graph(n)
 
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """Greedy tokens of `logits` ([B] int64 on their device): for the logits a decode graph just
-        returned, the argmax the graph computed with them; else the backend's."""
-        if self.graphs is not None and logits is self.graphs.last_logits:
-            return self.graphs.last_tokens
-        return self.model.backend.argmax(logits)
-
-    def execute(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for each sequence's next token, [len(seqs), vocab] float32.
+    def execute(self, seqs: list[Sequence], is_prefill: bool,
+                feed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What sampling needs for each sequence's next token: its logits, [len(seqs), vocab] float32,
+        and its greedy token, [len(seqs)] int64 (a decode graph computes them with the logits; else
+        the backend's argmax, a kernel of ours on a GPU).
 
         feed (decode only): the tokens to feed, [len(seqs)] on the device, sampled by a step the
         host has not seen the end of (the engine's overlap); each sequence is then one token longer
@@ -65,8 +61,8 @@ class ModelRunner:
             batch = StepBatch.build(False, slots, [[t] for t in tokens], num_cached, self.device)
             if feed is not None:
                 batch.token_ids.copy_(feed)
-        self.model.backend.prepare(batch)
-        return self.model.forward(batch)
+        logits = self.model.forward(batch)
+        return logits, self.model.backend.argmax(logits)
 
 
 class DecodeGraphs:
@@ -98,8 +94,6 @@ class DecodeGraphs:
         # long as the graph: the graph reads its tensors' memory, which the allocator would
         # otherwise hand out again
         self.captured: dict[int, tuple[torch.cuda.CUDAGraph, StepBatch, torch.Tensor, torch.Tensor]] = {}
-        self.last_logits: torch.Tensor | None = None  # what the last `run` returned, and the argmax of it
-        self.last_tokens: torch.Tensor | None = None
 
     def _inputs(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """The INPUTS as typed views of a byte buffer, in order."""
@@ -122,7 +116,6 @@ class DecodeGraphs:
         )
 
     def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        self.model.backend.prepare(batch)
         logits = self.model.forward(batch)
         return logits, self.model.backend.argmax(logits)
 
@@ -147,7 +140,8 @@ class DecodeGraphs:
         return self.captured[n]
 
     def replay(self, slots: list[int], tokens: list[int], num_cached: list[int],
-            feed: torch.Tensor | None = None) -> torch.Tensor:
+            feed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the bucket's graph for these rows: their logits and greedy tokens."""
         b = len(slots)
         n = next(size for size in self.buckets if size >= b)
         graph, _, logits, greedy = self.graph(n)
@@ -163,5 +157,4 @@ class DecodeGraphs:
         if feed is not None:
             self.inputs["token_ids"][:b].copy_(feed)  # device to device: the tokens never visit the host
         graph.replay()
-        self.last_logits, self.last_tokens = logits[:b], greedy[:b]
-        return self.last_logits
+        return logits[:b], greedy[:b]

@@ -17,12 +17,12 @@ from pagedcli.engine.sequence import Sequence
 NOT_FINITE = -1  # the token of a row whose logits hold a NaN or an inf
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], argmax=None) -> torch.Tensor:
-    """logits: [B, vocab] float32, row b for seqs[b]. argmax: the backend's (a faster kernel on a
-    GPU), else torch's. Returns [B] int64 tokens where the logits are (NOT_FINITE for a row that is
-    not all finite): nothing waits for them."""
+def sample(logits: torch.Tensor, greedy: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits: [B, vocab] float32, row b for seqs[b]; greedy: [B] int64, their argmax (the runner's),
+    which sampled rows overwrite. Returns [B] int64 tokens where the logits are (NOT_FINITE for a row
+    that is not all finite): nothing waits for them."""
     finite = logits.isfinite().all(dim=-1)  # [B]
-    tokens = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
+    tokens = greedy
     sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
     for b in sampled:  # a row that is not finite draws from zeros instead: its token is replaced anyway
         tokens[b] = _draw(torch.where(finite[b], logits[b], 0.0), seqs[b])

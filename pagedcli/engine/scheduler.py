@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 from pagedcli.engine.cache import KVCache
 from pagedcli.engine.sampler import NOT_FINITE
 from pagedcli.engine.sequence import Sequence, Status
@@ -55,10 +53,12 @@ class Scheduler:
         if not parent.error:
             self.forks[parent.id] = list(children)
 
-    def fork(self, seqs: list[Sequence], logits):
+    def fork(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
         """After a prefill: each prefilled parent's children take a slot and share the parent's
-        blocks; they sample their first token from the parent's logits. Children without a free
-        slot wait at the head of the queue (and find the prompt's full blocks in the prefix cache)."""
+        blocks. Returns the sequences that sample now, `seqs` and then the children that joined,
+        and for each the row of `seqs` whose logits it samples from (None: nobody joined, the
+        rows are `seqs`' own). Children without a free slot wait at the head of the queue (and
+        find the prompt's full blocks in the prefix cache)."""
         joined, rows = [], []
         for row, parent in enumerate(seqs):
             children = self.forks.pop(parent.id, [])
@@ -77,8 +77,8 @@ class Scheduler:
                 joined.append(child)
                 rows.append(row)
         if not joined:
-            return seqs, logits
-        return seqs + joined, logits[torch.cat([torch.arange(len(seqs)), torch.tensor(rows)]).to(logits.device)]
+            return seqs, None
+        return seqs + joined, list(range(len(seqs))) + rows
 
     def why_unrunnable(self, prompt_len: int) -> str | None:
         if prompt_len == 0:
@@ -86,7 +86,7 @@ class Scheduler:
         pool_tokens = self.cache.geometry.pool_tokens
         limit = min(self.max_model_len, pool_tokens)
         if prompt_len + 1 > limit:
-            what, hint = (("the whole pool holds", "use a larger --cache-size or --num-blocks") if pool_tokens <= limit
+            what, hint = (("the whole pool holds", "use a larger `cache_size` or `num_blocks`") if pool_tokens <= limit
                           else ("the maximum length is", "shorten the prompt"))
             return (f"the prompt has {prompt_len} tokens and needs room for {prompt_len + 1} with one new token, but "
                     f"{what} {limit} ({hint})")
@@ -220,7 +220,7 @@ class Scheduler:
             if token == NOT_FINITE:
                 seq.finish_reason = "error"
                 seq.error = (f"its logits are not finite (NaN or inf) at new token {len(seq.output_token_ids) + 1}, so "
-                             "it was stopped (a number overflowed: try --dtype bfloat16 or float32, or the weights "
+                             "it was stopped (a number overflowed: try `dtype` bfloat16 or float32, or the weights "
                              "are broken)")
             elif token in self.stop_ids and not p.ignore_eos:
                 seq.finish_reason = "stop"
@@ -235,6 +235,20 @@ class Scheduler:
         if finished:  # one pass over the running list, however many finished
             self.running = [s for s in self.running if not s.is_finished]
         return finished
+
+    def reset(self) -> None:
+        """Zero the counters (between runs: nothing is unfinished)."""
+        self.num_preemptions = 0
+        self.prompt_tokens = self.cached_prompt_tokens = 0
+
+    def abort_all(self) -> None:
+        """Finish every unfinished request now, as aborted: every slot and block goes back."""
+        forked = [c for children in self.forks.values() for c in children]
+        self.forks.clear()
+        for seq in list(self.running) + list(self.waiting) + forked:
+            seq.finish_reason = seq.finish_reason or "abort"
+            self.finish(seq)
+        self.waiting.clear()
 
     def finish(self, seq: Sequence) -> None:
         if seq.slot is not None:

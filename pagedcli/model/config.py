@@ -240,7 +240,7 @@ class CacheGeometry:
     ) -> "CacheGeometry":
         if block_size not in SUPPORTED_BLOCK_SIZES:
             raise UsageError(
-                f"--block-size {block_size} is not supported",
+                f"`block_size` {block_size} is not supported",
                 f"choose one of {', '.join(map(str, SUPPORTED_BLOCK_SIZES))}",
             )
         geo = cls(block_size, config.num_kv_heads, config.head_dim, config.num_layers, 0, dtype)
@@ -252,7 +252,7 @@ class CacheGeometry:
         if geo.num_blocks < config.num_layers:
             raise UsageError(
                 f"a pool of {geo.num_blocks} blocks cannot hold one block per layer ({config.num_layers} layers)",
-                f"use --num-blocks {config.num_layers * 8} or more, or a larger --cache-size",
+                f"use `num_blocks` {config.num_layers * 8} or more, or a larger `cache_size`",
             )
         return geo
 
@@ -269,5 +269,5 @@ def parse_size(text: str) -> int:
     except ValueError:
         value = -1
     if unit not in units or not 0 < value < float("inf"):  # (nan fails the comparison too)
-        raise UsageError(f"--cache-size {text!r} is not a size", "write it like 2GiB, 512MiB or 100MB")
+        raise UsageError(f"`cache_size` {text!r} is not a size", "write it like 2GiB, 512MiB or 100MB")
     return int(value * units[unit])

@@ -142,4 +142,4 @@ def check_chat_template(template, source: str) -> None:
                                           for t in template):
         return
     _fail(source, "chat_template", template, "is not a template",
-          'it must be text, or a list of {"name": ..., "template": ...}; or use --raw')
+          'it must be text, or a list of {"name": ..., "template": ...}; or use `raw`')

@@ -42,22 +42,22 @@ class EngineOptions:
 
     def __post_init__(self):  # checked here, so before anything slow is loaded
         if self.batch < 1:
-            raise UsageError(f"--batch {self.batch}: needs at least one slot", "use --batch 1 or more")
+            raise UsageError(f"`batch` {self.batch}: needs at least one slot", "use `batch` 1 or more")
         if self.batch > MAX_ID:
-            raise UsageError(f"--batch {self.batch}: more slots than the {MAX_ID:,} a block table can number",
-                             "use a smaller --batch")
+            raise UsageError(f"`batch` {self.batch}: more slots than the {MAX_ID:,} a block table can number",
+                             "use a smaller `batch`")
 
 
 def pick_device(requested: str) -> torch.device:
     if requested not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"--device {requested!r} is not known", "use auto, cpu or cuda")
+        raise UsageError(f"`device` {requested!r} is not known", "use auto, cpu or cuda")
     if requested == "cpu":
         return torch.device("cpu")
     from pagedcli.backends.cuda import cuda_available  # imports CuPy only when asked
 
     ok, why = cuda_available()
     if requested == "cuda" and not ok:
-        raise UsageError(f"--device cuda: {why}", "use --device cpu, or install pagedcli[cuda] on a machine with an NVIDIA GPU")
+        raise UsageError(f"`device` cuda: {why}", "use `device` cpu, or install pagedcli[cuda] on a machine with an NVIDIA GPU")
     return torch.device("cuda") if ok else torch.device("cpu")
 
 
@@ -65,7 +65,7 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     if requested == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if requested not in DTYPES:
-        raise UsageError(f"--dtype {requested!r} is not known", f"use one of auto, {', '.join(DTYPES)}")
+        raise UsageError(f"`dtype` {requested!r} is not known", f"use one of auto, {', '.join(DTYPES)}")
     return DTYPES[requested]
 
 
@@ -108,9 +108,9 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
     cache_bytes = parse_size(opts.cache_size or DEFAULT_CACHE[device.type])
     geometry = CacheGeometry.build(config, model.dtype, opts.block_size, opts.num_blocks, cache_bytes)
     if geometry.num_blocks > MAX_ID:
-        option = f"--num-blocks {opts.num_blocks}" if opts.num_blocks is not None else f"--cache-size {opts.cache_size}"
+        option = f"`num_blocks` {opts.num_blocks}" if opts.num_blocks is not None else f"`cache_size` {opts.cache_size}"
         raise UsageError(f"{option}: {geometry.num_blocks:,} blocks, more than the {MAX_ID:,} a block table can number",
-                         "use a smaller --cache-size or --num-blocks")
+                         "use a smaller `cache_size` or `num_blocks`")
     pool_len = geometry.pool_tokens
     max_model_len = min(config.context_length, pool_len, opts.max_model_len or pool_len)
     cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks, opts.prefix_caching)

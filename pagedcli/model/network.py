@@ -27,6 +27,7 @@ class Llama:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Returns the logits of each sequence's last new token: [B, vocab], float32."""
         c, w, be = self.config, self.w, self.backend
+        be.prepare(batch)  # the index tensors every layer shares
         T = batch.token_ids.shape[0]
         residual = w.embed[batch.token_ids]  # [T, hidden]: the residual stream, one row per token
         for layer, lw in enumerate(w.layers):

@@ -51,7 +51,7 @@ def resolve_model(spec: str | None, notice: Callable[[str], None] = lambda _: No
             notice(f"Using {REFERENCE_MODEL} from the local Hugging Face cache.")
             return _from_folder(folder, REFERENCE_MODEL)
         notice(f"Using the built-in demo model (a tiny Llama trained on Shakespeare). For {REFERENCE_MODEL}: "
-               f"accept its licence on the Hub, run `hf auth login`, then pass --model {REFERENCE_MODEL}.")
+               f"accept its licence on the Hub, run `hf auth login`, then pass `model` {REFERENCE_MODEL}.")
         spec = "demo"
     if spec == "demo":
         if not (DEMO_FOLDER / "config.json").is_file():
@@ -63,9 +63,9 @@ def resolve_model(spec: str | None, notice: Callable[[str], None] = lambda _: No
     if path.is_dir():
         return _from_folder(path, spec)
     if path.exists():
-        raise UsageError(f"--model {spec}: is a file, not a model folder", "pass the folder that holds config.json")
+        raise UsageError(f"`model` {spec}: is a file, not a model folder", "pass the folder that holds config.json")
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", spec) or spec.startswith((".", "/", "~")):
-        raise UsageError(f"--model {spec}: no such folder", "pass a model folder, a Hub id, or `demo`")
+        raise UsageError(f"`model` {spec}: no such folder", "pass a model folder, a Hub id, or `demo`")
     return _from_folder(_download(spec), spec)
 
 
@@ -85,7 +85,7 @@ def _random(spec: str) -> ModelSource:
         config_path = Path(what).expanduser()
         config_path = config_path / "config.json" if config_path.is_dir() else config_path
         if not config_path.is_file():
-            raise UsageError(f"--model {spec}: no such preset or config file",
+            raise UsageError(f"`model` {spec}: no such preset or config file",
                              f"presets: {', '.join(RANDOM_PRESETS)}; or random:<folder with config.json>")
     return ModelSource(spec, ModelConfig.from_file(config_path), None, random=True)
 
@@ -110,15 +110,15 @@ def _download(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
     except GatedRepoError:
-        raise UsageError(f"--model {repo_id}: the repository is gated",
+        raise UsageError(f"`model` {repo_id}: the repository is gated",
                          "accept its licence on the Hub, run `hf auth login`, or pass a local folder") from None
     except RepositoryNotFoundError:
-        raise UsageError(f"--model {repo_id}: no such folder here, and no such repository on the Hub "
+        raise UsageError(f"`model` {repo_id}: no such folder here, and no such repository on the Hub "
                          f"(or it is private)", "pass a model folder, a Hub id, or `demo`") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         from huggingface_hub import constants
 
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else (str(e).strip().splitlines() or [""])[0][:80]
-        raise RunError(f"--model {repo_id}: not in the local Hugging Face cache, and the Hub cannot be reached ({why})",
+        raise RunError(f"`model` {repo_id}: not in the local Hugging Face cache, and the Hub cannot be reached ({why})",
                        "connect once to download it, log in with `hf auth login` if it is gated, "
                        "or pass a local folder") from None

@@ -69,7 +69,7 @@ class Tokenizer:
             raise TemplateError(message)
 
         def failed(why: str):
-            return RunError(f"the model's chat template failed: {why}", "use --raw to feed the prompt as is")
+            return RunError(f"the model's chat template failed: {why}", "use `raw` to feed the prompt as is")
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception

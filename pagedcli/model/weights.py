@@ -188,7 +188,7 @@ class _TensorReader:
     def _not_finite(self, name: str, stored: torch.Tensor) -> None:
         if torch.isfinite(stored).all():  # finite in the file: the load dtype cannot hold it
             big = stored.abs().max().item()
-            hint = ("use --dtype bfloat16 (float16 ends at 65504)" if self.dtype == torch.float16
+            hint = ("use `dtype` bfloat16 (float16 ends at 65504)" if self.dtype == torch.float16
                     else "the checkpoint is damaged; download it again")
             raise RunError(f"tensor {name} has values beyond {str(self.dtype).removeprefix('torch.')}'s range "
                            f"(up to {big:.3g})", hint)
