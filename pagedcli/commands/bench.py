@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from pagedcli.commands import bench_plot
 from pagedcli.commands.exits import err, friendly_errors, notice
 from pagedcli.commands.options import EngineFlags, flag_group
 from pagedcli.errors import UsageError
@@ -54,7 +55,7 @@ def bench(
     if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):
         raise UsageError(f"--bandwidth {bandwidth}: must be a positive number of GB/s", "leave it out to measure it")
     if plot_file is not None:
-        plot_file = b.plot_path(plot_file)
+        plot_file = bench_plot.plot_path(plot_file)
     workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file, prefix_len)
     b.parse_len(input_len, "--input-len"), b.parse_len(output_len, "--output-len")
     opts = engine_flags.options(batch=max(batches))
@@ -84,7 +85,7 @@ def bench(
     if not json_output:
         Console().print(results_table(results))
     if plot_file is not None:
-        b.plot(results, plot_file)
+        bench_plot.plot(results, plot_file)
         notice(f"plot saved to {plot_file}")
 
 
