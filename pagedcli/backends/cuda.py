@@ -43,6 +43,7 @@ from pagedcli.engine.cache import KVCache
 from pagedcli.model.config import ModelConfig
 from pagedcli.errors import RunError
 
+
 def _ptr(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
@@ -52,7 +53,6 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 
 
 class CudaBackend:
-
     def __init__(self, cache: KVCache, config: ModelConfig):
         ok, why = cuda_available()
         if not ok:

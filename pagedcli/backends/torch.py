@@ -28,7 +28,6 @@ ATTENTION_CHUNK_ELEMENTS = 1 << 26
 
 
 class TorchBackend:
-
     def __init__(self, cache: KVCache, config: ModelConfig):
         self.cache = cache
         self.config = config

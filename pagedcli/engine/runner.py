@@ -62,7 +62,7 @@ class ModelRunner:
             if feed is not None:
                 batch.token_ids.copy_(feed)
         logits = self.model.forward(batch)
-        return logits, self.model.backend.argmax(logits)
+        return logits, self.model.greedy(logits)
 
 
 class DecodeGraphs:
@@ -117,7 +117,7 @@ class DecodeGraphs:
 
     def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.model.forward(batch)
-        return logits, self.model.backend.argmax(logits)
+        return logits, self.model.greedy(logits)
 
     def _capture(self, n: int):
         batch = self._batch(n)

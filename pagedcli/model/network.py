@@ -38,3 +38,8 @@ class Llama:
         if batch.is_prefill:  # decode has one token per sequence: every row is a last one
             residual = residual[batch.last_index]
         return be.logits(residual, w.norm, w.lm_head, c.rms_norm_eps)
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy token of each row of `logits`, [B] int64: the backend's argmax (a kernel of
+        ours on a GPU, inside the decode graph)."""
+        return self.backend.argmax(logits)
