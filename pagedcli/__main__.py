@@ -1,3 +1,3 @@
-from pagedcli.cli import main
+from pagedcli.commands.app import main
 
 main()

@@ -3,6 +3,10 @@
 `UsageError` is a mistake in what the user asked for (exit code 2); `RunError` is something that
 went wrong while doing it (exit code 1). Both carry a hint: the way out.
 
+Core code (the engine, the model, the backends) does not know the command line: a message names a
+setting the user chose by its field in backticks (`cache_size`, `batch`), and the CLI shows each as
+its flag (--cache-size, --batch) through `name_settings`.
+
 `allocation_failure` is the one place that recognizes running out of memory, in any of the forms
 torch, numpy and Python report it.
 """
@@ -20,6 +24,14 @@ class PagedCliError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+
+SETTING = re.compile(r"`([a-z_]+)`")
+
+
+def name_settings(text: str, names: dict[str, str]) -> str:
+    """`text` with each `field` that `names` knows replaced by its name there (the CLI: its flag)."""
+    return SETTING.sub(lambda m: names.get(m.group(1), m.group(0)), text)
 
 
 class UsageError(PagedCliError):

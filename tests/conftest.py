@@ -87,7 +87,7 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def make_engine():
-    from pagedcli.loader import EngineOptions, load
+    from pagedcli.model.loader import EngineOptions, load
 
     def make(model, **opts):
         opts.setdefault("device", "cpu")

@@ -12,7 +12,7 @@ def invoke(*args) -> tuple[int, str, str]:
     into a clean exit is raised again, so that the test shows its traceback."""
     from typer.testing import CliRunner
 
-    from pagedcli.cli import app
+    from pagedcli.commands.app import app
 
     result = CliRunner().invoke(app, list(args))
     if result.exit_code == 1 and result.exception is not None and not isinstance(result.exception, SystemExit):
@@ -42,15 +42,15 @@ def hf_greedy(model, prompt: list[int], steps: int, device="cpu"):
 def record_logits(engine):
     """Wrap the runner so each step's logits are kept per sequence id: {id: [logits, ...]}."""
     seen: dict[int, list[torch.Tensor]] = {}
-    run = engine.runner.run
+    run = engine.runner.execute
 
     def recording(seqs, is_prefill, feed=None):
-        logits = run(seqs, is_prefill, feed)
+        logits, greedy = run(seqs, is_prefill, feed)
         for seq, row in zip(seqs, logits):
             seen.setdefault(seq.id, []).append(row.clone())
-        return logits
+        return logits, greedy
 
-    engine.runner.run = recording
+    engine.runner.execute = recording
     return seen
 
 
@@ -95,7 +95,7 @@ def assert_one_line(code, stderr, expected_code, *fragments):
 def run_greedy(loaded, prompt_list, steps):
     """Greedy answers of all prompts in one engine, block accounting checked after every step, the
     pool whole at the end: [(tokens, [logits of each step])] in prompt order."""
-    from pagedcli.sequence import SamplingParams
+    from pagedcli.engine.sequence import SamplingParams
 
     engine = loaded.engine
     logits = record_logits(engine)
@@ -105,3 +105,8 @@ def run_greedy(loaded, prompt_list, steps):
         check_block_accounting(engine)
     assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
     return [(seq.output_token_ids, logits[seq.id]) for seq in seqs]
+
+
+def blocks_of(cache, slot: int, layer: int) -> list[int]:
+    """The physical blocks `slot` holds in `layer`, in logical order."""
+    return cache.table[slot, layer, : cache.num_blocks_of_slot[slot]].tolist()

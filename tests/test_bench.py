@@ -9,12 +9,12 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import hf_checkpoint
-from pagedcli.bench import decode_step_bytes, decode_weight_bytes, make_requests, parse_len, Workload
-from pagedcli.cli import app
-from pagedcli.config import CacheGeometry
+from pagedcli.bench.measure import decode_step_bytes, decode_weight_bytes, make_requests, parse_len, Workload
+from pagedcli.commands.app import app
+from pagedcli.model.config import CacheGeometry
 from pagedcli.errors import UsageError
-from pagedcli.loader import EngineOptions, load_model
-from pagedcli.models import resolve_model
+from pagedcli.model.loader import EngineOptions, load_model
+from pagedcli.model.source import resolve_model
 
 KEYS = {"batch", "num_prompts", "input_len", "output_len", "elapsed_s", "requests_per_s", "output_tokens_per_s",
         "prefill_tokens_per_s", "decode_tokens_per_s", "ttft_ms", "itl_ms", "decode_step_ms", "roofline_step_ms",

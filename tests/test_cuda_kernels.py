@@ -40,12 +40,14 @@ _OK, _WHY = cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"needs CUDA and CuPy: {_WHY}")]
 
 if _OK:  # these import cupy lazily, but keep CPU-only collection free of GPU work
-    import pagedcli.backends.cuda as cuda_backend
+    import pagedcli.backends.cuda_build as cuda_build
+    import pagedcli.backends.cuda_launch as cuda_launch
     from pagedcli.backends.cuda import CudaBackend
+    from pagedcli.backends.cuda_launch import LaunchShapes
     from pagedcli.backends.torch import TorchBackend
-    from pagedcli.batch import StepBatch
-    from pagedcli.cache import KVCache
-    from pagedcli.config import CacheGeometry, ModelConfig
+    from pagedcli.engine.batch import StepBatch
+    from pagedcli.engine.cache import KVCache
+    from pagedcli.model.config import CacheGeometry, ModelConfig
 
 DEVICE = "cuda"
 LENGTHS = (1, 15, 16, 17, 1000, 4097)
@@ -133,7 +135,7 @@ def poison_allocator(*shapes, dtype):
 
 def poison_scratch(backend):
     """NaN into the split-KV partials (the merge counters must stay zero)."""
-    for _, *buffers, _counters in backend._scratch.values():
+    for _, *buffers, _counters in backend.shapes.split_scratch.values():
         for b in buffers:
             b.fill_(float("nan"))
 
@@ -242,7 +244,7 @@ def _decode_case(geometry, lengths, max_model_len, seed, layer=1):
 def test_decode_attend_mixed_lengths(geometry):
     s = _decode_case(geometry, list(LENGTHS), max_model_len=4200, seed=2)
     if s.cuda.cluster > 1 and geometry == "llama1b":  # sm_90+: one cluster of 8 splits per (sequence, head group)
-        assert s.cuda.uses_clusters(len(LENGTHS)) and s.cuda.num_splits(len(LENGTHS)) == cuda_backend.ATTN_CLUSTER
+        assert s.cuda.shapes.uses_clusters(len(LENGTHS)) and s.cuda.shapes.num_splits(len(LENGTHS)) == cuda_build.ATTN_CLUSTER
 
 
 def test_decode_attend_clusters_merge_then_their_sums_merge():
@@ -252,7 +254,7 @@ def test_decode_attend_clusters_merge_then_their_sums_merge():
     3 CTAs have no tokens, the second cluster leaves)."""
     s = _decode_case("llama1b", [4097, 300], max_model_len=8192, seed=6)
     if s.cuda.cluster > 1:
-        assert s.cuda.uses_clusters(2) and s.cuda.num_splits(2) == 2 * cuda_backend.ATTN_CLUSTER
+        assert s.cuda.shapes.uses_clusters(2) and s.cuda.shapes.num_splits(2) == 2 * cuda_build.ATTN_CLUSTER
 
 
 @pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32", "stories-fp32"])
@@ -260,7 +262,7 @@ def test_decode_attend_batch_64(geometry):
     lengths = random.Random(3).choices(LENGTHS, k=64)
     s = _decode_case(geometry, lengths, max_model_len=8192, seed=3)
     if geometry == "llama1b":  # few splits at batch 64: a 4097-token span has several chunks to merge
-        assert math.ceil(4097 / s.cuda.num_splits(64)) > cuda_backend.PARTITION_SIZE
+        assert math.ceil(4097 / s.cuda.shapes.num_splits(64)) > cuda_build.PARTITION_SIZE
 
 
 @pytest.mark.parametrize("geometry", ["llama1b", "mha-d64"])
@@ -270,9 +272,9 @@ def test_decode_attend_single_long_sequence(geometry):
 
 def test_decode_attend_one_split_merges_all_chunks(monkeypatch):
     """One CTA per (sequence, head group) walks every chunk and merges them (online softmax)."""
-    monkeypatch.setattr(cuda_backend, "SPLIT_CTAS_PER_SM", 0)
+    monkeypatch.setattr(cuda_launch, "SPLIT_CTAS_PER_SM", 0)
     s = _decode_case("llama1b", [4097, 1000, 1, 513], max_model_len=8192, seed=5)
-    assert s.cuda.num_splits(4) == 1
+    assert s.cuda.shapes.num_splits(4) == 1
 
 
 # --- (c) elementwise ---------------------------------------------------------------------------
@@ -436,14 +438,14 @@ def test_gemv_split_k_matches_fp64_reference(op, rows, split, monkeypatch):
     a shape that would not need it): K of 8 or 4 tiles, one per warp at split 4 with K 4096, and
     1026 rows, so that the last CTA has warp groups without a row (they must skip the barrier
     together)."""
-    monkeypatch.setattr(CudaBackend, "gemv_split", lambda self, units, K: split)
+    monkeypatch.setattr(LaunchShapes, "gemv_split", lambda self, units, K: split)
     check_gemv("llama1b", op, rows, (1026, 8192 if rows == 1 else 4096), monkeypatch)
 
 
 def check_gemv(geometry, op, rows, shape, monkeypatch):
     N, K = shape
     s = Setup(geometry, [16], seed=10)
-    if rows * K * s.dtype.itemsize > cuda_backend.GEMV_MAX_SHARED:
+    if rows * K * s.dtype.itemsize > cuda_build.GEMV_MAX_SHARED:
         pytest.skip("past gemv.cu's staging limit: cuBLAS (test_gemv_falls_back_past_its_limits)")
     x = s.randn(rows, K, scale=2.0)
     weight = s.randn(N, K, scale=K**-0.5)
@@ -494,15 +496,15 @@ def same_split_k_as_fused(monkeypatch, s, weight):
     """A fused kernel that pairs rows (silu-mul, RoPE) has half as many units of work as the plain
     one on the same weight, so it may split K over more warps, and sum in another order. Where a
     test asks for the plain kernel's exact sums, both use the fused kernel's split."""
-    split = s.cuda.gemv_split(weight.shape[0] // 2, weight.shape[1])
-    monkeypatch.setattr(CudaBackend, "gemv_split", lambda self, units, K: split)
+    split = s.cuda.shapes.gemv_split(weight.shape[0] // 2, weight.shape[1])
+    monkeypatch.setattr(LaunchShapes, "gemv_split", lambda self, units, K: split)
 
 
 def test_gemv_falls_back_past_its_limits():
     s = Setup("llama1b", [16], seed=11)
     weight = s.randn(256, 2048)
     norm_weight = s.randn(2048) + 1
-    many_rows = s.randn(cuda_backend.GEMV_MAX_ROWS + 1, 2048)
+    many_rows = s.randn(cuda_build.GEMV_MAX_ROWS + 1, 2048)
     assert s.cuda._gemv("rms_norm_store", many_rows, weight, norm_weight, 1e-5) is None
     ref = s.ref.norm_linear(many_rows, norm_weight, weight, 1e-5)
     torch.testing.assert_close(s.cuda.norm_linear(many_rows, norm_weight, weight, 1e-5), ref, rtol=2**-7, atol=1e-2)

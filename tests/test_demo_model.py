@@ -7,8 +7,8 @@ import json
 import subprocess
 import sys
 
-from pagedcli.models import DEMO_FOLDER, resolve_model
-from pagedcli.sequence import SamplingParams
+from pagedcli.model.source import DEMO_FOLDER, resolve_model
+from pagedcli.engine.sequence import SamplingParams
 from test_oracle import assert_matches_hf
 
 
@@ -24,7 +24,7 @@ def test_demo_folder_is_a_small_llama_with_its_card():
 def test_demo_greedy_text_is_deterministic(make_engine):
     loaded = make_engine("demo")
     prompt = loaded.tokenizer.encode("ROMEO:")
-    runs = [loaded.engine.generate([prompt], SamplingParams(max_tokens=40))[0].output_token_ids for _ in range(2)]
+    runs = [loaded.engine.run_to_completion([prompt], SamplingParams(max_tokens=40))[0].output_token_ids for _ in range(2)]
     assert runs[0] == runs[1]
     text = loaded.tokenizer.decode(runs[0])
     assert text.startswith("\nI would not be a word")
@@ -53,7 +53,7 @@ def test_the_models_sampling_settings_apply_unless_given():
     generate samples; --temperature 0 is greedy; a seed repeats a draw."""
     from typer.testing import CliRunner
 
-    from pagedcli.cli import app
+    from pagedcli.commands.app import app
 
     def run(*args):
         r = CliRunner().invoke(app, ["generate", "--model", "demo", "--json", "--max-tokens", "30", *args, "ROMEO:"])

@@ -6,7 +6,7 @@ import random
 
 
 from helpers import check_block_accounting
-from pagedcli.sequence import SamplingParams
+from pagedcli.engine.sequence import SamplingParams
 
 
 def test_finished_slot_is_refilled_at_once(tiny, make_engine):
@@ -47,30 +47,30 @@ def test_sequences_of_different_lengths_decode_in_one_pass(tiny, make_engine):
 def test_stop_token_ends_a_sequence_and_is_not_returned(tiny, make_engine):
     loaded = make_engine(tiny, batch=1)
     engine = loaded.engine
-    first = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))[0].output_token_ids
+    first = engine.run_to_completion([[7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))[0].output_token_ids
     engine.scheduler.stop_ids = {first[2]}
-    seq = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=6))[0]
+    seq = engine.run_to_completion([[7, 8, 9]], SamplingParams(max_tokens=6))[0]
     assert seq.finish_reason == "stop"
     assert seq.output_token_ids == first[: first.index(first[2])]
 
 
 def test_never_past_the_maximum_length(tiny, make_engine):
     loaded = make_engine(tiny, batch=1, max_model_len=40)
-    seq = loaded.engine.generate([list(range(3, 33))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    seq = loaded.engine.run_to_completion([list(range(3, 33))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
     assert len(seq) == 40 and seq.finish_reason == "length"
 
 
 def test_prompt_longer_than_the_model_fails_alone(tiny, make_engine):
     loaded = make_engine(tiny, batch=2, max_model_len=32)
     engine = loaded.engine
-    seqs = engine.generate([[5] * 10, [5] * 32, [6] * 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    seqs = engine.run_to_completion([[5] * 10, [5] * 32, [6] * 3], SamplingParams(max_tokens=4, ignore_eos=True))
     assert seqs[1].finish_reason == "error" and "32 tokens" in seqs[1].error
     assert [len(s.output_token_ids) for s in (seqs[0], seqs[2])] == [4, 4]
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny, make_engine):
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=12, ignore_eos=True, seed=7)
-    alone = make_engine(tiny, batch=1).engine.generate([[4, 5, 6]], params)[0].output_token_ids
+    alone = make_engine(tiny, batch=1).engine.run_to_completion([[4, 5, 6]], params)[0].output_token_ids
     engine = make_engine(tiny, batch=3).engine
     other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=99)
     a = engine.add_request([9, 9], other)
@@ -83,12 +83,12 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny, make_engine
 
 def test_sampling_limits(tiny, make_engine):
     engine = make_engine(tiny, batch=1).engine
-    greedy = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_token_ids
+    greedy = engine.run_to_completion([[4, 5, 6]], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_token_ids
     top1 = SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True, seed=1)
-    assert engine.generate([[4, 5, 6]], top1)[0].output_token_ids == greedy
+    assert engine.run_to_completion([[4, 5, 6]], top1)[0].output_token_ids == greedy
     narrow = SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=10, ignore_eos=True, seed=1)
-    assert engine.generate([[4, 5, 6]], narrow)[0].output_token_ids == greedy
-    hot = [engine.generate([[4, 5, 6]], SamplingParams(temperature=5.0, max_tokens=10, ignore_eos=True, seed=s))[0]
+    assert engine.run_to_completion([[4, 5, 6]], narrow)[0].output_token_ids == greedy
+    hot = [engine.run_to_completion([[4, 5, 6]], SamplingParams(temperature=5.0, max_tokens=10, ignore_eos=True, seed=s))[0]
            .output_token_ids for s in range(3)]
     assert len({tuple(h) for h in hot}) > 1
 
@@ -96,9 +96,9 @@ def test_sampling_limits(tiny, make_engine):
 def test_a_temperature_near_zero_is_greedy(tiny, make_engine):
     """Dividing the logits by 1e-38 would overflow them to inf (and the draw to NaN)."""
     engine = make_engine(tiny, batch=1).engine
-    greedy = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_token_ids
+    greedy = engine.run_to_completion([[4, 5, 6]], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_token_ids
     tiny_t = SamplingParams(temperature=1e-38, max_tokens=10, ignore_eos=True, seed=1)
-    assert engine.generate([[4, 5, 6]], tiny_t)[0].output_token_ids == greedy
+    assert engine.run_to_completion([[4, 5, 6]], tiny_t)[0].output_token_ids == greedy
 
 
 def test_abort_between_scheduling_and_the_forward_pass_drops_queued_copies(tiny, make_engine, monkeypatch):
@@ -109,12 +109,12 @@ def test_abort_between_scheduling_and_the_forward_pass_drops_queued_copies(tiny,
     params = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=s) for s in (1, 2)]
     engine.add_parallel([4, 5, 6], params)  # a 3-token prompt: both samples share its partial block
     engine.step()  # the prefill; the second sample forks
-    run = engine.runner.run
+    run = engine.runner.execute
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine.runner, "run", interrupted)
+    monkeypatch.setattr(engine.runner, "execute", interrupted)
     try:
         engine.step()  # both write into the shared block: one copy is queued, then the interrupt
     except KeyboardInterrupt:
@@ -123,10 +123,10 @@ def test_abort_between_scheduling_and_the_forward_pass_drops_queued_copies(tiny,
     engine.abort_all()
     assert not engine.cache.pending_copies and not engine.has_unfinished
     check_block_accounting(engine)
-    monkeypatch.setattr(engine.runner, "run", run)
+    monkeypatch.setattr(engine.runner, "execute", run)
     engine.reset()
-    again = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))[0].output_token_ids
-    fresh = make_engine(tiny, batch=2).engine.generate([[7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
+    again = engine.run_to_completion([[7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))[0].output_token_ids
+    fresh = make_engine(tiny, batch=2).engine.run_to_completion([[7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
     assert again == fresh[0].output_token_ids
 
 

@@ -89,8 +89,8 @@ def test_a_model_that_cannot_serve_the_command_is_refused_before_its_weights(sto
     def no_weights(*_):
         raise AssertionError("weights were loaded for a model the command refuses")
 
-    monkeypatch.setattr("pagedcli.loader.random_weights", no_weights)
-    monkeypatch.setattr("pagedcli.loader.load_weights", no_weights)
+    monkeypatch.setattr("pagedcli.model.loader.random_weights", no_weights)
+    monkeypatch.setattr("pagedcli.model.loader.load_weights", no_weights)
     code, _, err = generate("--model", str(stories), *args, "hi")
     assert_one_line(code, err, 2, fragment)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from helpers import check_block_accounting, hf_greedy, hf_model
-from pagedcli.loader import EngineOptions, build_engine, load_model
-from pagedcli.sequence import SamplingParams
+from pagedcli.model.loader import EngineOptions, build_engine, load_model
+from pagedcli.engine.sequence import SamplingParams
 
 
 def _cuda_ready() -> bool:
@@ -49,7 +49,7 @@ def test_llama_1b_shapes_bf16_match_transformers_or_diverge_at_a_near_tie(batch)
     """Random weights of the real Llama-3.2-1B shapes in bf16: greedy tokens identical for 32 steps,
     or the first divergence is a near-tie in transformers' own logits (bf16 rounds differently in
     different but equally valid orders of summation)."""
-    from pagedcli.bench_hf import hf_model as hf_from_ours
+    from pagedcli.bench.hf import hf_model as hf_from_ours
 
     opts = EngineOptions(model="random:llama-3.2-1b", device="cuda", dtype="bfloat16", batch=batch, shuffle_blocks=3,
                          cache_size="1GiB")
@@ -93,8 +93,8 @@ def test_cuda_backend_equals_torch_backend_on_gpu(stories):
     ours = build_engine(model, opts)
     reference = build_engine(model, EngineOptions(**{**opts.__dict__, "eager": True}))
     reference.runner.model.backend = TorchBackend(reference.cache, model.source.config)
-    a = [s.output_token_ids for s in ours.generate(prompts, params)]
-    b = [s.output_token_ids for s in reference.generate(prompts, params)]
+    a = [s.output_token_ids for s in ours.run_to_completion(prompts, params)]
+    b = [s.output_token_ids for s in reference.run_to_completion(prompts, params)]
     assert a == b
 
 
@@ -111,7 +111,7 @@ def test_parallel_samples_copy_on_write_on_cuda(stories):
         check_block_accounting(engine)
     assert engine.cache.num_copied_blocks > 0
     alone = build_engine(model, EngineOptions(**{**opts.__dict__, "batch": 1, "prefix_caching": False}))
-    assert [s.output_token_ids for s in shared] == [alone.generate([prompt], p)[0].output_token_ids for p in params]
+    assert [s.output_token_ids for s in shared] == [alone.run_to_completion([prompt], p)[0].output_token_ids for p in params]
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])

@@ -11,8 +11,8 @@ import torch
 from helpers import check_block_accounting
 from test_oracle import prompts
 from test_presets import preset_checkpoint
-from pagedcli.models import RANDOM_PRESETS
-from pagedcli.sequence import SamplingParams
+from pagedcli.model.source import RANDOM_PRESETS
+from pagedcli.engine.sequence import SamplingParams
 
 
 def _cuda_ready() -> bool:
@@ -29,7 +29,7 @@ VOCAB = 512
 def gpu_checkpoint(folder, name):
     """The preset's heads, kv heads, head_dim, RoPE and tie, 2 layers; a hidden size of 16 per head,
     so gemv.cu's 16-byte rows apply (its fused path, not only cuBLAS)."""
-    from pagedcli.config import ModelConfig
+    from pagedcli.model.config import ModelConfig
 
     heads = ModelConfig.from_file(RANDOM_PRESETS[name]).num_heads
     return preset_checkpoint(folder, name, hidden_size=16 * heads, intermediate_size=256, vocab_size=VOCAB)
@@ -93,7 +93,7 @@ def test_biases_and_rope_types_on_cuda_match_transformers(tmp_path, make_engine,
                                             hidden_size=128, intermediate_size=256, vocab_size=VOCAB) | EXTRAS[extra])
     loaded = make_engine(folder, device="cuda", dtype="bfloat16", batch=1, num_blocks=64)
     prompt = prompts([20], VOCAB, seed=5)[0]  # past the short trained lengths above, with the answer
-    seq = loaded.engine.generate([prompt], SamplingParams(max_tokens=STEPS, ignore_eos=True))[0]
+    seq = loaded.engine.run_to_completion([prompt], SamplingParams(max_tokens=STEPS, ignore_eos=True))[0]
     hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
     out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=STEPS, min_new_tokens=STEPS,
                       do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,

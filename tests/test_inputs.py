@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from helpers import invoke
-from pagedcli import bench
+from pagedcli.bench import measure as bench
+from pagedcli.commands import bench_plot
 from pagedcli.errors import UsageError
-from pagedcli.generate import read_prompts
-from pagedcli.sampler import _draw
-from pagedcli.sequence import SamplingParams, Sequence
+from pagedcli.commands.generate import read_prompts
+from pagedcli.engine.sampler import _draw
+from pagedcli.engine.sequence import SamplingParams, Sequence
 
 DEMO = Path(__file__).parent.parent / "pagedcli" / "data" / "demo"
 
@@ -70,8 +71,8 @@ def test_a_corrupt_bandwidth_cache_is_measured_again(tmp_path, monkeypatch, cont
 def test_plot_in_a_format_matplotlib_lacks(tmp_path):
     pytest.importorskip("matplotlib")
     with pytest.raises(UsageError, match=r"matplotlib cannot write \.xyz files \(use one of .*\.png"):
-        bench.plot_path(tmp_path / "bench.xyz")
-    assert bench.plot_path(tmp_path / "bench.svg") == tmp_path / "bench.svg"
+        bench_plot.plot_path(tmp_path / "bench.xyz")
+    assert bench_plot.plot_path(tmp_path / "bench.svg") == tmp_path / "bench.svg"
 
 
 def test_plot_to_a_folder_that_cannot_be_written(tmp_path):
@@ -82,7 +83,7 @@ def test_plot_to_a_folder_that_cannot_be_written(tmp_path):
         if os.access(locked, os.W_OK):
             pytest.skip("running as root: permissions are not enforced")
         with pytest.raises(UsageError, match="cannot be written"):
-            bench.plot_path(locked / "bench.png")
+            bench_plot.plot_path(locked / "bench.png")
     finally:
         locked.chmod(0o700)
 

@@ -104,9 +104,9 @@ def test_text_table_shows_addresses_text_and_how_layers_differ(stories):
 
 def test_capture_with_shuffled_blocks(stories, make_engine):
     """The engine the tests build hands blocks out in a shuffled order."""
-    from pagedcli import generate as gen
-    from pagedcli import inspect_cache as ic
-    from pagedcli.sequence import SamplingParams
+    from pagedcli.commands import generate as gen
+    from pagedcli.commands import inspect_cache as ic
+    from pagedcli.engine.sequence import SamplingParams
 
     loaded = make_engine(stories, batch=2, num_blocks=80)
     gen.add_requests(loaded.engine, loaded.tokenizer, PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True), False)
@@ -118,8 +118,8 @@ def test_capture_with_shuffled_blocks(stories, make_engine):
 
 
 def test_blocks_shared_by_parallel_samples_name_the_other_slots(stories, make_engine):
-    from pagedcli import inspect_cache as ic
-    from pagedcli.sequence import SamplingParams
+    from pagedcli.commands import inspect_cache as ic
+    from pagedcli.engine.sequence import SamplingParams
 
     loaded = make_engine(stories, batch=3, num_blocks=100)
     prompt = loaded.tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play outside")

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from helpers import record_logits
-from pagedcli.sequence import SamplingParams
+from helpers import blocks_of, record_logits
+from pagedcli.engine.sequence import SamplingParams
 
 PROMPTS = [[5, 9, 14, 3, 77, 21, 8, 40, 2, 19, 33, 60, 7, 18, 4, 90, 101, 12, 6],  # crosses a block boundary
            [11, 4, 150, 7], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 200]]
@@ -40,7 +40,7 @@ def poison(engine, bad) -> None:
     whole = list(cache.allocator.free)
     for seq in engine.scheduler.running:
         for layer in range(cache.geometry.num_layers):
-            blocks = cache.blocks_of(seq.slot, layer)
+            blocks = blocks_of(cache, seq.slot, layer)
             if seq is bad:
                 whole += blocks
                 continue
@@ -119,8 +119,8 @@ def test_an_overflowing_request_leaves_its_neighbour_alone(stories, make_engine)
     once, lily = tok.encode("Once upon a time there was"), tok.encode("Lily")
     assert 403 in once and 403 not in lily
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    alone = engine(1).engine.generate([lily], params)[0]
-    both = engine(2).engine.generate([once, lily], params)
+    alone = engine(1).engine.run_to_completion([lily], params)[0]
+    both = engine(2).engine.run_to_completion([once, lily], params)
     assert both[1].output_token_ids == alone.output_token_ids and alone.finish_reason == "length"
     assert both[0].finish_reason == "error"
 
@@ -129,7 +129,7 @@ def test_an_overflowing_request_leaves_its_neighbour_alone(stories, make_engine)
 def overflowing(stories, monkeypatch):
     """stories260K whose embedding of token 403 (in 'Once upon a time there was', not in 'Lily')
     holds an inf, as a float16 overflow leaves it; untied, so no logit is inf for that alone."""
-    from pagedcli import loader
+    from pagedcli.model import loader
 
     load_model = loader.load_model
 

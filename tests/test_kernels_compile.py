@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from pagedcli.backends.cuda_build import COMPILE_OPTIONS, AttentionShape, define_flags, kernel_folder, plan_kernels
-from pagedcli.config import CacheGeometry, ModelConfig
-from pagedcli.models import RANDOM_PRESETS
+from pagedcli.model.config import CacheGeometry, ModelConfig
+from pagedcli.model.source import RANDOM_PRESETS
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc (the CUDA toolkit) is not on PATH")

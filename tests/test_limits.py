@@ -8,7 +8,7 @@ import torch
 
 from helpers import hf_greedy, hf_model, invoke, record_logits
 from pagedcli.backends import torch as torch_backend
-from pagedcli.sequence import SamplingParams
+from pagedcli.engine.sequence import SamplingParams
 
 
 def test_a_long_prefill_runs_in_chunks_with_the_same_results(tiny, make_engine, monkeypatch):
@@ -39,9 +39,9 @@ def test_a_long_prefill_runs_in_chunks_with_the_same_results(tiny, make_engine, 
 def test_chunked_and_whole_attention_agree_for_a_batch(tiny, make_engine, monkeypatch):
     prompts = [[5 + i % 50 for i in range(60)], [9, 4, 33], [100 + i % 90 for i in range(41)]]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    whole = make_engine(tiny, batch=3).engine.generate(prompts, params)
+    whole = make_engine(tiny, batch=3).engine.run_to_completion(prompts, params)
     monkeypatch.setattr(torch_backend, "ATTENTION_CHUNK_ELEMENTS", 3 * 60 * 4 * 7)  # 7 query rows a chunk
-    chunked = make_engine(tiny, batch=3).engine.generate(prompts, params)
+    chunked = make_engine(tiny, batch=3).engine.run_to_completion(prompts, params)
     assert [s.output_token_ids for s in chunked] == [s.output_token_ids for s in whole]
 
 

@@ -137,9 +137,9 @@ def apply(folder: Path, edit) -> None:
 
 
 def load_and_generate(folder: Path) -> None:
-    from pagedcli.generate import add_requests, sampling_defaults
-    from pagedcli.loader import EngineOptions, load
-    from pagedcli.sequence import SamplingParams
+    from pagedcli.commands.generate import add_requests, sampling_defaults
+    from pagedcli.model.loader import EngineOptions, load
+    from pagedcli.engine.sequence import SamplingParams
 
     loaded = load(EngineOptions(model=str(folder), device="cpu", num_blocks=64, batch=2))
     greedy = SamplingParams(max_tokens=4, seed=0)

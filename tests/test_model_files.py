@@ -210,10 +210,10 @@ def test_an_index_entry_outside_the_folder_is_refused_unopened(model, tmp_path, 
         (model / entry).symlink_to(outside)
     write_index(model, {"weight_map": {n: entry if f.startswith("model-00002") else f for n, f in weight_map.items()}})
     opened = []
-    import pagedcli.weights
+    import pagedcli.model.weights
 
-    real_open = pagedcli.weights.safe_open
-    monkeypatch.setattr(pagedcli.weights, "safe_open", lambda path, **kw: opened.append(path) or real_open(path, **kw))
+    real_open = pagedcli.model.weights.safe_open
+    monkeypatch.setattr(pagedcli.model.weights, "safe_open", lambda path, **kw: opened.append(path) or real_open(path, **kw))
     code, _, err = generate(model, "hi")
     assert_one_line(code, err, 1, f"entry {entry!r} points outside the model folder")
     assert opened == [], "a file was opened before the index was checked"
@@ -291,7 +291,7 @@ def test_a_vocabulary_above_the_tokenizers_is_warned_about(model):
     ("{% if %}", "chat template failed: Expected an expression"),
 ])
 def test_a_chat_template_that_fails_or_never_ends_is_one_line(model, template, fragment, monkeypatch):
-    monkeypatch.setattr("pagedcli.tokenizer.RENDER_SECONDS", 0.3)
+    monkeypatch.setattr("pagedcli.model.tokenizer.RENDER_SECONDS", 0.3)
     edit_json(model / "tokenizer_config.json", chat_template=template)
     code, _, err = generate(model, "--chat", "hi")
     assert_one_line(code, err, 1, "the model's chat template failed", fragment, "--raw")
@@ -299,7 +299,7 @@ def test_a_chat_template_that_fails_or_never_ends_is_one_line(model, template, f
 
 def test_a_chat_template_that_works_is_used(model):
     edit_json(model / "tokenizer_config.json", chat_template="{{ bos_token }}Q: {{ messages[0]['content'] }} A:")
-    from pagedcli.tokenizer import Tokenizer
+    from pagedcli.model.tokenizer import Tokenizer
 
     assert Tokenizer(model).render_chat("hi") == "<s>Q: hi A:"
 

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import hf_greedy, hf_model, run_greedy
 from conftest import hf_checkpoint
-from pagedcli.sequence import SamplingParams
+from pagedcli.engine.sequence import SamplingParams
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 32}
@@ -85,7 +85,7 @@ def test_real_model_tells_its_story(stories, make_engine):
     expected = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
                 "One day, she saw a big, red ball. She wanted to play with it, but it was too high")
     loaded = make_engine(stories)
-    seq = loaded.engine.generate([[1]], SamplingParams(max_tokens=60))[0]
+    seq = loaded.engine.run_to_completion([[1]], SamplingParams(max_tokens=60))[0]
     assert loaded.tokenizer.decode(seq.output_token_ids) == expected
 
 

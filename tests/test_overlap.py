@@ -10,7 +10,7 @@ import random
 import pytest
 
 from helpers import check_block_accounting
-from pagedcli.sequence import SamplingParams
+from pagedcli.engine.sequence import SamplingParams
 
 
 def run(make_engine, folder, prompts, params, overlap, stop_ids=(), **opts):
@@ -134,7 +134,7 @@ def test_the_last_sequence_stopping_voids_the_step_ahead(tiny, make_engine):
     the engine is idle, every block is back, and the next run starts clean."""
     engine = make_engine(tiny, batch=1).engine
     engine.overlap = True
-    free_run = engine.generate([[11, 12, 13, 14]], SamplingParams(max_tokens=12, ignore_eos=True))[0].output_token_ids
+    free_run = engine.run_to_completion([[11, 12, 13, 14]], SamplingParams(max_tokens=12, ignore_eos=True))[0].output_token_ids
     k = next(k for k in range(2, len(free_run)) if free_run[k] not in free_run[:k])
     engine.reset()
     engine.scheduler.stop_ids = {free_run[k]}
@@ -146,7 +146,7 @@ def test_the_last_sequence_stopping_voids_the_step_ahead(tiny, make_engine):
     assert seq.output_token_ids == free_run[:k] and seq.finish_reason == "stop"
     assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
     engine.reset()
-    assert engine.generate([[11, 12, 13, 14]], SamplingParams(max_tokens=12, ignore_eos=True))[0].output_token_ids == free_run
+    assert engine.run_to_completion([[11, 12, 13, 14]], SamplingParams(max_tokens=12, ignore_eos=True))[0].output_token_ids == free_run
 
 
 def test_abort_with_a_step_in_flight(tiny, make_engine):
@@ -165,8 +165,8 @@ def test_abort_with_a_step_in_flight(tiny, make_engine):
     check_block_accounting(engine)
     assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
     engine.reset()
-    again = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0].output_token_ids
-    assert again == make_engine(tiny, batch=2).engine.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0].output_token_ids
+    again = engine.run_to_completion([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0].output_token_ids
+    assert again == make_engine(tiny, batch=2).engine.run_to_completion([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0].output_token_ids
 
 
 @pytest.mark.parametrize("seed", range(8))

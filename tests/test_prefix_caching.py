@@ -7,7 +7,7 @@ import random
 import pytest
 
 from helpers import check_block_accounting, invoke
-from pagedcli.sequence import SamplingParams
+from pagedcli.engine.sequence import SamplingParams
 from test_oracle import assert_matches_hf
 
 SYSTEM = list(range(40, 40 + 37))  # a shared 37-token prefix: two full blocks of 16 and a partial one
@@ -85,7 +85,7 @@ def test_parallel_samples_share_blocks_and_equal_unshared_runs(tiny, make_engine
         check_block_accounting(engine)
     shared = [s.output_token_ids for s in seqs]
     alone = make_engine(tiny, batch=1, prefix_caching=False).engine
-    unshared = [alone.generate([prompt], p)[0].output_token_ids for p in params]
+    unshared = [alone.run_to_completion([prompt], p)[0].output_token_ids for p in params]
     assert shared == unshared
     assert len({tuple(s) for s in shared}) > 1, "different seeds should sample differently"
     layers = 2
@@ -105,7 +105,7 @@ def test_parallel_samples_wait_for_a_slot_when_the_batch_is_full(tiny, make_engi
         engine.step()
         check_block_accounting(engine)
     alone = make_engine(tiny, batch=1, prefix_caching=False).engine
-    assert [s.output_token_ids for s in seqs] == [alone.generate([prompt], p)[0].output_token_ids for p in params]
+    assert [s.output_token_ids for s in seqs] == [alone.run_to_completion([prompt], p)[0].output_token_ids for p in params]
     assert engine.scheduler.cached_prompt_tokens >= 32  # the third sample found the prompt's full blocks
 
 

@@ -14,12 +14,12 @@ import torch
 from conftest import hf_checkpoint
 from helpers import hf_greedy, hf_model, invoke, run_greedy
 from test_oracle import ATOL, prompts
-from pagedcli.batch import StepBatch
-from pagedcli.config import ModelConfig
+from pagedcli.engine.batch import StepBatch
+from pagedcli.model.config import ModelConfig
 from pagedcli.errors import RunError, UsageError
-from pagedcli.models import RANDOM_PRESETS, resolve_model
-from pagedcli.sequence import SamplingParams
-from pagedcli.weights import random_weights
+from pagedcli.model.source import RANDOM_PRESETS, resolve_model
+from pagedcli.engine.sequence import SamplingParams
+from pagedcli.model.weights import random_weights
 
 # Parameter counts of the public checkpoints (their safetensors' totals).
 PUBLIC_PARAMETERS = {

@@ -7,11 +7,11 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import check_block_accounting
-from pagedcli.cache import KVCache
-from pagedcli.config import CacheGeometry, ModelConfig
-from pagedcli.scheduler import Scheduler
-from pagedcli.sequence import SamplingParams, Sequence, Status
+from helpers import blocks_of, check_block_accounting
+from pagedcli.engine.cache import KVCache
+from pagedcli.model.config import CacheGeometry, ModelConfig
+from pagedcli.engine.scheduler import Scheduler
+from pagedcli.engine.sequence import SamplingParams, Sequence, Status
 
 import torch
 
@@ -41,8 +41,8 @@ def test_full_pool_preempts_and_recomputes_without_changing_outputs(tiny, make_e
 
 def test_a_request_larger_than_the_pool_fails_alone(tiny, make_engine):
     engine = make_engine(tiny, batch=2, num_blocks=2 * 4).engine  # 64 tokens per layer in all
-    seqs = engine.generate([[5] * 10, [6] * 70, [7] * 12], SamplingParams(max_tokens=5, ignore_eos=True))
-    assert seqs[1].finish_reason == "error" and "--cache-size" in seqs[1].error
+    seqs = engine.run_to_completion([[5] * 10, [6] * 70, [7] * 12], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert seqs[1].finish_reason == "error" and "`cache_size`" in seqs[1].error
     assert [len(seqs[0].output_token_ids), len(seqs[2].output_token_ids)] == [5, 5]
 
 
@@ -108,7 +108,7 @@ def test_random_interleavings_keep_every_block_accounted_for(operations, blocks_
         check_block_accounting(view)
         for seq in sched.running:
             for layer in range(CONFIG.num_layers):
-                assert all(b >= 0 for b in cache.blocks_of(seq.slot, layer))
+                assert all(b >= 0 for b in blocks_of(cache, seq.slot, layer))
     for seq in list(sched.running) + list(sched.waiting):
         sched.finish(seq)
     sched.waiting.clear()

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import hf_checkpoint
-from pagedcli.config import ModelConfig
+from pagedcli.model.config import ModelConfig
 from pagedcli.errors import RunError, UsageError
-from pagedcli.models import resolve_model
-from pagedcli.tokenizer import StreamDecoder, Tokenizer
-from pagedcli.weights import load_weights
+from pagedcli.model.source import resolve_model
+from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
+from pagedcli.model.weights import load_weights
 
 
 @pytest.fixture(scope="module")

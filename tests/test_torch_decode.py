@@ -9,8 +9,8 @@ import math
 import torch
 
 from pagedcli.backends.torch_decode import decode_attention_full_width
-from pagedcli.cache import KVCache
-from pagedcli.config import CacheGeometry, ModelConfig
+from pagedcli.engine.cache import KVCache
+from pagedcli.model.config import CacheGeometry, ModelConfig
 
 
 def make_cache(heads=6, kv_heads=2, head_dim=10, block_size=8, lengths=(1, 8, 9, 30), max_len=64):

@@ -17,9 +17,10 @@ import torch
 from rich.console import Console
 
 from helpers import invoke
-from pagedcli.config import CacheGeometry
-from pagedcli.snapshot import CacheSnapshot, SlotView, WaitingView
-from pagedcli.view import LiveView, block_cells, render
+from pagedcli.model.config import CacheGeometry
+from pagedcli.engine.snapshot import CacheSnapshot, SlotView, WaitingView
+from pagedcli.commands.drawing import block_cells, render
+from pagedcli.commands.live_view import LiveView
 
 from conftest import REPO
 
@@ -75,8 +76,8 @@ def test_waste_is_shown_against_a_contiguous_max_length_cache():
 
 
 def test_blocks_shared_by_parallel_samples_are_drawn_blue_and_counted_once(stories, make_engine):
-    from pagedcli.sequence import SamplingParams
-    from pagedcli.view import owners_of_blocks
+    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.commands.drawing import owners_of_blocks
 
     loaded = make_engine(stories, batch=3, num_blocks=100)
     prompt = loaded.tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play")
@@ -94,9 +95,9 @@ def test_blocks_shared_by_parallel_samples_are_drawn_blue_and_counted_once(stori
 
 
 def test_live_view_redraws_on_a_wall_clock_budget_and_ends_with_the_pool_free(stories, make_engine):
-    from pagedcli import generate as gen
-    from pagedcli.output import TextPrinter
-    from pagedcli.sequence import SamplingParams
+    from pagedcli.commands import generate as gen
+    from pagedcli.commands.output import TextPrinter
+    from pagedcli.engine.sequence import SamplingParams
 
     loaded = make_engine(stories, batch=2, num_blocks=100)
     engine = loaded.engine
@@ -111,7 +112,7 @@ def test_live_view_redraws_on_a_wall_clock_budget_and_ends_with_the_pool_free(st
         view.on_step(out)
 
     with view:
-        gen.run(engine, printer, seqs, on_step)
+        gen.stream_answers(engine, printer, seqs, on_step)
     assert view.num_frames == engine.num_steps // 4 + 2  # + the first and the last frame
     final = view.frame.current
     assert "free 100   total 100" in draw(final, width=160)

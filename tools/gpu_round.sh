@@ -48,7 +48,7 @@ fi
 
 if [ "${ZOO:-0}" = 1 ]; then
   log "bench every preset (random weights of public checkpoints' shapes), batch 1 and 16, 128 in / 128 out"
-  for preset in $(python3 -c "from pagedcli.presets import RANDOM_PRESETS; print(' '.join(RANDOM_PRESETS))"); do
+  for preset in $(python3 -c "from pagedcli.model.presets import RANDOM_PRESETS; print(' '.join(RANDOM_PRESETS))"); do
     timeout 120 pagedcli bench --model "random:$preset" --batch 1,16 --input-len 128 --output-len 128 --json \
       >>"$OUT/zoo.jsonl" 2>>"$OUT/zoo.err" || echo "$preset: exit $?" | tee -a "$OUT/zoo.err"
   done

@@ -2,8 +2,8 @@
 
     python3 tools/tune_decode.py [--output-len 256] [--profile-steps 32]
 
-Each variant sets module constants of pagedcli.backends.cuda (or, with "overlap", the engine
-option of that name), builds a fresh engine and times the workload `pagedcli bench` runs (random
+Each variant sets module constants of pagedcli.backends.cuda_build, cuda_launch and cuda (or, with
+"overlap", the engine option of that name), builds a fresh engine and times the workload `pagedcli bench` runs (random
 Llama-3.2-1B weights, 128-token prompt): the step as the bench sees it, and its CUDA graph replayed
 back to back (the GPU's part of it). Then each GEMM of a layer alone, ours against the cuBLAS path
 and against a kernel that only reads its weights (tools/read_floor.cu), attention alone, and the
@@ -22,9 +22,10 @@ import torch
 
 import pagedcli.backends.cuda as cuda_backend
 import pagedcli.backends.cuda_build as cuda_build
-from pagedcli.bench import Workload, measure_bandwidth, run_batch
-from pagedcli.loader import EngineOptions, build_engine, load_model
-from pagedcli.sequence import SamplingParams
+import pagedcli.backends.cuda_launch as cuda_launch
+from pagedcli.bench.measure import Workload, measure_bandwidth, run_batch
+from pagedcli.model.loader import EngineOptions, build_engine, load_model
+from pagedcli.engine.sequence import SamplingParams
 
 VARIANTS = {
     "gemv (default)": {},
@@ -41,9 +42,10 @@ VARIANTS = {
 
 @contextlib.contextmanager
 def variant(settings: dict):
-    """The tunables set in both modules that read them: cuda_build (what is compiled) and cuda (how
-    it is launched)."""
-    saved = {(m, k): getattr(m, k) for m in (cuda_build, cuda_backend) for k in settings if hasattr(m, k)}
+    """The tunables set in every module that reads them: cuda_build (what is compiled), cuda_launch
+    and cuda (how it is launched)."""
+    saved = {(m, k): getattr(m, k) for m in (cuda_build, cuda_launch, cuda_backend) for k in settings
+             if hasattr(m, k)}
     try:
         for (m, k) in saved:
             setattr(m, k, settings[k])
@@ -90,7 +92,7 @@ def gemv_table(model, opts) -> None:
     """Each GEMM of a layer at batch 1, alone: our fused GEMV against the cuBLAS path (our
     norm/silu kernels around torch.matmul), timed as kernel_bench times the attention kernel."""
     from pagedcli.backends.torch import TorchBackend
-    from pagedcli.kernel_bench import time_ms
+    from pagedcli.bench.kernel import time_ms
 
     engine = build_engine(model, opts)
     be, w = engine.runner.model.backend, engine.runner.model.w
@@ -129,17 +131,17 @@ def read_floor_table(model) -> None:
 
     import cupy
 
-    from pagedcli.kernel_bench import time_ms
+    from pagedcli.bench.kernel import time_ms
 
     w = model.weights
     sizes = {name: t.numel() * t.element_size() for name, t in (
         ("qkv", w.layers[0].qkv), ("o", w.layers[0].o), ("gate_up", w.layers[0].gate_up),
         ("down", w.layers[0].down), ("lm_head", w.lm_head))}
     source = (Path(__file__).parent / "read_floor.cu").read_text()
-    threads = cuda_backend.GEMV_THREADS  # gemv.cu's grid: one wave of GEMV_CTAS_PER_SM CTAs an SM
-    options = ("-std=c++17", f"-DGEMV_THREADS={threads}", f"-DREAD_UNROLL={2 * cuda_backend.GEMV_UNROLL}")
+    threads = cuda_build.GEMV_THREADS  # gemv.cu's grid: one wave of GEMV_CTAS_PER_SM CTAs an SM
+    options = ("-std=c++17", f"-DGEMV_THREADS={threads}", f"-DREAD_UNROLL={2 * cuda_build.GEMV_UNROLL}")
     kernel = cupy.RawModule(code=source, options=options).get_function("read_all")
-    grid = cuda_backend.GEMV_CTAS_PER_SM * torch.cuda.get_device_properties(model.device).multi_processor_count
+    grid = cuda_build.GEMV_CTAS_PER_SM * torch.cuda.get_device_properties(model.device).multi_processor_count
     sink = torch.zeros(1, dtype=torch.int32, device=model.device)
 
     def launch(buffer: torch.Tensor) -> None:
@@ -164,7 +166,7 @@ def read_floor_table(model) -> None:
 def attention_table() -> None:
     """The decode-attention kernel alone at batch 1 (Llama-3.2-1B's heads) in an engine sized for
     long contexts, with and without clusters, under the cluster tunables (splits in brackets)."""
-    from pagedcli.kernel_bench import bench_decode_kernel
+    from pagedcli.bench.kernel import bench_decode_kernel
 
     contexts = [128, 256, 512, 1024, 2048, 4096, 8192]
     print("\nattention alone, batch 1, max_model_len 131072 (us per call) at contexts " + ", ".join(map(str, contexts)))

@@ -12,14 +12,16 @@ What llama.py calls, layer by layer:
 - `logits(x, norm_weight, lm_head, eps)`: the final norm and the LM head, as float32.
 
 `bias` is None unless config.json has attention_bias / mlp_bias (fused like the weights: q|k|v,
-gate|up). RoPE's cos and sin come from `backend.rope` (pagedcli.rope.RotaryTable): fixed tables
+gate|up). RoPE's cos and sin come from `backend.rope` (pagedcli.model.rope.RotaryTable): fixed tables
 `backend.cos`, `backend.sin` for the static types, per-token rows for dynamic NTK.
 
-Around it: `prepare(batch)` (the runner, once per step: index tensors the layers share) and
-`argmax(logits)` (the sampler: greedy tokens). The halves the fused steps are made of are methods
-too, used by fallbacks and tests: `rms_norm`, `norm_linear`, `silu_mul`, `rope_write_kv`.
+Around it: `prepare(batch)` (the network, once per forward pass: index tensors the layers share)
+and `argmax(logits)` (the runner: greedy tokens). The halves the fused steps are made of are
+methods too, used by fallbacks and tests: `rms_norm`, `norm_linear`, `silu_mul`, `rope_write_kv`;
+composed.py builds the fused steps from any backend's halves.
 
-`TorchBackend` is the reference (CPU and GPU); `CudaBackend` runs our own CUDA kernels.
+`TorchBackend` is the reference (CPU and GPU); `CudaBackend` runs our own CUDA kernels and holds a
+`TorchBackend` for what they do not serve.
 """
 
 from pagedcli.backends.torch import TorchBackend

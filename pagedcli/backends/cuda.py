@@ -1,4 +1,4 @@
-"""The CUDA backend: our own kernels (pagedcli/kernels/*.cu), compiled at run time by CuPy.
+"""The CUDA backend: our own kernels (kernels/*.cu), compiled at run time by CuPy.
 
 What runs where:
 - `attention_inputs`, `norm_linear_silu`, `linear_add`, `logits` (and `norm_linear`)
@@ -9,7 +9,7 @@ What runs where:
 - `rope_write_kv`  -> kv_write.cu: RoPE on q and k fused with the K/V write into the paged pool;
 - `attend`         -> paged_attention.cu at decode (one split-KV kernel that also merges; at small
                       batches on sm_90+ its splits run in thread-block clusters and merge in shared
-                      memory); prefill keeps the inherited torch gather + SDPA, which also reads
+                      memory); prefill runs the torch reference's gather + SDPA, which also reads
                       through the block table;
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs.
 
@@ -24,62 +24,24 @@ buffers allocated once per batch size. Compilation happens in `__init__`, never 
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 
 import numpy as np
 import torch
 
-from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS,
-                                          COMPILE_OPTIONS, GEMV_CTAS_PER_SM, GEMV_MAX_ROWS, GEMV_MAX_SHARED,
-                                          GEMV_ROW_BUCKETS, GEMV_SPLITS, GEMV_THREADS, GEMV_UNROLL,
-                                          KV_WRITE_THREADS, PARTITION_SIZE, SILU_THREADS, SPLIT_CTAS_PER_SM,
-                                          VEC_BYTES, DTYPE_DEFINES, define_flags, gemv_kernel_names,
-                                          kernel_source, plan_kernels)
+from pagedcli.backends import composed
+from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, GEMV_MAX_ROWS,
+                                          GEMV_MAX_SHARED, GEMV_ROW_BUCKETS, GEMV_THREADS, KV_WRITE_THREADS,
+                                          SILU_THREADS, VEC_BYTES, DTYPE_DEFINES, compile_kernels, cuda_available,
+                                          gemv_kernel_names, plan_kernels)
+from pagedcli.backends.cuda_launch import LaunchShapes, resident_ctas
 from pagedcli.backends.torch import TorchBackend
 from pagedcli.backends.torch_decode import decode_attention_full_width
-from pagedcli.batch import StepBatch
-from pagedcli.cache import KVCache
-from pagedcli.config import ModelConfig
+from pagedcli.engine.batch import StepBatch
+from pagedcli.engine.cache import KVCache
+from pagedcli.model.config import ModelConfig
 from pagedcli.errors import RunError
-
-def cuda_available() -> tuple[bool, str]:
-    """Whether torch sees a CUDA GPU and CuPy can use it; the string says why not, in one line."""
-    if not torch.cuda.is_available():
-        if torch.version.cuda is None:
-            return False, f"this torch ({torch.__version__}) is a CPU-only build"
-        return False, "torch sees no CUDA GPU"
-    try:
-        import cupy
-    except ImportError as e:
-        return False, f"CuPy is not installed ({e}); install cupy-cuda13x or cupy-cuda12x to match your CUDA"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return False, "CuPy sees no CUDA GPU"
-    except Exception as e:  # CuPy raises its own CUDA errors (driver too old, no device...)
-        return False, f"CuPy cannot use the GPU ({type(e).__name__}: {e})"
-    return True, ""
-
-
-@functools.lru_cache(maxsize=None)
-def _compile(name: str, defines: tuple[tuple[str, object], ...], kernels: tuple[str, ...], device: int) -> dict:
-    """Compile kernels/<name> with `defines` (NVRTC through CuPy), load it on `device`, and return
-    {kernel name: cupy.RawKernel}. Cached: one build per file, geometry, dtype and device."""
-    import cupy
-
-    options = COMPILE_OPTIONS + tuple(define_flags(defines))
-    with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=kernel_source(name), options=options)
-        try:
-            # get_function compiles and loads the module now, so that nothing compiles later
-            # (for instance during CUDA-graph capture, where it would fail)
-            return {k: module.get_function(k) for k in kernels}
-        except cupy.cuda.compiler.CompileException as e:
-            # cuda_build.plan_kernels checks every limit the kernels assert, and CI compiles each
-            # preset's plan with nvcc: reaching this is a bug of ours, not a user's mistake
-            raise RunError(f"compiling {name} failed: {e}", "this is a bug in pagedcli's kernels; "
-                           "please report it with the model's config.json") from None
 
 
 def _ptr(t: torch.Tensor | None) -> np.uint64:
@@ -90,9 +52,7 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % VEC_BYTES == 0 for t in tensors)
 
 
-class CudaBackend(TorchBackend):
-    name = "cuda"
-
+class CudaBackend:
     def __init__(self, cache: KVCache, config: ModelConfig):
         ok, why = cuda_available()
         if not ok:
@@ -102,7 +62,10 @@ class CudaBackend(TorchBackend):
         geo = cache.geometry
         if geo.dtype not in DTYPE_DEFINES:
             raise RunError(f"the CUDA kernels do not support dtype {geo.dtype}", "use bfloat16, float16 or float32")
-        super().__init__(cache, config)
+        self.cache, self.config = cache, config
+        # the torch ops, called by name wherever a kernel of ours does not apply
+        self.reference = TorchBackend(cache, config)
+        self.rope, self.cos, self.sin = self.reference.rope, self.reference.cos, self.reference.sin
         import cupy
 
         self.device_index = cache.device.index if cache.device.index is not None else torch.cuda.current_device()
@@ -121,23 +84,22 @@ class CudaBackend(TorchBackend):
         plan = plan_kernels(config, geo, clusters=self.cluster > 1)
         self.fallbacks = dict(plan.fallbacks)
         self.heads_per_cta = plan.heads_per_cta
-        self._attn_min_ctas = plan.attn_min_ctas
         self.attention_kernel = plan.attention_decode
+        self.shapes = LaunchShapes(cache, self.num_heads, self.heads_per_cta, self.vec, self.num_sms, self.cluster)
         d = self.device_index
         self.kernels = {}
         for file, (defines, names) in plan.files.items():
-            self.kernels.update(_compile(file, defines, names, d))
+            self.kernels.update(compile_kernels(file, defines, names, d))
         for name in gemv_kernel_names():  # staged inputs may pass CUDA's default 48 KiB of shared memory
             self.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED
         self.decode_ctas_per_sm = (  # for reports
-            self._resident_ctas("paged_attention_decode", ATTN_THREADS) if self.attention_kernel else 0)
+            resident_ctas(self.kernels["paged_attention_decode"], ATTN_THREADS, d, plan.attn_min_ctas)
+            if self.attention_kernel else 0)
         self._cupy_device = cupy.cuda.Device(d)
         self._streams: dict[int, object] = {}  # torch stream handle -> cupy.cuda.ExternalStream
-        self._scratch: dict[int, tuple] = {}  # batch size -> (splits, partial out/max/sum, merge counters)
-        self._argmax_scratch: dict[int, tuple] = {}  # batch size -> (keys, counters), zero between launches
 
     # --- launching ----------------------------------------------------------------------------
-    def _launch(self, kernel: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+    def _launch_kernel(self, kernel: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
         """Launch on torch's current stream (the capture stream while a CUDA graph is captured)."""
         import cupy
 
@@ -150,61 +112,6 @@ class CudaBackend(TorchBackend):
         with self._cupy_device, stream:
             self.kernels[kernel](grid, block, args, shared_mem=shared_mem)
 
-    def _resident_ctas(self, kernel: str, threads: int) -> int:
-        """CTAs of a compiled kernel one SM holds at once (registers, shared memory, threads)."""
-        import cupy
-
-        k = self.kernels[kernel]
-        try:
-            props = cupy.cuda.runtime.getDeviceProperties(self.device_index)
-            regs_per_warp = -(-k.num_regs * 32 // 256) * 256  # allocated per warp, 256 at a time
-            by_regs = props["regsPerMultiprocessor"] // (regs_per_warp * (threads // 32))
-            by_smem = props["sharedMemPerMultiprocessor"] // (k.shared_size_bytes + 1024)  # 1 KiB reserved a CTA
-            by_threads = props["maxThreadsPerMultiProcessor"] // threads
-            return max(1, min(by_regs, by_smem, by_threads))
-        except Exception:  # attributes missing in this CuPy: what the launch bounds promise
-            return self._attn_min_ctas
-
-    def num_splits(self, batch_size: int) -> int:
-        """Splits of the decode kernel for a batch size: enough CTAs to fill the GPU at small batches
-        (at most SPLIT_CTAS_PER_SM per SM), no more than the longest context has chunks; with
-        clusters, a multiple of the cluster size. Depends on nothing else (not the contexts), so one
-        CUDA graph per batch size serves every context length: the kernel cuts each actual context
-        into this many spans."""
-        chunks = math.ceil(self.cache.max_model_len / PARTITION_SIZE)
-        splits = max(1, min(chunks, self._split_budget(batch_size)))
-        if self.uses_clusters(batch_size):
-            splits = self.cluster * max(1, splits // self.cluster)
-        return splits
-
-    def uses_clusters(self, batch_size: int) -> bool:
-        """Whether decode attention runs in clusters at this batch size: when a whole cluster for
-        every (sequence, head group) fits in the CTAs the splits may use (batch 1 to 8 at
-        Llama-3.2-1B on an H200); larger batches fill the GPU without splitting short contexts."""
-        return self.cluster > 1 and self._split_budget(batch_size) >= self.cluster
-
-    def _split_budget(self, batch_size: int) -> int:
-        """The most splits SPLIT_CTAS_PER_SM CTAs an SM allow, one CTA per (sequence, head group) a split."""
-        return SPLIT_CTAS_PER_SM * self.num_sms // (batch_size * (self.num_heads // self.heads_per_cta))
-
-    def _scratch_for(self, batch_size: int) -> tuple:
-        """Split-KV scratch for a batch size, allocated once and reused by every layer and step: the
-        splits' partial outputs, maxima and sums, and one merge counter per (sequence, head group),
-        zero between launches (the kernel resets what it counts)."""
-        s = self._scratch.get(batch_size)
-        if s is None:
-            splits = self.num_splits(batch_size)
-            f32 = dict(dtype=torch.float32, device=self.cache.device)
-            s = self._scratch[batch_size] = (
-                splits,
-                torch.empty((batch_size, self.num_heads, splits, self.head_dim), **f32),
-                torch.empty((batch_size, self.num_heads, splits), **f32),
-                torch.empty((batch_size, self.num_heads, splits), **f32),
-                torch.zeros((batch_size, self.num_heads // self.heads_per_cta), dtype=torch.int32,
-                            device=self.cache.device),
-            )
-        return s
-
     def _layer_table(self, layer: int) -> tuple[np.uint64, np.int64, np.int32]:
         """This layer's block table as the kernels index it: table[slot * slot_stride + block]."""
         t = self.cache.device_table  # [slots, layers, blocks] int32, contiguous
@@ -213,17 +120,15 @@ class CudaBackend(TorchBackend):
 
     # --- the backend interface ----------------------------------------------------------------
     def prepare(self, batch: StepBatch) -> None:
-        if batch.is_prefill:  # the inherited prefill attention needs the torch index tensors
-            self._step = self._attention_indices(batch)
-        else:
-            self._step = {}  # decode needs nothing from the host: the batch tensors go to the kernels
-            self._scratch_for(batch.slots.shape[0])
-        if not self.rope.static:  # per-token RoPE rows (dynamic NTK): the torch path's indices
-            self._step |= self._rope_indices(batch)
+        # the reference's index tensors for what it serves: prefill attention, and per-token RoPE
+        # rows (dynamic NTK); decode needs nothing from the host: the batch tensors go to the kernels
+        self.reference.prepare_indices(batch, attention=batch.is_prefill, rope=not self.rope.static)
+        if not batch.is_prefill:
+            self.shapes.scratch_for(batch.slots.shape[0])
 
     def rope_write_kv(self, layer: int, q, k, v, batch: StepBatch):
         if not self.rope.static:  # the kernel reads fixed cos/sin tables
-            return super().rope_write_kv(layer, q, k, v, batch)
+            return self.reference.rope_write_kv(layer, q, k, v, batch)
         T = q.shape[0]
         kv_heads = self.cache.geometry.num_kv_heads
         if q.shape[1:] != (self.num_heads, self.head_dim) or k.shape[1:] != (kv_heads, self.head_dim) \
@@ -235,21 +140,21 @@ class CudaBackend(TorchBackend):
             return q_out
         geo = self.cache.geometry  # work items per token: rotary pairs of q and k, V elements
         items = (self.num_heads + geo.num_kv_heads) * self.head_dim // 2 + geo.kv_dim
-        self._launch("rope_write_kv", (T, -(-items // KV_WRITE_THREADS)), (KV_WRITE_THREADS,), (
+        self._launch_kernel("rope_write_kv", (T, -(-items // KV_WRITE_THREADS)), (KV_WRITE_THREADS,), (
             _ptr(q), _ptr(k), _ptr(v), np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0)),
         ) + self._rope_kv_args(layer, batch, q_out))
         return q_out
 
     def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None):
         if bias is not None or not self.rope.static:  # gemv.cu has no bias and reads fixed cos/sin tables
-            return super().attention_inputs(layer, x, norm_weight, qkv, eps, batch, bias)
+            return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch, bias)
         geo = self.cache.geometry
         T = x.shape[0] if x.dim() == 2 else 0
         if T == batch.positions.shape[0] and qkv.shape[0] == (self.num_heads + 2 * geo.num_kv_heads) * self.head_dim:
             q = self._gemv("rms_norm_rope_kv", x, qkv, norm_weight, eps, rope_kv=(layer, batch))
             if q is not None:
                 return q
-        return super().attention_inputs(layer, x, norm_weight, qkv, eps, batch)
+        return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch)
 
     def _rope_kv_args(self, layer: int, batch: StepBatch, q_out: torch.Tensor) -> tuple:
         """kv_write.cu's arguments after q, k and v (gemv.cu's qkv epilogue takes the same)."""
@@ -262,7 +167,7 @@ class CudaBackend(TorchBackend):
 
     def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         if batch.is_prefill:
-            return super().attend(layer, q, batch)
+            return self.reference.attend(layer, q, batch)
         B = batch.slots.shape[0]
         if q.shape[0] != B:
             raise ValueError(f"decode attend: {q.shape[0]} queries for {B} sequences")
@@ -272,10 +177,10 @@ class CudaBackend(TorchBackend):
         out = torch.empty_like(q)
         if B == 0:
             return out
-        splits, part_out, part_max, part_sum, counters = self._scratch_for(B)
+        splits, part_out, part_max, part_sum, counters = self.shapes.scratch_for(B)
         table, slot_stride, _ = self._layer_table(layer)
-        kernel = "paged_attention_decode_cluster" if self.uses_clusters(B) else "paged_attention_decode"
-        self._launch(kernel, (self.num_heads // self.heads_per_cta, B, splits), (ATTN_THREADS,), (
+        kernel = "paged_attention_decode_cluster" if self.shapes.uses_clusters(B) else "paged_attention_decode"
+        self._launch_kernel(kernel, (self.num_heads // self.heads_per_cta, B, splits), (ATTN_THREADS,), (
             _ptr(out), _ptr(q), _ptr(self.cache.pool), table, slot_stride, _ptr(batch.slots), _ptr(batch.context_lens),
             np.int32(self.max_context), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(counters),
             self.scale_log2,
@@ -290,19 +195,19 @@ class CudaBackend(TorchBackend):
         hidden = x.shape[-1]
         rows = x.numel() // hidden if hidden else 0
         if not self._fusable(x, weight) or rows == 0 or hidden != weight.numel():
-            return super().rms_norm(x, weight, eps)
+            return self.reference.rms_norm(x, weight, eps)
         x, weight = x.contiguous(), weight.contiguous()
         out = torch.empty_like(x)
         vec = self.vec if hidden % self.vec == 0 and _aligned(x, weight, out) else 1
         threads = min(1024, max(32, -(-hidden // vec // 32) * 32))
-        self._launch(f"rms_norm_{'vec' if vec > 1 else 'scalar'}", (rows,), (threads,), (
+        self._launch_kernel(f"rms_norm_{'vec' if vec > 1 else 'scalar'}", (rows,), (threads,), (
             _ptr(x), _ptr(weight), _ptr(out), np.int32(hidden), np.float32(eps),
         ))
         return out
 
     def silu_mul(self, gate_up):
         if not self._fusable(gate_up) or gate_up.shape[-1] % 2:
-            return super().silu_mul(gate_up)
+            return self.reference.silu_mul(gate_up)
         gate_up = gate_up.contiguous()
         inter = gate_up.shape[-1] // 2
         out = torch.empty(gate_up.shape[:-1] + (inter,), dtype=gate_up.dtype, device=gate_up.device)
@@ -311,7 +216,7 @@ class CudaBackend(TorchBackend):
             return out
         vec = self.vec if inter % self.vec == 0 and _aligned(gate_up, out) else 1
         blocks = max(1, min(-(-total // (vec * SILU_THREADS)), 16 * self.num_sms))
-        self._launch(f"silu_mul_{'vec' if vec > 1 else 'scalar'}", (blocks,), (SILU_THREADS,), (
+        self._launch_kernel(f"silu_mul_{'vec' if vec > 1 else 'scalar'}", (blocks,), (SILU_THREADS,), (
             _ptr(gate_up), _ptr(out), np.int32(inter), np.int64(total),
         ))
         return out
@@ -319,15 +224,12 @@ class CudaBackend(TorchBackend):
     def argmax(self, logits):
         if not (logits.dtype == torch.float32 and logits.is_cuda and logits.device.index == self.device_index
                 and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[0] > 0):
-            return super().argmax(logits)
+            return self.reference.argmax(logits)
         B, vocab = logits.shape
-        if B not in self._argmax_scratch:
-            z = {"device": logits.device}
-            self._argmax_scratch[B] = (torch.zeros(B, dtype=torch.int64, **z), torch.zeros(B, dtype=torch.int32, **z))
-        keys, counters = self._argmax_scratch[B]
+        keys, counters = self.shapes.argmax_scratch_for(B, logits.device)
         tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
         chunks = max(1, min(-(-vocab // ARGMAX_CHUNK), 4 * self.num_sms))
-        self._launch("argmax_rows", (chunks, B), (ARGMAX_THREADS,), (
+        self._launch_kernel("argmax_rows", (chunks, B), (ARGMAX_THREADS,), (
             _ptr(logits), np.int64(logits.stride(0)), np.int32(vocab), _ptr(tokens), _ptr(keys), _ptr(counters),
         ))
         return tokens
@@ -335,23 +237,23 @@ class CudaBackend(TorchBackend):
     # --- GEMMs with what surrounds them: gemv.cu at small batches ---------------------------------
     def norm_linear(self, x, norm_weight, weight, eps):
         out = self._gemv("rms_norm_store", x, weight, norm_weight, eps)
-        return out if out is not None else super().norm_linear(x, norm_weight, weight, eps)
+        return out if out is not None else composed.norm_matmul(self, x, norm_weight, weight, eps)
 
     def logits(self, x, norm_weight, lm_head, eps):
         out = self._gemv("rms_norm_float", x, lm_head, norm_weight, eps)
-        return out if out is not None else super().logits(x, norm_weight, lm_head, eps)
+        return out if out is not None else composed.logits(self, x, norm_weight, lm_head, eps)
 
     def norm_linear_silu(self, x, norm_weight, gate_up, eps, bias=None):
         if bias is not None:  # gemv.cu has no bias
-            return super().norm_linear_silu(x, norm_weight, gate_up, eps, bias)
+            return composed.norm_linear_silu(self, x, norm_weight, gate_up, eps, bias)
         out = self._gemv("rms_norm_silu_mul", x, gate_up, norm_weight, eps)
-        return out if out is not None else super().norm_linear_silu(x, norm_weight, gate_up, eps)
+        return out if out is not None else composed.norm_linear_silu(self, x, norm_weight, gate_up, eps)
 
     def linear_add(self, x, weight, residual, bias=None):
         if bias is not None:  # gemv.cu has no bias
-            return super().linear_add(x, weight, residual, bias)
+            return self.reference.linear_add(x, weight, residual, bias)
         out = self._gemv("plain_add", x, weight, residual=residual)
-        return out if out is not None else super().linear_add(x, weight, residual)
+        return out if out is not None else self.reference.linear_add(x, weight, residual)
 
     def _gemv(self, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
               rope_kv: tuple | None = None) -> torch.Tensor | None:
@@ -383,21 +285,13 @@ class CudaBackend(TorchBackend):
             out = torch.empty((rows, units), dtype=torch.float32 if op.endswith("float") else x.dtype, device=x.device)
         tail = (_ptr(out), np.int64(out.stride(0))) if rope_kv is None else self._rope_kv_args(*rope_kv, out)
         kernel = f"gemv_{bucket}_{op}"
-        split = self.gemv_split(units, K)
-        ctas = min(-(-units * split // (GEMV_THREADS // 32)), GEMV_CTAS_PER_SM * self.num_sms)
-        self._launch(kernel, (ctas,), (GEMV_THREADS,), (
+        split = self.shapes.gemv_split(units, K)
+        ctas = self.shapes.gemv_ctas(units, split)
+        self._launch_kernel(kernel, (ctas,), (GEMV_THREADS,), (
             _ptr(weight), np.int32(N), np.int32(K), np.int32(rows), np.int32(split), _ptr(x), np.int64(x.stride(0)),
             _ptr(norm_weight), np.float32(eps),
         ) + tail, shared_mem=shared)
         return out
-
-    def gemv_split(self, units: int, K: int) -> int:
-        """Warps per unit of gemv.cu: the most of GEMV_SPLITS whose warps still fit in one wave of
-        GEMV_CTAS_PER_SM CTAs an SM, each warp with at least one tile of K (Llama-3.2-1B at batch 1:
-        2 for o, down and qkv, 1 for gate/up and the LM head)."""
-        warp_slots = GEMV_CTAS_PER_SM * self.num_sms * (GEMV_THREADS // 32)
-        tiles = -(-K // (32 * self.vec * GEMV_UNROLL))  # gemv.cu's TILE: a warp's 16-byte loads of one step
-        return max(s for s in GEMV_SPLITS if s == 1 or (units * s <= warp_slots and s <= tiles))
 
     # --- helpers --------------------------------------------------------------------------------
     def _fusable(self, *tensors: torch.Tensor) -> bool:

@@ -1,8 +1,8 @@
 """What our CUDA kernels are compiled with for one model, and which of them can serve it.
 
-Pure Python (no CuPy, no GPU): the CUDA backend builds from this plan, and the CPU tests compile
-the same plan with `nvcc` for every preset geometry, so a geometry that would not compile is found
-in CI, not by a user. Every limit a kernel asserts at compile time (`static_assert` in the .cu
+The plan is pure Python (no CuPy, no GPU): the CUDA backend builds from it (`compile_kernels`,
+through CuPy), and the CPU tests compile the same plan with `nvcc` for every preset geometry, so a
+geometry that would not compile is found in CI, not by a user. Every limit a kernel asserts at compile time (`static_assert` in the .cu
 files) is checked here first; where a kernel cannot serve a shape, the plan says which op runs as
 torch ops instead, and why, in one line the user sees.
 
@@ -11,13 +11,16 @@ The tuning constants are written here only; the .cu files receive them as -D def
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 
 import torch
 
-from pagedcli.config import CacheGeometry, ModelConfig
+from pagedcli.errors import RunError
+from pagedcli.model.config import CacheGeometry, ModelConfig
 
 PARTITION_SIZE = 512  # tokens per split-KV chunk of the decode kernel (a multiple of every block size)
 ATTN_THREADS = 128  # threads of a decode CTA
@@ -63,7 +66,14 @@ Defines = tuple[tuple[str, object], ...]
 
 
 def kernel_folder():
-    return resources.files("pagedcli") / "kernels"
+    """The .cu/.cuh files. Installed, they are the package pagedcli.kernels (pyproject's package-dir
+    maps it to the top-level kernels/). Run from a checkout without installing it (PYTHONPATH), that
+    mapping does not exist, and another install's pagedcli.kernels may answer instead: the
+    checkout's own kernels/, beside pagedcli/, comes first."""
+    checkout = Path(__file__).resolve().parents[2] / "kernels"
+    if (checkout / "__init__.py").is_file() and (checkout / "geometry.cuh").is_file():
+        return checkout
+    return resources.files("pagedcli.kernels")
 
 
 def kernel_source(name: str) -> str:
@@ -216,3 +226,41 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool) -
 
 def define_flags(defines: Defines) -> list[str]:
     return [f"-D{k}" if v is None else f"-D{k}={v}" for k, v in defines]
+
+
+def cuda_available() -> tuple[bool, str]:
+    """Whether torch sees a CUDA GPU and CuPy can use it; the string says why not, in one line."""
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return False, f"this torch ({torch.__version__}) is a CPU-only build"
+        return False, "torch sees no CUDA GPU"
+    try:
+        import cupy
+    except ImportError as e:
+        return False, f"CuPy is not installed ({e}); install cupy-cuda13x or cupy-cuda12x to match your CUDA"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return False, "CuPy sees no CUDA GPU"
+    except Exception as e:  # CuPy raises its own CUDA errors (driver too old, no device...)
+        return False, f"CuPy cannot use the GPU ({type(e).__name__}: {e})"
+    return True, ""
+
+
+@functools.lru_cache(maxsize=None)
+def compile_kernels(name: str, defines: tuple[tuple[str, object], ...], kernels: tuple[str, ...], device: int) -> dict:
+    """Compile kernels/<name> with `defines` (NVRTC through CuPy), load it on `device`, and return
+    {kernel name: cupy.RawKernel}. Cached: one build per file, geometry, dtype and device."""
+    import cupy
+
+    options = COMPILE_OPTIONS + tuple(define_flags(defines))
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=kernel_source(name), options=options)
+        try:
+            # get_function compiles and loads the module now, so that nothing compiles later
+            # (for instance during CUDA-graph capture, where it would fail)
+            return {k: module.get_function(k) for k in kernels}
+        except cupy.cuda.compiler.CompileException as e:
+            # cuda_build.plan_kernels checks every limit the kernels assert, and CI compiles each
+            # preset's plan with nvcc: reaching this is a bug of ours, not a user's mistake
+            raise RunError(f"compiling {name} failed: {e}", "this is a bug in pagedcli's kernels; "
+                           "please report it with the model's config.json") from None

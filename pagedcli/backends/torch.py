@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedcli.batch import StepBatch
-from pagedcli.cache import KVCache
-from pagedcli.config import ModelConfig
-from pagedcli.rope import RotaryTable, apply_rope
+from pagedcli.backends import composed
+from pagedcli.engine.batch import StepBatch
+from pagedcli.engine.cache import KVCache
+from pagedcli.model.config import ModelConfig
+from pagedcli.model.rope import RotaryTable, apply_rope
 
 # Most mask entries times heads (the scores SDPA may materialize) one attention call handles:
 # 2**26, 256 MiB of float32 scores; longer prefills run in chunks of query rows under it.
@@ -27,8 +28,6 @@ ATTENTION_CHUNK_ELEMENTS = 1 << 26
 
 
 class TorchBackend:
-    name = "torch"
-
     def __init__(self, cache: KVCache, config: ModelConfig):
         self.cache = cache
         self.config = config
@@ -51,35 +50,22 @@ class TorchBackend:
 
     def norm_linear(self, x, norm_weight, weight, eps):
         """RMSNorm(x) @ weight.T: the pre-norm of attention and of the MLP, with the GEMM after it."""
-        return self._norm_then_matmul(x, norm_weight, weight, eps)
-
-    def _norm_then_matmul(self, x, norm_weight, weight, eps, bias=None):
-        # the composites below build on this, not on norm_linear: a backend that fuses norm_linear
-        # and falls back to these composites has already found its fused kernel does not apply
-        return _linear(self.rms_norm(x, norm_weight, eps), weight, bias)
+        return composed.norm_matmul(self, x, norm_weight, weight, eps)
 
     def linear_add(self, x, weight, residual, bias=None):
         """residual + (x @ weight.T + bias): the o and down projections, back into the residual
         stream. The residual may be updated in place (the CUDA backend does): callers use only what
         is returned."""
-        return residual + _linear(x, weight, bias)
+        return residual + composed.linear(x, weight, bias)
 
     def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None):
-        """RMSNorm(x) @ qkv.T (+ bias), then RoPE on q and k and k, v into the cache: the rotated
-        queries, [T, heads, head_dim]."""
-        T, c = x.shape[0], self.config
-        qkv_out = self._norm_then_matmul(x, norm_weight, qkv, eps, bias)
-        q, k, v = qkv_out.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
-        return self.rope_write_kv(layer, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
-                                  v.view(T, c.num_kv_heads, c.head_dim), batch)
+        return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch, bias)
 
     def norm_linear_silu(self, x, norm_weight, gate_up, eps, bias=None):
-        """silu(gate) * up of RMSNorm(x) @ gate_up.T (+ bias): the MLP's first half, with its pre-norm."""
-        return self.silu_mul(self._norm_then_matmul(x, norm_weight, gate_up, eps, bias))
+        return composed.norm_linear_silu(self, x, norm_weight, gate_up, eps, bias)
 
     def logits(self, x, norm_weight, lm_head, eps):
-        """The final norm and the LM head: float32 logits of the dtype's product."""
-        return self._norm_then_matmul(x, norm_weight, lm_head, eps).float()
+        return composed.logits(self, x, norm_weight, lm_head, eps)
 
     def argmax(self, logits):
         """Greedy tokens: [B] int64, the first maximum of each row (as torch.argmax)."""
@@ -90,6 +76,13 @@ class TorchBackend:
         """Index tensors for this step's RoPE, K/V writes, gathers and mask; built once, used by
         every layer."""
         self._step = self._rope_indices(batch) | self._attention_indices(batch)
+
+    def prepare_indices(self, batch: StepBatch, attention: bool, rope: bool) -> None:
+        """Only the index tensors of the ops a caller runs here: prefill attention, and per-token
+        RoPE (the CUDA backend, where its kernels do not apply)."""
+        self._step = self._attention_indices(batch) if attention else {}
+        if rope:
+            self._step |= self._rope_indices(batch)
 
     def _rope_indices(self, batch: StepBatch) -> dict:
         """What rope_write_kv needs: each new token's rotary row and where its K/V go.
@@ -183,8 +176,3 @@ class TorchBackend:
                 for i in range(0, Lq, s["chunk"])
             ], dim=2)  # [B, heads, Lq, head_dim]
         return out.transpose(1, 2)[batch.token_seq, s["token_row"]]  # [T, heads, head_dim]
-
-
-def _linear(x, weight, bias):
-    """x @ weight.T (+ bias, as nn.Linear adds it)."""
-    return x @ weight.T if bias is None else F.linear(x, weight, bias)

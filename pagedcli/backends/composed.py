@@ -1,0 +1,38 @@
+"""The fused steps of the backend interface as compositions of their halves, on any backend's
+halves (`be.rms_norm`, `be.silu_mul`, `be.rope_write_kv`): what the torch reference runs, and what
+the CUDA backend runs, on its own halves, where a fused kernel does not apply. The GEMM between is
+torch's (cuBLAS on a GPU)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+
+def linear(x, weight, bias=None):
+    """x @ weight.T (+ bias, as nn.Linear adds it)."""
+    return x @ weight.T if bias is None else F.linear(x, weight, bias)
+
+
+def norm_matmul(be, x, norm_weight, weight, eps, bias=None):
+    """RMSNorm(x) @ weight.T (+ bias): the pre-norm of attention and of the MLP, with the GEMM after it."""
+    return linear(be.rms_norm(x, norm_weight, eps), weight, bias)
+
+
+def attention_inputs(be, layer: int, x, norm_weight, qkv, eps, batch, bias=None):
+    """RMSNorm(x) @ qkv.T (+ bias), then RoPE on q and k and k, v into the cache: the rotated
+    queries, [T, heads, head_dim]."""
+    T, c = x.shape[0], be.config
+    qkv_out = norm_matmul(be, x, norm_weight, qkv, eps, bias)
+    q, k, v = qkv_out.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+    return be.rope_write_kv(layer, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
+                            v.view(T, c.num_kv_heads, c.head_dim), batch)
+
+
+def norm_linear_silu(be, x, norm_weight, gate_up, eps, bias=None):
+    """silu(gate) * up of RMSNorm(x) @ gate_up.T (+ bias): the MLP's first half, with its pre-norm."""
+    return be.silu_mul(norm_matmul(be, x, norm_weight, gate_up, eps, bias))
+
+
+def logits(be, x, norm_weight, lm_head, eps):
+    """The final norm and the LM head: float32 logits of the dtype's product."""
+    return norm_matmul(be, x, norm_weight, lm_head, eps).float()

@@ -1,0 +1,105 @@
+"""How the CUDA backend launches its kernels for a batch size: split-KV splits and thread-block
+clusters of the decode attention, warps per row of gemv.cu, and the scratch buffers they need.
+
+Every choice depends on the batch size and the model (never on the contexts), so one CUDA graph per
+batch size serves every context length; the scratch is allocated once per batch size and reused by
+every layer and step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedcli.backends.cuda_build import (GEMV_CTAS_PER_SM, GEMV_SPLITS, GEMV_THREADS, GEMV_UNROLL, PARTITION_SIZE,
+                                          SPLIT_CTAS_PER_SM)
+from pagedcli.engine.cache import KVCache
+
+
+def resident_ctas(kernel, threads: int, device_index: int, fallback: int) -> int:
+    """CTAs of a compiled kernel (a cupy.RawKernel) one SM holds at once (registers, shared memory,
+    threads); `fallback` (what the launch bounds promise) where this CuPy lacks the attributes."""
+    import cupy
+
+    try:
+        props = cupy.cuda.runtime.getDeviceProperties(device_index)
+        regs_per_warp = -(-kernel.num_regs * 32 // 256) * 256  # allocated per warp, 256 at a time
+        by_regs = props["regsPerMultiprocessor"] // (regs_per_warp * (threads // 32))
+        by_smem = props["sharedMemPerMultiprocessor"] // (kernel.shared_size_bytes + 1024)  # 1 KiB reserved a CTA
+        by_threads = props["maxThreadsPerMultiProcessor"] // threads
+        return max(1, min(by_regs, by_smem, by_threads))
+    except Exception:  # attributes missing in this CuPy: what the launch bounds promise
+        return fallback
+
+
+class LaunchShapes:
+    def __init__(self, cache: KVCache, num_heads: int, heads_per_cta: int, vec: int, num_sms: int, cluster: int):
+        self.cache = cache
+        self.num_heads, self.heads_per_cta = num_heads, heads_per_cta
+        self.head_dim = cache.geometry.head_dim
+        self.vec = vec  # elements in a 16-byte vector
+        self.num_sms = num_sms
+        self.cluster = cluster  # CTAs a decode cluster has (1: no clusters, before sm_90)
+        self.split_scratch: dict[int, tuple] = {}  # batch size -> (splits, partial out/max/sum, merge counters)
+        self.argmax_scratch: dict[int, tuple] = {}  # batch size -> (keys, counters), zero between launches
+
+    def num_splits(self, batch_size: int) -> int:
+        """Splits of the decode kernel for a batch size: enough CTAs to fill the GPU at small batches
+        (at most SPLIT_CTAS_PER_SM per SM), no more than the longest context has chunks; with
+        clusters, a multiple of the cluster size. Depends on nothing else (not the contexts), so one
+        CUDA graph per batch size serves every context length: the kernel cuts each actual context
+        into this many spans."""
+        chunks = math.ceil(self.cache.max_model_len / PARTITION_SIZE)
+        splits = max(1, min(chunks, self._split_budget(batch_size)))
+        if self.uses_clusters(batch_size):
+            splits = self.cluster * max(1, splits // self.cluster)
+        return splits
+
+    def uses_clusters(self, batch_size: int) -> bool:
+        """Whether decode attention runs in clusters at this batch size: when a whole cluster for
+        every (sequence, head group) fits in the CTAs the splits may use (batch 1 to 8 at
+        Llama-3.2-1B on an H200); larger batches fill the GPU without splitting short contexts."""
+        return self.cluster > 1 and self._split_budget(batch_size) >= self.cluster
+
+    def _split_budget(self, batch_size: int) -> int:
+        """The most splits SPLIT_CTAS_PER_SM CTAs an SM allow, one CTA per (sequence, head group) a split."""
+        return SPLIT_CTAS_PER_SM * self.num_sms // (batch_size * (self.num_heads // self.heads_per_cta))
+
+    def scratch_for(self, batch_size: int) -> tuple:
+        """Split-KV scratch for a batch size, allocated once and reused by every layer and step: the
+        splits' partial outputs, maxima and sums, and one merge counter per (sequence, head group),
+        zero between launches (the kernel resets what it counts)."""
+        s = self.split_scratch.get(batch_size)
+        if s is None:
+            splits = self.num_splits(batch_size)
+            f32 = dict(dtype=torch.float32, device=self.cache.device)
+            s = self.split_scratch[batch_size] = (
+                splits,
+                torch.empty((batch_size, self.num_heads, splits, self.head_dim), **f32),
+                torch.empty((batch_size, self.num_heads, splits), **f32),
+                torch.empty((batch_size, self.num_heads, splits), **f32),
+                torch.zeros((batch_size, self.num_heads // self.heads_per_cta), dtype=torch.int32,
+                            device=self.cache.device),
+            )
+        return s
+
+    def argmax_scratch_for(self, batch_size: int, device: torch.device) -> tuple:
+        """argmax.cu's keys and counters for a batch size, allocated once (zero between launches)."""
+        if batch_size not in self.argmax_scratch:
+            z = {"device": device}
+            self.argmax_scratch[batch_size] = (torch.zeros(batch_size, dtype=torch.int64, **z),
+                                               torch.zeros(batch_size, dtype=torch.int32, **z))
+        return self.argmax_scratch[batch_size]
+
+    def gemv_split(self, units: int, K: int) -> int:
+        """Warps per unit of gemv.cu: the most of GEMV_SPLITS whose warps still fit in one wave of
+        GEMV_CTAS_PER_SM CTAs an SM, each warp with at least one tile of K (Llama-3.2-1B at batch 1:
+        2 for o, down and qkv, 1 for gate/up and the LM head)."""
+        warp_slots = GEMV_CTAS_PER_SM * self.num_sms * (GEMV_THREADS // 32)
+        tiles = -(-K // (32 * self.vec * GEMV_UNROLL))  # gemv.cu's TILE: a warp's 16-byte loads of one step
+        return max(s for s in GEMV_SPLITS if s == 1 or (units * s <= warp_slots and s <= tiles))
+
+    def gemv_ctas(self, units: int, split: int) -> int:
+        """gemv.cu's grid: a warp per (unit, split), in at most one wave of GEMV_CTAS_PER_SM CTAs an SM."""
+        return min(-(-units * split // (GEMV_THREADS // 32)), GEMV_CTAS_PER_SM * self.num_sms)

@@ -1,0 +1,116 @@
+"""`pagedcli bench`: speed, memory and bandwidth against the hardware's roofline, at one batch size
+or a sweep; the measuring is pagedcli.bench's."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from pagedcli.commands import bench_plot
+from pagedcli.commands.exits import err, friendly_errors, notice
+from pagedcli.commands.options import EngineFlags, flag_group
+from pagedcli.errors import UsageError
+
+
+@friendly_errors
+@flag_group(EngineFlags, "engine_flags", leave_out={"batch": 2})  # its own --batch: a list
+def bench(
+    batch: Annotated[str, typer.Option("--batch", "-b", help="Slots: one value or a list for a sweep, e.g. 1,8,64,256.")] = "2",
+    num_prompts: Annotated[Optional[int], typer.Option(help="Requests per run (default: one per slot).")] = None,
+    input_len: Annotated[str, typer.Option(help="Prompt tokens: 128, or a range 100:1024 drawn with --seed.")] = "128",
+    output_len: Annotated[str, typer.Option(help="New tokens: 256, or a range.")] = "256",
+    seed: Annotated[int, typer.Option(help="Seed for random prompts and lengths.")] = 0,
+    ignore_eos: Annotated[bool, typer.Option(help="Generate exactly the asked lengths.")] = True,
+    prompt_file: Annotated[Optional[Path], typer.Option(help="Real prompts, one per line, instead of random ids.")] = None,
+    compare: Annotated[Optional[str], typer.Option(help="`hf`: also time transformers' generate, same model and prompts.")] = None,
+    kernel: Annotated[bool, typer.Option("--kernel", help="Time the decode attention kernel alone (CUDA).")] = False,
+    bandwidth: Annotated[Optional[float], typer.Option(help="Device bandwidth in GB/s (default: measured once, cached).")] = None,
+    plot_file: Annotated[Optional[Path], typer.Option("--plot", help="Save tokens/s and step time against batch as PNG.")] = None,
+    prefix_len: Annotated[int, typer.Option(help="Make the first P prompt tokens the same in every prompt, and time "
+                                            "the first token with and without the prefix cache (hits need more "
+                                            "prompts than slots: --num-prompts).")] = 0,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per batch size on stdout.")] = False,
+    *, engine_flags: EngineFlags,
+):
+    """Measure speed, memory and bandwidth against the hardware's roofline."""
+    from pagedcli.bench import measure as b
+    from pagedcli.commands.bench_view import Progress, results_table
+    from pagedcli.model.loader import load_model
+
+    batches = _int_list(batch, "--batch")
+    if compare not in (None, "hf"):
+        raise UsageError(f"--compare {compare!r} is not known", "use --compare hf")
+    if prefix_len < 0:
+        raise UsageError(f"--prefix-len {prefix_len}: must be 0 or more")
+    if prefix_len and prompt_file is not None:
+        raise UsageError("--prefix-len makes random prompts share a prefix, so it cannot apply to --prompt-file",
+                         "leave one of them out (a file's prompts share what they share)")
+    if num_prompts is not None and num_prompts < 1:
+        raise UsageError(f"--num-prompts {num_prompts}: must be at least 1", "leave it out for one per slot")
+    if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):
+        raise UsageError(f"--bandwidth {bandwidth}: must be a positive number of GB/s", "leave it out to measure it")
+    if plot_file is not None:
+        plot_file = bench_plot.plot_path(plot_file)
+    workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file, prefix_len)
+    b.parse_len(input_len, "--input-len"), b.parse_len(output_len, "--output-len")
+    opts = engine_flags.options(batch=max(batches))
+    loaded = load_model(opts, notice)
+    if kernel:
+        _kernel_bench(loaded, json_output, bandwidth)
+        return
+    gbps = bandwidth or b.measure_bandwidth(loaded.device)
+    hf = None
+    if compare == "hf":
+        from pagedcli.bench.hf import hf_model
+
+        hf = hf_model(loaded)
+    results, told = [], set()
+
+    def notice_once(text: str) -> None:  # each batch size builds an engine: say a fallback once
+        if text not in told:
+            told.add(text)
+            notice(text)
+
+    with Progress(enabled=not json_output and err.is_terminal, console=err) as progress:
+        for n in batches:
+            results.append(b.run_point(loaded, opts, n, workload, gbps, progress.task(f"batch {n}"), hf,
+                                       notice_once))
+            if json_output:
+                print(json.dumps(results[-1]), flush=True)
+    if not json_output:
+        Console().print(results_table(results))
+    if plot_file is not None:
+        bench_plot.plot(results, plot_file)
+        notice(f"plot saved to {plot_file}")
+
+
+def _kernel_bench(loaded, json_output: bool, bandwidth: float | None) -> None:
+    if loaded.device.type != "cuda":
+        raise UsageError("--kernel times our CUDA kernel", "run it on a machine with an NVIDIA GPU and CuPy")
+    from pagedcli.bench.measure import measure_bandwidth
+    from pagedcli.commands.bench_view import kernel_table
+    from pagedcli.bench.kernel import bench_decode_kernel
+
+    c = loaded.source.config
+    rows = bench_decode_kernel([1, 8, 64], [512, 4096], head_dim=c.head_dim, num_heads=c.num_heads,
+                               num_kv_heads=c.num_kv_heads, dtype=loaded.dtype)
+    if json_output:
+        for r in rows:
+            print(json.dumps(r), flush=True)
+    else:
+        Console().print(kernel_table(rows, bandwidth or measure_bandwidth(loaded.device)))
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{name} {text!r} is not a number or a list of numbers", "e.g. 1,8,64") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{name} {text!r}: needs numbers of at least 1")
+    return values

@@ -1,0 +1,105 @@
+"""How `bench` looks on a terminal: a progress bar while it runs, a table at the end."""
+
+from __future__ import annotations
+
+from rich import box
+from rich import progress as rp
+from rich.console import Group
+from rich.table import Table
+
+from pagedcli.commands.drawing import human_bytes
+
+
+class Progress:
+    """A Rich progress bar per batch size (on stderr, only on a terminal)."""
+
+    def __init__(self, enabled: bool, console):
+        self.bar = rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn(),
+                               rp.TimeElapsedColumn(), console=console, transient=True) if enabled else None
+
+    def __enter__(self):
+        if self.bar:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar:
+            self.bar.__exit__(*exc)
+
+    def task(self, description: str):
+        if not self.bar:
+            return None
+        task = self.bar.add_task(description, total=None)
+        return lambda done, total: self.bar.update(task, completed=done, total=total)
+
+
+def _f(value, fmt="{:,.1f}"):
+    return "-" if value is None else fmt.format(value)
+
+
+def _widest(header: str) -> int:
+    return max(len(line) for line in header.split("\n"))
+
+
+def _bytes(n) -> str:
+    return "-" if n is None else human_bytes(n)  # None: not measured (no GPU)
+
+
+def results_table(results: list[dict]) -> Group:
+    """Two tables: speed against the roofline, and what the paged cache held."""
+    r0 = results[0]
+    speed = Table(title=f"{r0['model']} on {r0['device']} ({r0['dtype']})", title_justify="left",
+                  caption=f"prompts {r0['input_len']} tokens, {r0['output_len']} new; roofline: weight + KV bytes "
+                          f"a step at {r0['bandwidth_gb_per_s']:,.0f} GB/s",
+                  caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ["batch", "tokens/s", "decode\ntok/s", "step\nms", "roofline\nms", "of\nroofline", "GB/s",
+                "TTFT\np50 ms", "ITL\np50 ms"]:
+        speed.add_column(col, justify="right", min_width=_widest(col))
+    memory = Table(title="KV cache", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("batch", "blocks peak\n/ total", "KV peak", "contiguous\nwould hold", "saved", "preemptions",
+                "GPU memory\npeak"):
+        memory.add_column(col, justify="right", min_width=_widest(col))
+    for r in results:
+        fraction = r["roofline_fraction"]
+        row = [str(r["batch"]), _f(r["output_tokens_per_s"], "{:,.0f}"), _f(r["decode_tokens_per_s"], "{:,.0f}"),
+               _f(r["decode_step_ms"], "{:.2f}"), _f(r["roofline_step_ms"], "{:.3f}"),
+               "-" if fraction is None else f"{100 * fraction:.0f}%", _f(r["achieved_gb_per_s"], "{:,.0f}"),
+               _f(r["ttft_ms"]["p50"], "{:.2f}"), _f(r["itl_ms"]["p50"], "{:.3f}")]
+        speed.add_row(*row)
+        contiguous = r["kv_bytes_contiguous"]
+        saved = f"{100 * (1 - r['kv_bytes_peak'] / contiguous):.0f}%" if contiguous else "-"
+        memory.add_row(str(r["batch"]), f"{r['kv_blocks_peak']:,}/{r['kv_blocks_total']:,}", _bytes(r["kv_bytes_peak"]),
+                       _bytes(contiguous), saved, str(r["preemptions"]), _bytes(r["gpu_memory_peak_bytes"]))
+    tables = [speed, memory]
+    if any("ttft_ms_without_prefix_cache" in r or r.get("prefix_cache_hit_rate") for r in results):
+        prefix = Table(title="prefix cache", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for col in ("batch", "hit rate", "TTFT p50 ms", "without cache"):
+            prefix.add_column(col, justify="right")
+        for r in results:
+            without = r.get("ttft_ms_without_prefix_cache") or {}
+            prefix.add_row(str(r["batch"]), f"{100 * r['prefix_cache_hit_rate']:.0f}%",
+                           _f(r["ttft_ms"]["p50"], "{:.2f}"), _f(without.get("p50"), "{:.2f}"))
+        tables.append(prefix)
+    if any("hf_output_tokens_per_s" in r for r in results):
+        hf = Table(title="against transformers' generate, same prompts", title_justify="left",
+                   box=box.SIMPLE_HEAD, pad_edge=False)
+        for col in ("batch", "pagedcli tok/s", "transformers tok/s", "speed-up"):
+            hf.add_column(col, justify="right")
+        for r in results:
+            hf.add_row(str(r["batch"]), _f(r["output_tokens_per_s"], "{:,.0f}"),
+                       _f(r.get("hf_output_tokens_per_s"), "{:,.0f}"), _f(r.get("speedup_vs_hf"), "{:.1f}x"))
+        tables.append(hf)
+    return Group(*tables)
+
+
+def kernel_table(rows: list[dict], bandwidth_gbps: float) -> Table:
+    t = Table(title=f"decode attention alone; bandwidth {bandwidth_gbps:,.0f} GB/s", title_justify="left",
+              box=box.SIMPLE_HEAD)
+    for col in ("batch", "context", "paged\nms", "paged\nGB/s", "of band-\nwidth", "SDPA on a\ncontiguous\ncopy, ms",
+                "SDPA\nGB/s", "max |diff|"):
+        t.add_column(col, justify="right", min_width=_widest(col))
+    for r in rows:
+        t.add_row(str(r["batch"]), str(r["context"]), _f(r["paged_ms"], "{:.4f}"), _f(r["paged_gb_per_s"], "{:,.0f}"),
+                  f"{100 * r['paged_gb_per_s'] / bandwidth_gbps:.0f}%", _f(r["sdpa_ms"], "{:.4f}"),
+                  _f(r["sdpa_gb_per_s"], "{:,.0f}"), _f(r["max_abs_diff"], "{:.2e}"))
+    return t

@@ -1,0 +1,123 @@
+"""What the commands share at their ends: errors, signals and failed requests turned into one line
+each on stderr and an exit code.
+
+Exit codes: 0 done, 1 a failure while running, 2 a usage mistake; ended by a signal, 128 + its
+number: 130 interrupted (Ctrl-C), 143 terminated (SIGTERM), 129 hung up (SIGHUP), 141 the reader of
+stdout went away (a closed pipe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import os
+import signal
+import sys
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from pagedcli.commands.options import with_flags
+from pagedcli.errors import PagedCliError, RunError, allocation_failure
+
+err = Console(stderr=True, highlight=False)
+
+
+def friendly_errors(fn):
+    """A user's mistake or a failed run ends with one line on stderr and its exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            with ending_signals():
+                return fn(*args, **kwargs)
+        except PagedCliError as e:
+            fail(e)
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (Terminated)
+            signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+            with contextlib.suppress(OSError, ValueError):  # (after SIGHUP the terminal may be gone)
+                sys.stdout.flush()
+                err.print(f"\n[yellow]{ENDED_BY.get(signum, 'interrupted')}[/yellow]")
+            raise typer.Exit(128 + signum) from None
+        except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeErrors
+            if (oom := allocation_failure(e)) is None:
+                raise
+            fail(oom)
+        except OSError as e:
+            if e.errno == errno.EPIPE:  # whoever read the output stopped (`| head`): end quietly, as SIGPIPE would
+                with contextlib.suppress(OSError, ValueError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                raise typer.Exit(128 + signal.SIGPIPE) from None
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            # the output could not be written: say so once, and let nothing else try to write it
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            fail(RunError(f"writing the output failed: {e.strerror}", "free some space, or write it elsewhere"))
+
+    return wrapper
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the program is, so that it ends as Ctrl-C ends it (what was
+    printed stays, the engine gives its blocks back)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+ENDED_BY = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}
+
+
+@contextlib.contextmanager
+def ending_signals():
+    """SIGTERM and SIGHUP raise Terminated while a command runs (exit 143 and 129, as 130 for Ctrl-C)."""
+    def raise_terminated(signum, _frame):
+        raise Terminated(signum)
+
+    previous = {}
+    try:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, raise_terminated)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def fail(e: PagedCliError):
+    hint = f" [dim]({escape(with_flags(e.hint))})[/dim]" if e.hint else ""  # messages may hold [brackets]
+    err.print(f"[bold red]error:[/bold red] {escape(with_flags(e.message))}{hint}", markup=True, soft_wrap=True)
+    raise typer.Exit(e.exit_code)
+
+
+def notice(text: str) -> None:
+    err.print(f"[dim]{escape(text)}[/dim]", soft_wrap=True)
+
+
+def report_failures(seqs, samples: int, skip: set[int] | None = None) -> None:
+    """One line per failed request. skip None: before the run, where every failure is a refused
+    prompt (one line per prompt, for all its answers); else after it, the answers that failed while
+    running (those not in `skip`, the refused), one line each."""
+    for s in seqs:
+        if not s.error or (skip is not None and s.id in skip):
+            continue
+        prompt, answer = divmod(s.id, samples)
+        if skip is None and answer:
+            continue  # said once, for its prompt's first answer
+        what = f"prompt {prompt + 1}" if skip is None or samples == 1 else f"answer {prompt + 1}.{answer + 1}"
+        err.print(f"[bold red]error:[/bold red] {what}: {escape(with_flags(s.error))}", soft_wrap=True)
+
+
+def exit_for_failures(seqs, refused: set[int]) -> None:
+    """Exit 2 when a prompt was refused (a usage mistake), else 1 when a request failed while running."""
+    if refused:
+        raise typer.Exit(2)
+    if any(s.error for s in seqs):
+        raise typer.Exit(1)

@@ -1,0 +1,241 @@
+"""`pagedcli inspect-cache`: one slot's block table at one moment, down to byte addresses in the pool.
+
+The moment is a snapshot taken after an engine step. By default it is the last one in which the
+first request to occupy the slot is still there (the step before it finishes, when its table is
+longest); `--at-step N` takes the snapshot after step N, whoever occupies the slot then (under
+continuous batching a slot is reused by later requests).
+
+A physical block b of the pool starts at byte b x block_bytes: K for block_size tokens, then V at
+v_offset. Every layer owns its own blocks, so the same tokens sit in a different block per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from pagedcli.commands.drawing import human_bytes, request_label
+from pagedcli.commands.exits import exit_for_failures, friendly_errors, report_failures
+from pagedcli.commands.generate import start_requests
+from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
+from pagedcli.errors import UsageError
+
+if TYPE_CHECKING:  # the engine and torch load once the command runs, not for --help
+    from pagedcli.engine.engine import Engine
+    from pagedcli.engine.snapshot import CacheSnapshot, SlotView
+
+
+# --- finding the moment ---------------------------------------------------------------------------
+def capture(engine: Engine, slot: int, at_step: int | None = None) -> tuple[CacheSnapshot, SlotView]:
+    """Step the engine (its requests already added) to the moment to show; returns that snapshot
+    and the slot's view in it. Stops stepping as soon as the moment is known."""
+    if at_step is not None:
+        return _at_step(engine, slot, at_step)
+    first, last = None, None  # the slot's first request, and the last snapshot holding it
+    while engine.has_unfinished:
+        out = engine.step()
+        if not out.seqs:
+            break
+        if first is None:
+            first = next((s for s in out.seqs if s.slot == slot), None)
+        if first is None:
+            continue
+        if first.is_finished:
+            break
+        if first.slot == slot:  # still there (a preempted request leaves its slot)
+            last = engine.snapshot()
+    if last is None and first is None:
+        n = len(engine.sequences)
+        raise UsageError(f"--slot {slot}: no request ran in it ({n} request{'s' * (n != 1)} for slots from 0)",
+                         f"run at least {slot + 1} prompts, or choose a lower --slot")
+    if last is None:
+        raise UsageError(f"--slot {slot}: its request finished in the step that started it, so no step left it in "
+                         "the cache", "use --max-tokens 2 or more, or --at-step 1")
+    return last, last.slot(slot)
+
+
+def _at_step(engine: Engine, slot: int, at_step: int) -> tuple[CacheSnapshot, SlotView]:
+    if at_step < 1:
+        raise UsageError(f"--at-step {at_step}: must be 1 or more", "step 1 is the first prefill")
+    while engine.num_steps < at_step and engine.has_unfinished:
+        if not engine.step().seqs:
+            break
+    if engine.num_steps < at_step:
+        raise UsageError(f"--at-step {at_step}: the run ended after step {engine.num_steps}",
+                         f"choose a step from 1 to {engine.num_steps}")
+    snap = engine.snapshot()
+    view = snap.slot(slot)
+    if view is None:
+        raise UsageError(f"--slot {slot} is empty after step {at_step}", "choose another step or slot")
+    return snap, view
+
+
+# --- what a block holds -------------------------------------------------------------------------
+def block_token_ids(view: SlotView, block_size: int) -> list[list[int]]:
+    """The token ids in each logical block: only those whose K/V are in the cache."""
+    ids = view.token_ids[: view.num_cached]
+    return [list(ids[i * block_size:(i + 1) * block_size]) for i in range(view.num_blocks)]
+
+
+def block_texts(decode, blocks: list[list[int]]) -> list[str]:
+    """Each block's text, cut from the decoded text of the whole sequence so far, so a block keeps
+    the leading spaces a tokenizer only shows in context."""
+    texts, ids, before = [], [], ""
+    for block in blocks:
+        ids += block
+        text = decode(ids)
+        texts.append(text[len(before):])
+        before = text
+    return texts
+
+
+def ranges(numbers: list[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    parts, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            parts.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(parts)
+
+
+def other_layers_note(view: SlotView, layer: int) -> str:
+    """How the other layers map the same logical blocks (every layer owns its own blocks)."""
+    others = [other for other in range(len(view.table)) if other != layer]
+    if not others:
+        return "the model has one layer"
+    differ = [other for other in others if view.table[other] != view.table[layer]]
+    same = [other for other in others if other not in differ]
+    note = []
+    if differ:
+        example = differ[0]
+        note.append(f"layer{'s' * (len(differ) > 1)} {ranges(differ)} hold the same tokens in other physical blocks "
+                    f"(layer {example}: {' '.join(map(str, view.table[example][:6]))}{' …' if view.num_blocks > 6 else ''})")
+    if same:
+        note.append(f"layer{'s' * (len(same) > 1)} {ranges(same)} map to the same physical blocks")
+    return "; ".join(note)
+
+
+def shared_with(snap: CacheSnapshot, view: SlotView) -> list[dict[int, list[int]]]:
+    """For each layer: which other running slots hold each of this slot's blocks too (a cached
+    prefix, or parallel samples of one prompt)."""
+    mine = [set(row) for row in view.table]
+    shared: list[dict[int, list[int]]] = [{} for _ in view.table]
+    for other in snap.slots:
+        if other.slot != view.slot:
+            for layer, row in enumerate(other.table):
+                for block in mine[layer].intersection(row):
+                    shared[layer].setdefault(block, []).append(other.slot)
+    return shared
+
+
+# --- the two outputs ----------------------------------------------------------------------------
+def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
+    """Every layer's blocks with their byte offsets into the pool, and what they hold."""
+    geo = snap.geometry
+    token_blocks = block_token_ids(view, geo.block_size)
+    texts = block_texts(decode, token_blocks)
+    shared = shared_with(snap, view)
+    return {
+        "slot": view.slot,
+        "step": snap.step,
+        "geometry": {"block_size": geo.block_size, "block_bytes": geo.block_bytes, "v_offset": geo.v_offset,
+                     "num_blocks": geo.num_blocks, "num_layers": geo.num_layers, "pool_bytes": geo.pool_bytes,
+                     "dtype": str(geo.dtype).removeprefix("torch.")},
+        "free_blocks": snap.num_free_blocks,
+        "used_blocks": snap.num_used_blocks,
+        "request": {"id": view.seq_id, "prompt": view.prompt},
+        "prompt_token_ids": list(view.token_ids[: view.num_prompt_tokens]),
+        "output_token_ids": list(view.token_ids[view.num_prompt_tokens:]),
+        "num_cached": view.num_cached,
+        "layers": [
+            {"layer": layer, "blocks": [
+                {"logical": i, "physical": p, "k_offset": p * geo.block_bytes,
+                 "v_offset": p * geo.block_bytes + geo.v_offset, "token_ids": token_blocks[i], "text": texts[i],
+                 "ref_count": 1 + len(shared[layer].get(p, [])), "shared_with": shared[layer].get(p, [])}
+                for i, p in enumerate(row)]}
+            for layer, row in enumerate(view.table)],
+    }
+
+
+def escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+
+
+def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0) -> Group:
+    """The slot's request, the pool's geometry, and a table of one layer's blocks."""
+    geo = snap.geometry
+    token_blocks = block_token_ids(view, geo.block_size)
+    texts = block_texts(decode, token_blocks)
+    digits = len(f"{geo.pool_bytes:x}")
+    num_output = len(view.token_ids) - view.num_prompt_tokens
+
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("slot", f"{view.slot} after step {snap.step:,}: request {request_label(view.seq_id, view.prompt, 40)}")
+    head.add_row("tokens", f"{len(view.token_ids):,} ({view.num_prompt_tokens:,} prompt + {num_output:,} output), "
+                           f"{view.num_cached:,} in the cache, in {view.num_blocks:,} blocks a layer")
+    head.add_row("geometry", f"{geo.block_size} tokens a block x {geo.num_kv_heads} kv heads x {geo.head_dim} dims, "
+                             f"{str(geo.dtype).removeprefix('torch.')}: {geo.block_bytes:,} bytes a block, "
+                             f"K at +0x0, V at +{geo.v_offset:#x}")
+    head.add_row("pool", f"{geo.num_blocks:,} blocks = {geo.pool_bytes:,} bytes ({human_bytes(geo.pool_bytes)}); "
+                         f"{snap.num_free_blocks:,} free, {snap.num_used_blocks:,} used")
+    head.add_row(f"layer {layer}", Text(other_layers_note(view, layer) + "; --layer picks another", style="dim"))
+
+    shared = shared_with(snap, view)[layer]
+    table = Table(header_style="bold", title_justify="left")
+    columns = ["logical", "physical", "tokens", "fill", "K address", "V address"] + (["shared with"] if shared else [])
+    for name in columns:
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("text", overflow="fold")
+    for i, physical in enumerate(view.table[layer]):
+        first = i * geo.block_size
+        fill = len(token_blocks[i])
+        k = physical * geo.block_bytes
+        cells = [str(i), str(physical), f"{first}-{first + fill - 1}" if fill else "-",
+                 Text(f"{fill}/{geo.block_size}", style="green" if fill == geo.block_size else "yellow"),
+                 f"0x{k:0{digits}x}", f"0x{k + geo.v_offset:0{digits}x}"]
+        if shared:
+            cells.append(Text(", ".join(f"slot {s}" for s in shared.get(physical, [])), style="blue"))
+        table.add_row(*cells, Text(escape(texts[i]), style="cyan"))
+    return Group(head, table)
+
+
+@friendly_errors
+@flag_group(RequestFlags, "requests", first=True)
+@flag_group(EngineFlags, "engine_flags", leave_out={"overlap": False})  # the cache as each step left it
+def inspect_cache(
+    slot: Annotated[int, typer.Option(help="The slot to show.")] = 0,
+    at_step: Annotated[Optional[int], typer.Option(help="Show the cache after this step (1: the first prefill). "
+                                                   "Default: the step before the slot's first request finishes.")] = None,
+    layer: Annotated[int, typer.Option(help="The layer whose blocks the table shows.")] = 0,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object with every layer's blocks.")] = False,
+    *, requests: RequestFlags, engine_flags: EngineFlags,
+):
+    """Run the prompts and show one slot's block table, down to byte addresses in the pool."""
+    batch, samples = engine_flags.batch, requests.samples
+    if not 0 <= slot < max(batch, 1):
+        raise UsageError(f"--slot {slot} is out of range",
+                         f"--batch {batch} gives " + ("slot 0 only" if batch == 1 else f"slots 0 to {batch - 1}"))
+    loaded, seqs, _ = start_requests(engine_flags, requests, "inspect-cache")
+    num_layers = loaded.engine.cache.geometry.num_layers
+    if not 0 <= layer < num_layers:
+        raise UsageError(f"--layer {layer} is out of range", f"the model has layers 0-{num_layers - 1}")
+    refused = {s.id for s in seqs if s.error}
+    snap, view = capture(loaded.engine, slot, at_step)
+    report_failures(seqs, samples, refused)
+    decode = functools.partial(loaded.tokenizer.decode, skip_special_tokens=False)
+    if json_output:
+        print(json.dumps(to_json(snap, view, decode), ensure_ascii=False))
+    else:
+        Console(highlight=False).print(render(snap, view, decode, layer))
+    exit_for_failures(seqs, refused)  # shown, but a request failed: as generate does

@@ -1,0 +1,110 @@
+"""How answers reach the terminal: streamed text, labelled when there are several prompts, or one
+JSON object per prompt. Requests finish in any order; output always comes in input order."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TextIO
+
+from pagedcli.commands.options import with_flags
+from pagedcli.engine.sequence import Sequence
+from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
+
+ERROR_MARK = " [error]"  # ends the text of an answer that failed (stderr says why)
+
+
+class TextPrinter:
+    """Streams the answer of the earliest unfinished prompt as it is generated; answers of later
+    prompts are held back until every earlier one is printed, so they never interleave."""
+
+    def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], samples: int = 1, echo_prompt: bool = True,
+                 out: TextIO | None = None):
+        self.seqs = seqs
+        self.samples = samples  # answers per prompt: seqs[i * samples + j] is answer j of prompt i
+        self.out = out or sys.stdout
+        self.echo = echo_prompt
+        self.labelled = len(seqs) > 1
+        self.decoders = {s.id: StreamDecoder(tokenizer, s.prompt_token_ids) for s in seqs}
+        self.pending = {s.id: "" for s in seqs}  # text not yet printed
+        self.current = 0  # index into seqs of the answer being streamed
+        self.started = False
+        self._advance()
+
+    def update(self, seq: Sequence) -> None:
+        """Take in the tokens `seq` gained since the last call."""
+        self.pending[seq.id] += self.decoders[seq.id].catch_up(seq.output_token_ids)
+
+    def flush(self) -> None:
+        """Print what can be printed now: the current answer's new text, then every following
+        answer that is already finished."""
+        self._advance()
+        self.out.flush()
+
+    def interrupt(self) -> None:
+        """Ctrl-C: end the answer being streamed where it stopped; print no later ones."""
+        if self.current < len(self.seqs):
+            self.out.write(self.pending[self.seqs[self.current].id] + "\n")
+        self.out.flush()
+
+    def _advance(self) -> None:
+        while self.current < len(self.seqs):
+            seq = self.seqs[self.current]
+            if not self.started:
+                self._header(seq)
+                self.started = True
+            self.out.write(self.pending[seq.id])
+            self.pending[seq.id] = ""
+            if not seq.is_finished:
+                return
+            self.out.write(ERROR_MARK * bool(seq.error) + "\n")
+            self.current += 1
+            self.started = False
+
+    def _header(self, seq: Sequence) -> None:
+        if self.labelled:
+            prompt, answer = divmod(self.current, self.samples)
+            label = f"{prompt + 1}" if self.samples == 1 else f"{prompt + 1}.{answer + 1}"
+            self.out.write(f"{'' if self.current == 0 else chr(10)}[{label}] {seq.prompt!r}\n")
+        if self.echo and seq.prompt is not None:
+            self.out.write(seq.prompt)
+
+
+class JsonPrinter:
+    """One JSON object per prompt (per answer with --n), one per line, in input order, on stdout
+    and nothing else there."""
+
+    def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], samples: int = 1, out: TextIO | None = None):
+        self.seqs = seqs
+        self.samples = samples
+        self.out = out or sys.stdout
+        self.decoders = {s.id: StreamDecoder(tokenizer, s.prompt_token_ids) for s in seqs}
+        self.current = 0
+
+    def update(self, seq: Sequence) -> None:
+        self.decoders[seq.id].catch_up(seq.output_token_ids)
+
+    def flush(self) -> None:
+        while self.current < len(self.seqs) and self.seqs[self.current].is_finished:
+            record = self.record(self.seqs[self.current])
+            if self.samples > 1:
+                record["sample"] = self.current % self.samples
+            self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self.current += 1
+        self.out.flush()
+
+    def interrupt(self) -> None:
+        """Ctrl-C: what finished is printed already; unfinished requests print nothing."""
+        self.out.flush()
+
+    def record(self, seq: Sequence) -> dict:
+        r = {
+            "prompt": seq.prompt,
+            "prompt_token_ids": seq.prompt_token_ids,
+            "token_ids": seq.output_token_ids,
+            "text": self.decoders[seq.id].text,
+            "finish_reason": seq.finish_reason,
+        }
+        if seq.error:
+            r["error"] = with_flags(seq.error)
+        return r

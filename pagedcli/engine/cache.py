@@ -1,0 +1,275 @@
+"""tiny-vllm's three pieces of a paged KV cache:
+
+- the pool: one tensor of `num_blocks` physical blocks (layout in `CacheGeometry`);
+- the free-block list: physical block ids, with a reference count per block;
+- the block table: `table[slot][layer][logical block]` -> physical block, -1 where unassigned.
+  Every layer owns its own blocks, so a sequence of n blocks holds n * num_layers physical blocks.
+
+Beyond tiny-vllm, blocks can be shared: a prompt reuses the cached blocks of a prefix seen before
+(`prefix_cache.py`), and parallel samples share their prompt's blocks (`fork`), copying a shared
+block only before writing into it (copy-on-write).
+
+The table lives on the CPU (numpy) and, on a GPU, in a device mirror that receives only the entries
+that changed, once per step (`sync_device_table`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from pagedcli.model.config import CacheGeometry
+from pagedcli.errors import allocation_failure
+from pagedcli.engine.prefix_cache import PrefixCache, extend_block_hashes
+
+UNASSIGNED = -1
+MAX_ID = int(np.iinfo(np.int32).max)  # block ids and slots are int32 (the table, the step's batch): at most this
+
+
+class BlockAllocator:
+    """The free blocks and a reference count per block.
+
+    tiny-vllm's free list is a stack (the block freed last is taken first). Ours is a queue: blocks
+    are taken least recently freed first, so a freed block that still holds a cached prefix
+    survives as long as possible (prefix caching's LRU eviction). `shuffle_seed` hands blocks out
+    in a random order, so a kernel that ignores the block table cannot pass a test by luck."""
+
+    def __init__(self, num_blocks: int, shuffle_seed: int | None = None, on_reuse=None):
+        self.num_blocks = num_blocks
+        order = list(range(num_blocks))
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(order)
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(order)  # least recently freed first
+        self.ref_count = np.zeros(num_blocks, dtype=np.int32)
+        self.on_reuse = on_reuse  # told of each block handed out, so a stale prefix entry is dropped
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            # the scheduler asks only for blocks it has counted free: reaching this is a bug
+            raise RuntimeError(f"{n} blocks asked, {len(self.free)} free")
+        blocks = [self.free.popitem(last=False)[0] for _ in range(n)]
+        self.ref_count[blocks] = 1
+        if self.on_reuse is not None:
+            for b in blocks:
+                self.on_reuse(b)
+        return blocks
+
+    def share(self, blocks) -> None:
+        """One more owner for each block (a cached prefix or a forked sequence); a block that was
+        free leaves the free list."""
+        for b in blocks:
+            if self.ref_count[b] == 0:
+                del self.free[b]
+            self.ref_count[b] += 1
+
+    def release(self, blocks) -> None:
+        for b in blocks:
+            assert self.ref_count[b] > 0, f"block {b} released twice"
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free[int(b)] = None
+
+
+class KVCache:
+    """The pool, the allocator and the block table, for `max_slots` concurrent sequences."""
+
+    def __init__(self, geometry: CacheGeometry, max_slots: int, max_model_len: int,
+                 device: torch.device | str = "cpu", shuffle_seed: int | None = None, prefix_caching: bool = True):
+        self.geometry = geometry
+        self.max_slots = max_slots
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = geometry.blocks_for(max_model_len)
+        self.device = torch.device(device)
+        try:  # zeros, not empty: never-written token slots must hold finite numbers
+            self.pool = torch.zeros(geometry.pool_shape, dtype=geometry.dtype, device=self.device)
+        except (RuntimeError, MemoryError) as e:
+            oom = allocation_failure(e, f"the KV pool ({geometry.pool_bytes / 2**30:,.1f} GiB)",
+                                     "use a smaller `cache_size` or `num_blocks`")
+            if oom is None:
+                raise
+            raise oom from None
+        self.prefix_cache = PrefixCache() if prefix_caching else None
+        self.allocator = BlockAllocator(geometry.num_blocks, shuffle_seed,
+                                        on_reuse=self.prefix_cache.forget if prefix_caching else None)
+        self.table = np.full((max_slots, geometry.num_layers, self.max_blocks_per_seq), UNASSIGNED, np.int32)
+        self.num_blocks_of_slot = [0] * max_slots  # logical blocks held, the same in every layer
+        self.num_offered = [0] * max_slots  # the slot's full blocks offered to the prefix cache so far
+        self.shares_tail = [False] * max_slots  # the slot's partial last block may be shared (after a fork)
+        self.pending_copies: list[tuple[np.ndarray, list[int]]] = []  # copy-on-write: (from, to) blocks
+        self.num_copied_blocks = 0  # copy-on-write copies so far (all layers)
+        self._changed: list[np.ndarray] = []  # flat table indices changed since the last device sync
+        if self.device.type == "cpu":
+            self.device_table = torch.from_numpy(self.table)  # shares memory: nothing to sync
+        else:
+            self.device_table = torch.full(self.table.shape, UNASSIGNED, dtype=torch.int32, device=self.device)
+
+    # --- allocation -----------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def blocks_needed(self, slot: int, num_tokens: int) -> int:
+        """Physical blocks (all layers) the slot must take to hold `num_tokens` tokens."""
+        new_logical = self.geometry.blocks_for(num_tokens) - self.num_blocks_of_slot[slot]
+        return max(new_logical, 0) * self.geometry.num_layers
+
+    def grow(self, slot: int, num_tokens: int) -> None:
+        """Give `slot` blocks for `num_tokens` tokens in every layer; raises RuntimeError (a bug: the scheduler counts first), changing nothing."""
+        have = self.num_blocks_of_slot[slot]
+        want = self.geometry.blocks_for(num_tokens)
+        if want <= have:
+            return
+        blocks = self.allocator.allocate((want - have) * self.geometry.num_layers)
+        self.table[slot, :, have:want] = np.asarray(blocks, np.int32).reshape(self.geometry.num_layers, want - have)
+        self.num_blocks_of_slot[slot] = want
+        self._mark_changed(slot, have, want)
+
+    def release(self, slot: int) -> None:
+        """A finished (or preempted) sequence gives every block back (shared ones lose one owner)."""
+        n = self.num_blocks_of_slot[slot]
+        if n:
+            self.allocator.release(self.table[slot, :, :n].ravel().tolist())
+        self.table[slot, :, :n] = UNASSIGNED
+        self.num_blocks_of_slot[slot] = 0
+        self.num_offered[slot] = 0
+        self.shares_tail[slot] = False
+        self._mark_changed(slot, 0, n)
+
+    # --- prefix caching -------------------------------------------------------------------
+    # `seq` below is a Sequence: its token_ids, and block_hashes, the memo of their block hashes.
+    def cached_prefix(self, seq) -> list[tuple[int, ...]]:
+        """Rows (a physical block per layer) of the cached full blocks that begin `seq`'s tokens;
+        never all of them, since the last token must be computed to give the next token's logits."""
+        if self.prefix_cache is None:
+            return []
+        limit = (len(seq) - 1) // self.geometry.block_size
+        if len(seq.block_hashes) < limit:
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.geometry.block_size, limit)
+        return self.prefix_cache.lookup(seq.block_hashes, limit)
+
+    def blocks_to_admit(self, num_tokens: int, prefix: list[tuple[int, ...]]) -> int:
+        """Free blocks that admitting a sequence with this cached prefix uses up: new blocks for
+        the rest, and the cached ones that sit in the free list (unowned, kept for reuse)."""
+        new = (self.geometry.blocks_for(num_tokens) - len(prefix)) * self.geometry.num_layers
+        return new + (int((self.allocator.ref_count[np.asarray(prefix)] == 0).sum()) if prefix else 0)
+
+    def admit(self, slot: int, num_tokens: int, prefix: list[tuple[int, ...]]) -> None:
+        """Give a fresh slot its cached prefix blocks (shared) and new blocks for the rest."""
+        for i, row in enumerate(prefix):
+            self.allocator.share(row)
+            self.table[slot, :, i] = row
+        self.num_blocks_of_slot[slot] = len(prefix)
+        self._mark_changed(slot, 0, len(prefix))
+        self.num_offered[slot] = len(prefix)  # found in the cache: nothing to offer
+        self.grow(slot, num_tokens)
+
+    def reset(self) -> None:
+        """Forget the cached prefixes and zero the counters (between runs: every slot is free)."""
+        self.num_copied_blocks = 0
+        if self.prefix_cache is not None:
+            self.prefix_cache = PrefixCache()
+            self.allocator.on_reuse = self.prefix_cache.forget
+            self.num_offered = [0] * self.max_slots
+
+    def register(self, slot: int, seq, num_cached: int) -> None:
+        """Offer the slot's newly completed full blocks (of its first `num_cached` tokens, which
+        are in the cache) to the prefix cache."""
+        full = num_cached // self.geometry.block_size
+        done = self.num_offered[slot]
+        if self.prefix_cache is None or full <= done:
+            return  # the common case, checked first: no block was completed
+        if len(seq.block_hashes) < full:
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.geometry.block_size, full)
+        for i in range(done, full):
+            self.prefix_cache.insert(seq.block_hashes[i], tuple(self.table[slot, :, i].tolist()))
+        self.num_offered[slot] = full
+
+    # --- sharing between sequences: fork and copy-on-write ----------------------------------
+    def fork(self, parent: int, child: int) -> None:
+        """`child` shares every block of `parent` (parallel samples of one prompt)."""
+        n = self.num_blocks_of_slot[parent]
+        self.allocator.share(self.table[parent, :, :n].ravel().tolist())
+        self.table[child, :, :n] = self.table[parent, :, :n]
+        self.num_blocks_of_slot[child] = n
+        self.num_offered[child] = self.num_offered[parent]
+        self.shares_tail[parent] = self.shares_tail[child] = True
+        self._mark_changed(child, 0, n)
+
+    def _write_block_is_shared(self, slot: int, num_tokens: int) -> bool:
+        """Only a fork shares a block that is still being written (a cached prefix is full blocks,
+        never written again), so other slots skip the reference-count look-up."""
+        if not self.shares_tail[slot]:
+            return False
+        last = (num_tokens - 1) // self.geometry.block_size  # the block the newest token goes into
+        if last >= self.num_blocks_of_slot[slot]:
+            self.shares_tail[slot] = False  # a new block: private from here on
+            return False
+        shared = bool((self.allocator.ref_count[self.table[slot, :, last]] > 1).any())
+        self.shares_tail[slot] = shared
+        return shared
+
+    def blocks_to_write(self, slot: int, num_tokens: int) -> int:
+        """Free blocks needed before the slot writes its token number `num_tokens`: a new block
+        at a block boundary, or a private copy of a shared partial block; mostly none."""
+        if (num_tokens - 1) % self.geometry.block_size and not self.shares_tail[slot]:
+            return 0  # the common case, checked first: the token goes into a block the slot owns
+        cow = self.geometry.num_layers if self._write_block_is_shared(slot, num_tokens) else 0
+        return self.blocks_needed(slot, num_tokens) + cow
+
+    def prepare_write(self, slot: int, num_tokens: int) -> None:
+        """Copy-on-write, then grow: afterwards the slot owns the block its newest token goes into."""
+        if self._write_block_is_shared(slot, num_tokens):
+            last = (num_tokens - 1) // self.geometry.block_size
+            shared = self.table[slot, :, last].copy()
+            private = self.allocator.allocate(self.geometry.num_layers)
+            self.pending_copies.append((shared, private))
+            self.num_copied_blocks += len(private)
+            self.table[slot, :, last] = private
+            self._mark_changed(slot, last, last + 1)
+            self.allocator.release(shared.tolist())
+        self.grow(slot, num_tokens)
+
+    def drop_pending_copies(self) -> None:
+        """Copy-on-write copies queued for a step that will never run (every request aborted):
+        their blocks were just freed, and a later step must not copy into blocks that may belong
+        to someone else by then."""
+        self.pending_copies.clear()
+
+    def copy_pending_blocks(self) -> None:
+        """Carry out the copies copy-on-write asked for (before the forward pass writes)."""
+        if not self.pending_copies:
+            return
+        src = torch.tensor(np.concatenate([s for s, _ in self.pending_copies]), dtype=torch.long)
+        dst = torch.tensor([b for _, d in self.pending_copies for b in d], dtype=torch.long)
+        self.pending_copies.clear()
+        # non_blocking, as in sync_device_table
+        self.pool[dst.to(self.device, non_blocking=True)] = self.pool[src.to(self.device, non_blocking=True)]
+
+    # --- the device mirror ----------------------------------------------------------------
+    def _mark_changed(self, slot: int, start: int, stop: int) -> None:
+        if self.device.type == "cpu" or stop <= start:
+            return
+        _, layers, width = self.table.shape
+        rows = slot * layers * width + np.arange(layers)[:, None] * width
+        self._changed.append((rows + np.arange(start, stop)[None, :]).ravel())
+
+    def sync_device_table(self) -> None:
+        """Copy the table entries that changed since the last call to the device mirror: one small
+        host-to-device copy per step, instead of tiny-vllm's whole table for every layer."""
+        if not self._changed:
+            return
+        index = np.concatenate(self._changed)
+        self._changed.clear()
+        packed = np.stack([index, self.table.ravel()[index].astype(np.int64)])
+        # non_blocking: the driver stages pageable memory and the host need not wait for a step in
+        # flight (on the H200 the engine's overlap held at batch 64 and 256, where the table changes
+        # nearly every step)
+        packed = torch.from_numpy(packed).to(self.device, non_blocking=True)
+        self.device_table.view(-1)[packed[0]] = packed[1].to(torch.int32)

@@ -1,0 +1,178 @@
+"""The engine: requests in, tokens out, one step at a time.
+
+    step():  scheduler.schedule()  -> which sequences run, prefill or decode
+             runner.execute()      -> the forward pass over the paged cache: logits, greedy tokens
+             sampler.sample()      -> one token per sequence
+             scheduler.update()    -> append, finish, give blocks back
+
+Each step returns a StepOutput saying what happened, which the CLI streams, the live view
+draws and the benchmark times.
+
+Overlap (on a GPU): a decode step's forward pass and sampling are only queued on the device; the
+host learns the tokens when it needs them. Before it waits for them, the engine queues the next
+decode step, which takes those tokens straight from device memory, and plans it as if every
+sequence goes on (its blocks are taken one token early). So the host's bookkeeping for step n
+runs while the GPU computes step n + 1, and in steady decoding the GPU does not wait for Python. A
+sequence that a stop token ends at step n has computed one token in vain at step n + 1, which is
+dropped (vLLM's async scheduling does the same). Prefills, admissions and preemptions are never
+planned ahead: the step before them is waited for.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedcli.engine.cache import KVCache
+from pagedcli.engine.runner import ModelRunner
+from pagedcli.engine.sampler import sample
+from pagedcli.engine.scheduler import Scheduler
+from pagedcli.engine.sequence import SamplingParams, Sequence
+from pagedcli.engine.snapshot import CacheSnapshot, take_snapshot
+
+
+@dataclass
+class StepOutput:
+    is_prefill: bool
+    seqs: list[Sequence]  # the sequences that ran
+    tokens: list[int]  # the token each sampled (a stop token is sampled but not appended)
+    finished: list[Sequence] = field(default_factory=list)
+    num_tokens: int = 0  # tokens fed through the network
+    used_blocks: int = 0  # blocks in use during the step (before finished sequences give theirs back)
+    num_running: int = 0  # sequences holding a slot during the step
+
+
+@dataclass
+class QueuedStep:
+    """A step queued on the device: its sampled tokens exist there, and are on their way to the host."""
+
+    is_prefill: bool
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [len(seqs)] int64 on the device: what the next step feeds without a round trip
+    host_tokens: torch.Tensor  # the same on the host (pinned memory on a GPU), once `ready` has passed
+    ready: torch.cuda.Event | None  # None on the CPU: the tokens are there already
+    num_tokens: int
+    used_blocks: int
+    num_running: int
+
+    def tokens_on_host(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()  # this step only: a step queued after it keeps running
+        return self.host_tokens.tolist()
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, cache: KVCache, stop_ids, overlap: bool = False):
+        self.runner = runner
+        self.cache = cache  # its max_slots and max_model_len are the engine's
+        self.scheduler = Scheduler(cache, set(stop_ids), vocab_size=runner.model.config.vocab_size)
+        self.sequences: list[Sequence] = []
+        self.num_steps = 0
+        self.overlap = overlap  # queue the next decode step before this one's tokens are on the host
+        self.in_flight: QueuedStep | None = None  # a decode step queued ahead, finished by the next step()
+        self.num_launched_ahead = 0
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
+        seq = Sequence(len(self.sequences), prompt_token_ids, params, prompt)
+        self.sequences.append(seq)
+        self.scheduler.add(seq)
+        return seq
+
+    def add_parallel(self, prompt_token_ids: list[int], params: list[SamplingParams],
+                     prompt: str | None = None) -> list[Sequence]:
+        """`len(params)` samples of one prompt that share its blocks (copy-on-write)."""
+        seqs = [Sequence(len(self.sequences) + i, prompt_token_ids, p, prompt) for i, p in enumerate(params)]
+        self.sequences.extend(seqs)
+        self.scheduler.add_parallel(seqs[0], seqs[1:])
+        return seqs
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> StepOutput:
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            seqs, is_prefill = self.scheduler.schedule()
+            if not seqs:
+                return StepOutput(is_prefill, [], [])
+            step = self._queue_step(seqs, is_prefill)
+        if self.overlap and not step.is_prefill:
+            ahead = self.scheduler.schedule_ahead(step.seqs)
+            if ahead:
+                self.in_flight = self._queue_step(ahead, False, after=step)
+                self.num_launched_ahead += 1
+        return self._finish(step)
+
+    def _queue_step(self, seqs: list[Sequence], is_prefill: bool, after: QueuedStep | None = None) -> QueuedStep:
+        """Queue the forward pass and the sampling of one step. `after`: the decode step still in
+        flight whose tokens this (decode) step feeds, taken from the device."""
+        num_tokens = sum(len(s) - s.num_cached for s in seqs) if is_prefill else len(seqs)
+        used_blocks = self.cache.geometry.num_blocks - self.cache.num_free_blocks
+        num_running = len(self.scheduler.running)
+        feed = None
+        if after is not None:  # `seqs` are `after.seqs` less the ones that end with it, in order
+            if len(seqs) == len(after.seqs):
+                feed = after.tokens
+            else:
+                row = {s.id: i for i, s in enumerate(after.seqs)}
+                feed = after.tokens[torch.tensor([row[s.id] for s in seqs]).to(after.tokens.device, non_blocking=True)]
+        logits, greedy = self.runner.execute(seqs, is_prefill, feed)
+        if is_prefill:  # parallel samples join their prompt's parent, and sample from its row
+            seqs, rows = self.scheduler.fork(seqs)
+            if rows is not None:
+                index = torch.tensor(rows).to(logits.device)
+                logits, greedy = logits[index], greedy[index]
+        tokens = sample(logits, greedy, seqs)
+        if tokens.is_cuda:
+            host, ready = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True), torch.cuda.Event()
+            host.copy_(tokens, non_blocking=True)
+            ready.record()
+        else:
+            host, ready = tokens, None
+        return QueuedStep(is_prefill, seqs, tokens, host, ready, num_tokens, used_blocks, num_running)
+
+    def _finish(self, step: QueuedStep) -> StepOutput:
+        """Wait for a step's tokens; append them, finish sequences, give blocks back."""
+        tokens = step.tokens_on_host()
+        seqs = step.seqs
+        if any(s.is_finished for s in seqs):  # ended by a stop token while this step was queued
+            kept = [i for i, s in enumerate(seqs) if not s.is_finished]
+            seqs, tokens = [seqs[i] for i in kept], [tokens[i] for i in kept]
+        now = time.perf_counter()
+        for seq in seqs:
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.token_times.append(now)
+        finished = self.scheduler.update(seqs, tokens)
+        if self.in_flight is not None and all(s.is_finished for s in self.in_flight.seqs):
+            self.in_flight = None  # every row of the step ahead is void: nobody waits for it
+        self.num_steps += 1
+        return StepOutput(step.is_prefill, seqs, tokens, finished, step.num_tokens, step.used_blocks, step.num_running)
+
+    def run_to_completion(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        """Run prompts to completion; returns their sequences in input order."""
+        seqs = [self.add_request(p, params) for p in prompts]
+        while self.has_unfinished:
+            self.step()
+        return seqs
+
+    def reset(self) -> None:
+        """Forget what ran (its sequences, counters and cached prefixes); compiled kernels, captured
+        graphs and allocations stay warm. Only between runs: nothing may be unfinished."""
+        assert not self.has_unfinished, "reset with requests still running"
+        self.sequences.clear()
+        self.num_steps = self.num_launched_ahead = 0
+        self.scheduler.reset()
+        self.cache.reset()
+
+    def abort_all(self) -> None:
+        """Finish every unfinished request now (Ctrl-C): every block goes back."""
+        self.in_flight = None  # its rows end with everyone else's
+        self.scheduler.abort_all()
+        self.cache.drop_pending_copies()
+
+    def snapshot(self) -> CacheSnapshot:
+        return take_snapshot(self)

@@ -1,0 +1,160 @@
+"""ModelRunner: turns the scheduler's sequences into a StepBatch and runs the network.
+
+On a GPU with our CUDA backend, decode steps replay CUDA graphs captured per batch-size bucket:
+the step's inputs go to the graph's static tensors in one host-to-device copy (the tensors are views
+of one staging buffer, so nothing inside the graph copies them), the graph replays every kernel of
+the forward pass and the greedy argmax at once, and the logits and tokens of the real rows come out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedcli.engine.batch import StepBatch
+from pagedcli.engine.cache import KVCache
+from pagedcli.model.network import Llama
+from pagedcli.engine.sequence import Sequence
+
+
+def graph_buckets(max_slots: int) -> list[int]:
+    """Batch sizes a decode graph is captured for (nano-vllm's choice): 1, 2, 4, 8, then 16 apart."""
+    small = [b for b in (1, 2, 4, 8) if b < max_slots]
+    return small + list(range(16, max_slots, 16)) + [max_slots]
+
+
+class ModelRunner:
+    def __init__(self, model: Llama, cache: KVCache, use_graphs: bool = False):
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        self.graphs = DecodeGraphs(model, cache) if use_graphs else None
+
+    def capture_graphs(self) -> None:
+        """Capture every bucket's graph now rather than on first use (benchmarks: keep capture
+        out of the timed run)."""
+        if self.graphs is not None:
+            for n in self.graphs.buckets:
+                self.graphs.graph(n)
+
+    def execute(self, seqs: list[Sequence], is_prefill: bool,
+                feed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What sampling needs for each sequence's next token: its logits, [len(seqs), vocab] float32,
+        and its greedy token, [len(seqs)] int64 (a decode graph computes them with the logits; else
+        the backend's argmax, a kernel of ours on a GPU).
+
+        feed (decode only): the tokens to feed, [len(seqs)] on the device, sampled by a step the
+        host has not seen the end of (the engine's overlap); each sequence is then one token longer
+        than its host copy says, and that token is the one fed."""
+        self.cache.sync_device_table()
+        self.cache.copy_pending_blocks()  # copy-on-write, before this step writes K/V
+        slots = [s.slot for s in seqs]
+        if is_prefill:
+            batch = StepBatch.build(True, slots, [s.token_ids[s.num_cached:] for s in seqs],
+                                    [s.num_cached for s in seqs], self.device)
+        else:  # the new token's position is the count of tokens cached (with `feed`, one more)
+            if feed is None:
+                tokens, num_cached = [s.last_token for s in seqs], [len(s) - 1 for s in seqs]
+            else:
+                tokens, num_cached = [0] * len(seqs), [len(s) for s in seqs]  # stand-ins for `feed`
+            if self.graphs is not None:
+                return self.graphs.replay(slots, tokens, num_cached, feed)
+            batch = StepBatch.build(False, slots, [[t] for t in tokens], num_cached, self.device)
+            if feed is not None:
+                batch.token_ids.copy_(feed)
+        logits = self.model.forward(batch)
+        return logits, self.model.greedy(logits)
+
+
+class DecodeGraphs:
+    """One CUDA graph per batch-size bucket, captured on first use. Rows past the real batch are
+    padding: position -1 (no K/V written) and context length 0 (attention does nothing)."""
+
+    # the step's inputs, one after another in one buffer of the largest bucket's size: their dtypes
+    # are StepBatch's, so each graph's batch tensors are views of it (nothing to convert or copy)
+    INPUTS = (("token_ids", torch.int64), ("positions", torch.int64), ("slots", torch.int32),
+              ("context_lens", torch.int32))
+
+    def __init__(self, model: Llama, cache: KVCache):
+        self.model, self.cache = model, cache
+        self.buckets = graph_buckets(cache.max_slots)
+        n = self.buckets[-1]
+        nbytes = sum(n * dtype.itemsize for _, dtype in self.INPUTS)
+        # Two pinned host buffers, used in turn: with the engine's overlap, a step is staged while
+        # the copy of the one before may still wait in the stream for the GPU. Two are enough
+        # because the engine queues at most one step ahead: before it stages a step it has waited
+        # for the step that used the same buffer (two runs back), or for a later one (a prefill
+        # follows a step ahead that was voided), so that copy out of the buffer is done.
+        self.host = [torch.zeros(nbytes, dtype=torch.uint8).pin_memory() for _ in range(2)]
+        self.host_np = [{name: t.numpy() for name, t in self._inputs(h).items()} for h in self.host]  # cheapest writes
+        self.num_runs = 0
+        self.staged = torch.zeros(nbytes, dtype=torch.uint8, device=cache.device)
+        self.inputs = self._inputs(self.staged)  # name -> [n] view of `staged`
+        self.pool = torch.cuda.graph_pool_handle()
+        # bucket -> (graph, its static batch, its logits, its greedy tokens); the batch must live as
+        # long as the graph: the graph reads its tensors' memory, which the allocator would
+        # otherwise hand out again
+        self.captured: dict[int, tuple[torch.cuda.CUDAGraph, StepBatch, torch.Tensor, torch.Tensor]] = {}
+
+    def _inputs(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The INPUTS as typed views of a byte buffer, in order."""
+        n, views, at = self.buckets[-1], {}, 0
+        for name, dtype in self.INPUTS:
+            views[name] = buffer[at:at + n * dtype.itemsize].view(dtype)
+            at += n * dtype.itemsize
+        return views
+
+    def _batch(self, n: int) -> StepBatch:
+        """The static StepBatch of bucket n: its inputs are the first n entries of the staged ones."""
+        rows = torch.arange(n, device=self.cache.device)
+        return StepBatch(
+            is_prefill=False,
+            **{name: view[:n] for name, view in self.inputs.items()},
+            token_seq=rows,
+            last_index=rows.clone(),
+            num_new=[1] * n,
+            context_lens_host=[1] * n,
+        )
+
+    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model.forward(batch)
+        return logits, self.model.greedy(logits)
+
+    def _capture(self, n: int):
+        batch = self._batch(n)
+        self.inputs["positions"][:n] = -1  # capture with padding rows only: nothing is written to the pool
+        self.inputs["context_lens"][:n] = 0
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up outside the graph (allocator, lazy inits)
+            self._forward(batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits, tokens = self._forward(batch)
+        torch.cuda.synchronize()
+        return graph, batch, logits, tokens
+
+    def graph(self, n: int):
+        if n not in self.captured:
+            self.captured[n] = self._capture(n)
+        return self.captured[n]
+
+    def replay(self, slots: list[int], tokens: list[int], num_cached: list[int],
+            feed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the bucket's graph for these rows: their logits and greedy tokens."""
+        b = len(slots)
+        n = next(size for size in self.buckets if size >= b)
+        graph, _, logits, greedy = self.graph(n)
+        turn = self.num_runs % 2
+        self.num_runs += 1
+        h = self.host_np[turn]
+        h["token_ids"][:b] = tokens
+        h["positions"][:b] = num_cached  # the new token's position = tokens already cached
+        h["slots"][:b] = slots
+        h["context_lens"][:b] = h["positions"][:b] + 1
+        h["token_ids"][b:n], h["positions"][b:n], h["slots"][b:n], h["context_lens"][b:n] = 0, -1, 0, 0
+        self.staged.copy_(self.host[turn], non_blocking=True)  # whole buffer: contiguous pinned memory, truly async
+        if feed is not None:
+            self.inputs["token_ids"][:b].copy_(feed)  # device to device: the tokens never visit the host
+        graph.replay()
+        return logits[:b], greedy[:b]

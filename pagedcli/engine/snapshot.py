@@ -1,0 +1,87 @@
+"""An immutable picture of the cache at one step, for the live view and inspect-cache.
+
+It holds plain Python values only (copied from the engine's host-side state), never device
+tensors, so reading it can neither slow nor change the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedcli.model.config import CacheGeometry
+
+
+@dataclass(frozen=True)
+class SlotView:
+    slot: int
+    seq_id: int
+    prompt: str | None
+    num_prompt_tokens: int
+    token_ids: tuple[int, ...]  # prompt + output so far
+    num_cached: int  # tokens whose K/V are in the cache
+    table: tuple[tuple[int, ...], ...]  # [layer][logical block] -> physical block
+    num_output_tokens: int
+    tokens_per_s: float
+    num_preemptions: int
+
+    @property
+    def num_blocks(self) -> int:
+        """Logical blocks, the same count in every layer."""
+        return len(self.table[0]) if self.table else 0
+
+    def fill(self, logical: int, block_size: int) -> int:
+        """Tokens written into logical block `logical`."""
+        return max(0, min(block_size, self.num_cached - logical * block_size))
+
+
+@dataclass(frozen=True)
+class WaitingView:
+    seq_id: int
+    prompt: str | None
+    num_tokens: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    step: int
+    geometry: CacheGeometry
+    num_free_blocks: int
+    slots: tuple[SlotView, ...]  # running sequences, by slot
+    waiting: tuple[WaitingView, ...]
+    num_finished: int
+    num_preemptions: int
+    max_slots: int
+    max_model_len: int
+    prefix_hit_rate: float = 0.0  # prompt tokens served from cached blocks / prompt tokens admitted
+    num_copied_blocks: int = 0  # copy-on-write copies so far
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.geometry.num_blocks - self.num_free_blocks
+
+    def slot(self, slot: int) -> SlotView | None:
+        return next((s for s in self.slots if s.slot == slot), None)
+
+    @property
+    def contiguous_tokens(self) -> int:
+        """Token slots (one layer) a contiguous cache reserving the maximum length per running
+        sequence would hold: the PagedAttention paper's comparison."""
+        return len(self.slots) * self.max_model_len
+
+
+def take_snapshot(engine) -> CacheSnapshot:
+    cache, sched = engine.cache, engine.scheduler
+    slots = []
+    for seq in sorted(sched.running, key=lambda s: s.slot):
+        n = cache.num_blocks_of_slot[seq.slot]
+        table = tuple(tuple(row) for row in cache.table[seq.slot, :, :n].tolist())
+        elapsed = (seq.token_times[-1] - seq.token_times[0]) if len(seq.token_times) > 1 else 0.0
+        rate = (len(seq.token_times) - 1) / elapsed if elapsed > 0 else 0.0
+        slots.append(SlotView(seq.slot, seq.id, seq.prompt, len(seq.prompt_token_ids), tuple(seq.token_ids),
+                              seq.num_cached, table, len(seq.output_token_ids), rate, seq.num_preemptions))
+    waiting = tuple(WaitingView(s.id, s.prompt, len(s), s.num_preemptions) for s in sched.waiting)
+    finished = sum(1 for s in engine.sequences if s.is_finished)
+    return CacheSnapshot(engine.num_steps, cache.geometry, cache.num_free_blocks, tuple(slots), waiting,
+                         finished, sched.num_preemptions, cache.max_slots, cache.max_model_len,
+                         sched.prefix_hit_rate, cache.num_copied_blocks)

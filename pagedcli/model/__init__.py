@@ -1,0 +1,2 @@
+"""The model: where it comes from (source.py), its config, weights, tokenizer and network, and the
+loader that puts them together with an engine."""

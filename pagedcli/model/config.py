@@ -1,0 +1,273 @@
+"""What the network looks like (ModelConfig, from config.json) and what the cache looks like
+(CacheGeometry): the one source of truth for every size the Python code and the CUDA kernels use."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagedcli.model.config_checks import check_config
+from pagedcli.errors import RunError, UsageError
+from pagedcli.model.files import read_json
+from pagedcli.model.rope import REQUIRED_FIELDS
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+DEFAULT_BLOCK_SIZE = 16  # tokens per block, as in tiny-vllm and vLLM
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)  # the kernels unroll over these
+DEFAULT_MAX_POSITIONS = 2048  # max_position_embeddings when config.json has none (transformers' default)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # the rope parameters (rope_type and its fields); None for default
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q, k, v and o projections have biases
+    mlp_bias: bool = False  # gate, up and down projections have biases
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_scaling["rope_type"] if self.rope_scaling else "default"
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the positions serve: max_position_embeddings, which dynamic NTK
+        (whose max_position_embeddings is the trained length) stretches by its factor."""
+        if self.rope_type == "dynamic":
+            return int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        per_layer = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + 3 * h * i + 2 * h
+        if self.attention_bias:
+            per_layer += self.q_dim + 2 * self.kv_dim + h
+        if self.mlp_bias:
+            per_layer += 2 * i + h
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        check_config(d, source)
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type")
+        if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise RunError(
+                f"{source}: architecture {', '.join(archs)} is not supported",
+                "pagedcli runs LlamaForCausalLM checkpoints",
+            )
+        if not archs and model_type != "llama":
+            raise RunError(
+                f"{source}: model_type {model_type!r} is not supported",
+                "pagedcli runs Llama-family checkpoints (model_type 'llama')",
+            )
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise RunError(f"{source}: hidden_act {act!r} is not supported", "Llama uses silu")
+        rope_theta, rope_scaling = rope_settings(d, source)
+        try:
+            hidden = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            cfg = cls(
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(rope_theta),
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", False)),
+                mlp_bias=bool(d.get("mlp_bias", False)),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=token_ids(d.get("eos_token_id")),
+                raw=d,
+            )
+        except KeyError as e:
+            raise RunError(f"{source}: required key {e.args[0]!r} is missing", "is this a Llama config.json?") from None
+        except (TypeError, ValueError) as e:
+            raise RunError(f"{source}: a value has the wrong type ({e})", "is this a Llama config.json?") from None
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: Path) -> "ModelConfig":
+        path = Path(path)
+        if not path.exists():
+            raise UsageError(f"{path} not found", "a model folder needs a config.json")
+        return cls.from_dict(read_json(path), source=str(path))
+
+
+def rope_settings(d: dict, source: str) -> tuple[float, dict | None]:
+    """config.json's RoPE settings as (rope_theta, parameters or None for the default type), read
+    as transformers reads them: `rope_scaling`, or transformers 5's `rope_parameters` (which holds
+    the theta too); the type as `rope_type` or `type`."""
+    rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise RunError(f"{source}: rope_scaling {rope!r} is not an object", "is this a Llama config.json?")
+    rope = dict(rope)
+    theta = rope.pop("rope_theta", None)
+    theta = d.get("rope_theta", 10000.0) if theta is None else theta
+    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    if rope_type not in REQUIRED_FIELDS:
+        raise RunError(f"{source}: rope scaling type {rope_type!r} is not supported",
+                       f"supported: {', '.join(REQUIRED_FIELDS)}")
+    for name in REQUIRED_FIELDS[rope_type]:  # (yarn's factor may be null: max / original length then)
+        value = rope.get(name)
+        if name not in rope or not (isinstance(value, (int, float)) or (rope_type == "yarn" and value is None)):
+            raise RunError(f"{source}: rope scaling type {rope_type!r} needs a number {name!r}"
+                           + ("" if name not in rope else f", not {value!r}"), "is this config.json complete?")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise RunError(f"{source}: partial_rotary_factor {rope['partial_rotary_factor']} is not supported",
+                       "Llama rotates whole heads")
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise RunError(f"{source}: rope_theta {theta!r} is not a positive number")
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type in ("llama3", "yarn"):  # transformers' default: the length it was trained at
+        rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
+    return float(theta), {"rope_type": rope_type, **rope}
+
+
+
+def token_ids(value) -> tuple[int, ...]:
+    """An `eos_token_id` entry (none, one id, or a list) as a tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """The paged KV pool, tiny-vllm's layout: one pool of `num_blocks` physical blocks; a block holds
+    K for `block_size` tokens ([block_size][kv_heads][head_dim]) and then V at `v_offset` bytes.
+    Every layer takes its own blocks from the same pool."""
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    num_blocks: int
+    dtype: torch.dtype
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def v_offset(self) -> int:  # bytes from the start of a block to its V half
+        return self.block_size * self.kv_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.v_offset
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:  # all layers, K and V
+        return 2 * self.kv_dim * self.itemsize * self.num_layers
+
+    @property
+    def pool_shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def pool_tokens(self) -> int:
+        """The longest sequence the pool holds: one sequence alone, every layer's blocks."""
+        return (self.num_blocks // self.num_layers) * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Logical blocks a sequence of `num_tokens` occupies in one layer."""
+        return math.ceil(num_tokens / self.block_size)
+
+    def defines(self) -> dict[str, int]:
+        """The `-D` defines every CUDA kernel is compiled with."""
+        return {
+            "BLOCK_SIZE": self.block_size,
+            "NUM_KV_HEADS": self.num_kv_heads,
+            "HEAD_DIM": self.head_dim,
+            "KV_DIM": self.kv_dim,
+            "BLOCK_BYTES": self.block_bytes,
+            "V_OFFSET": self.v_offset,
+        }
+
+    @classmethod
+    def build(
+        cls,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
+        cache_bytes: int | None = None,
+    ) -> "CacheGeometry":
+        if block_size not in SUPPORTED_BLOCK_SIZES:
+            raise UsageError(
+                f"`block_size` {block_size} is not supported",
+                f"choose one of {', '.join(map(str, SUPPORTED_BLOCK_SIZES))}",
+            )
+        geo = cls(block_size, config.num_kv_heads, config.head_dim, config.num_layers, 0, dtype)
+        if num_blocks is None:
+            if cache_bytes is None:
+                raise ValueError("give num_blocks or cache_bytes")
+            num_blocks = cache_bytes // geo.block_bytes
+        geo = cls(block_size, config.num_kv_heads, config.head_dim, config.num_layers, int(num_blocks), dtype)
+        if geo.num_blocks < config.num_layers:
+            raise UsageError(
+                f"a pool of {geo.num_blocks} blocks cannot hold one block per layer ({config.num_layers} layers)",
+                f"use `num_blocks` {config.num_layers * 8} or more, or a larger `cache_size`",
+            )
+        return geo
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MB', '1e9' -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or not 0 < value < float("inf"):  # (nan fails the comparison too)
+        raise UsageError(f"`cache_size` {text!r} is not a size", "write it like 2GiB, 512MiB or 100MB")
+    return int(value * units[unit])

@@ -1,0 +1,140 @@
+"""From command-line options to a ready Engine: pick the device and dtype, read the model, size
+the pool, choose the backend. The CLI, the benchmark and the tests all build engines here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pagedcli.backends import TorchBackend
+from pagedcli.engine.cache import MAX_ID, KVCache
+from pagedcli.model.config import DEFAULT_BLOCK_SIZE, CacheGeometry, parse_size
+from pagedcli.engine.engine import Engine
+from pagedcli.errors import UsageError
+from pagedcli.model.network import Llama
+from pagedcli.model.source import ModelSource, resolve_model
+from pagedcli.engine.runner import ModelRunner
+from pagedcli.model.tokenizer import Tokenizer
+from pagedcli.model.weights import Weights, load_weights, random_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SMALL_MODEL_BYTES = 64 << 20
+DEFAULT_CACHE = {"cuda": "2GiB", "cpu": "256MiB"}  # 2 GiB on a GPU, as tiny-vllm
+
+
+@dataclass
+class EngineOptions:
+    model: str | None = None
+    device: str = "auto"  # auto, cpu, cuda
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    batch: int = 2  # concurrent slots, as tiny-vllm's BATCH_SIZE
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int | None = None
+    cache_size: str | None = None  # e.g. "2GiB"; default by device
+    max_model_len: int | None = None
+    eager: bool = False  # no CUDA graphs
+    overlap: bool = True  # on a GPU, queue the next decode step before this one's tokens reach the host
+    shuffle_blocks: int | None = None  # hand blocks out in a shuffled order (tests, demos)
+    prefix_caching: bool = True
+    seed: int = 0  # random weights
+
+    def __post_init__(self):  # checked here, so before anything slow is loaded
+        if self.batch < 1:
+            raise UsageError(f"`batch` {self.batch}: needs at least one slot", "use `batch` 1 or more")
+        if self.batch > MAX_ID:
+            raise UsageError(f"`batch` {self.batch}: more slots than the {MAX_ID:,} a block table can number",
+                             "use a smaller `batch`")
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"`device` {requested!r} is not known", "use auto, cpu or cuda")
+    if requested == "cpu":
+        return torch.device("cpu")
+    from pagedcli.backends.cuda import cuda_available  # imports CuPy only when asked
+
+    ok, why = cuda_available()
+    if requested == "cuda" and not ok:
+        raise UsageError(f"`device` cuda: {why}", "use `device` cpu, or install pagedcli[cuda] on a machine with an NVIDIA GPU")
+    return torch.device("cuda") if ok else torch.device("cpu")
+
+
+def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+    if requested == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if requested not in DTYPES:
+        raise UsageError(f"`dtype` {requested!r} is not known", f"use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[requested]
+
+
+@dataclass
+class Model:
+    """What loading reads once: the model's source, tokenizer and weights on their device."""
+
+    source: ModelSource
+    tokenizer: Tokenizer | None
+    weights: Weights
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None,
+               check: Callable[[ModelSource, Tokenizer | None], None] = lambda *_: None) -> Model:
+    """`check(source, tokenizer)` may refuse the model before its weights are read."""
+    device = pick_device(opts.device)
+    dtype = pick_dtype(opts.dtype, device)
+    source = resolve_model(opts.model, notice)
+    tokenizer = Tokenizer(source.folder) if source.has_tokenizer else None
+    if tokenizer is not None and source.config.vocab_size > tokenizer.vocab_size:
+        v, t = source.config.vocab_size, tokenizer.vocab_size
+        notice(f"warning: config.json's vocab_size {v} is above the tokenizer's {t}: ids {t}-{v - 1} have no text "
+               f"(fine if the vocabulary is padded; else the tokenizer is not this model's)")
+    check(source, tokenizer)
+    if source.random:
+        weights = random_weights(source.config, dtype, device, opts.seed)
+    else:
+        weights = load_weights(source.folder, source.config, dtype, device)
+    if device.type == "cpu" and weights.nbytes < SMALL_MODEL_BYTES:
+        torch.set_num_threads(1)  # a few MB of weights: threads cost more in handoffs than they save
+    return Model(source, tokenizer, weights, device, dtype)
+
+
+def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None] = lambda _: None) -> Engine:
+    """A fresh cache, backend and engine around already loaded weights. `notice` hears of each op
+    the CUDA kernels cannot serve for this model (it runs as torch ops instead)."""
+    config, device = model.source.config, model.device
+    cache_bytes = parse_size(opts.cache_size or DEFAULT_CACHE[device.type])
+    geometry = CacheGeometry.build(config, model.dtype, opts.block_size, opts.num_blocks, cache_bytes)
+    if geometry.num_blocks > MAX_ID:
+        option = f"`num_blocks` {opts.num_blocks}" if opts.num_blocks is not None else f"`cache_size` {opts.cache_size}"
+        raise UsageError(f"{option}: {geometry.num_blocks:,} blocks, more than the {MAX_ID:,} a block table can number",
+                         "use a smaller `cache_size` or `num_blocks`")
+    pool_len = geometry.pool_tokens
+    max_model_len = min(config.context_length, pool_len, opts.max_model_len or pool_len)
+    cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks, opts.prefix_caching)
+    if device.type == "cuda":
+        from pagedcli.backends.cuda import CudaBackend
+
+        backend = CudaBackend(cache, config)
+        for op, why in backend.fallbacks.items():
+            notice(f"CUDA: {op} runs as torch ops on the GPU ({why})")
+    else:
+        backend = TorchBackend(cache, config)
+    llama = Llama(config, model.weights, backend)
+    runner = ModelRunner(llama, cache, use_graphs=device.type == "cuda" and not opts.eager)
+    return Engine(runner, cache, model.source.stop_ids, overlap=opts.overlap and device.type == "cuda")
+
+
+@dataclass
+class Loaded(Model):
+    """A model and an engine built around it."""
+
+    engine: Engine
+
+
+def load(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None,
+         check: Callable[[ModelSource, Tokenizer | None], None] = lambda *_: None) -> Loaded:
+    model = load_model(opts, notice, check)
+    return Loaded(**vars(model), engine=build_engine(model, opts, notice))

@@ -1,0 +1,45 @@
+"""The Llama network: one forward pass serves prefill and decode alike.
+
+Tokens come packed ([T]: a whole prompt per sequence at prefill, one token per sequence at decode).
+Each GEMM goes through the backend together with the step before or after it (the torch reference
+does them one by one; the CUDA backend fuses them into one kernel at small batches and uses cuBLAS
+at large ones), on fused q/k/v and gate/up weights (and their biases, for checkpoints with attention_bias or mlp_bias). The backend also puts K/V into the paged cache
+and reads them back through the block table. The order of operations and of roundings is Hugging
+Face's LlamaForCausalLM, so the two agree token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedcli.engine.batch import StepBatch
+from pagedcli.model.config import ModelConfig
+from pagedcli.model.weights import Weights
+
+
+class Llama:
+    def __init__(self, config: ModelConfig, weights: Weights, backend):
+        self.config = config
+        self.w = weights
+        self.backend = backend
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Returns the logits of each sequence's last new token: [B, vocab], float32."""
+        c, w, be = self.config, self.w, self.backend
+        be.prepare(batch)  # the index tensors every layer shares
+        T = batch.token_ids.shape[0]
+        residual = w.embed[batch.token_ids]  # [T, hidden]: the residual stream, one row per token
+        for layer, lw in enumerate(w.layers):
+            q = be.attention_inputs(layer, residual, lw.input_norm, lw.qkv, c.rms_norm_eps, batch, bias=lw.qkv_bias)
+            residual = be.linear_add(be.attend(layer, q, batch).reshape(T, c.q_dim), lw.o, residual, bias=lw.o_bias)
+            act = be.norm_linear_silu(residual, lw.post_norm, lw.gate_up, c.rms_norm_eps, bias=lw.gate_up_bias)
+            residual = be.linear_add(act, lw.down, residual, bias=lw.down_bias)
+        if batch.is_prefill:  # decode has one token per sequence: every row is a last one
+            residual = residual[batch.last_index]
+        return be.logits(residual, w.norm, w.lm_head, c.rms_norm_eps)
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy token of each row of `logits`, [B] int64: the backend's argmax (a kernel of
+        ours on a GPU, inside the decode graph)."""
+        return self.backend.argmax(logits)

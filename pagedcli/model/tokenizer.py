@@ -1,0 +1,185 @@
+"""Text <-> token ids with the model's own tokenizer.json, its chat template rendered the way
+transformers renders it (jinja2, sandboxed), and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from pagedcli.model.config_checks import check_chat_template, check_tokenizer_config
+from pagedcli.errors import RunError, UsageError
+from pagedcli.model.files import read_json, read_text
+
+# A chat template is a program from the model folder: its render is stopped past these (the
+# templates of real models render a prompt in milliseconds, and add a few hundred characters)
+RENDER_SECONDS = 5.0
+RENDER_MAX_CHARS = 1 << 20  # beyond the prompt's own length
+
+
+class Tokenizer:
+    def __init__(self, folder: Path):
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise UsageError(f"no tokenizer.json in {folder}", "the model folder needs the tokenizer its checkpoint came with")
+        text = read_text(path)
+        try:
+            self.tok = HFTokenizer.from_str(text)
+        except Exception as e:  # tokenizers raises a bare Exception for a bad file
+            raise RunError(f"{path} could not be read ({_first_line(e)})") from None
+        config = read_json(folder / "tokenizer_config.json")
+        check_tokenizer_config(config, str(folder / "tokenizer_config.json"))
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.add_bos = bool(config.get("add_bos_token", False))
+        self.chat_template = config.get("chat_template") or _read_template(folder)
+        if isinstance(self.chat_template, list):  # several named templates: take the default one
+            named = {t.get("name"): t.get("template") for t in self.chat_template}
+            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        self.vocab_size = self.tok.get_vocab_size()
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    def token_id(self, text: str | None) -> int | None:
+        return self.tok.token_to_id(text) if text else None
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """`chat`: wrap the prompt as one user message in the model's chat template; otherwise feed
+        it as is, with BOS where the tokenizer's post-processor (or add_bos_token) puts one."""
+        if chat:
+            return self.tok.encode(self.render_chat(prompt), add_special_tokens=False).ids
+        ids = self.tok.encode(prompt).ids
+        bos = self.token_id(self.bos_token)
+        if self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def render_chat(self, prompt: str) -> str:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        def failed(why: str):
+            return RunError(f"the model's chat template failed: {why}", "use `raw` to feed the prompt as is")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        limit = len(prompt) + RENDER_MAX_CHARS
+        pieces, size = [], 0
+        try:
+            with _time_limit(RENDER_SECONDS):
+                for piece in env.from_string(self.chat_template).generate(
+                    messages=[{"role": "user", "content": prompt}],
+                    add_generation_prompt=True,
+                    bos_token=self.bos_token or "",
+                    eos_token=self.eos_token or "",
+                ):
+                    pieces.append(piece)
+                    size += len(piece)
+                    if size > limit:
+                        raise failed(f"it rendered more than {limit} characters")
+        except TemplateError as e:
+            raise failed(_first_line(e)) from None
+        except _RenderTimeout:
+            raise failed(f"it ran for more than {RENDER_SECONDS:g} s") from None
+        except RecursionError:
+            raise failed("it recurses too deeply") from None
+        except MemoryError:
+            raise failed("it ran out of memory") from None
+        except RunError:
+            raise
+        except Exception as e:  # the template is a program from the model folder: any error is its own
+            raise failed(f"{type(e).__name__}: {_first_line(e)}") from None
+        return "".join(pieces)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class StreamDecoder:
+    """The text of generated tokens, piece by piece, never splitting a multi-byte character
+    (vLLM's prefix/read offsets: only a short window is decoded each time). The last prompt tokens
+    seed the window, so the first piece keeps its leading space."""
+
+    CONTEXT = 5  # prompt tokens decoded as context
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] = ()):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-self.CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.num_seen = 0  # output tokens taken in
+
+    def catch_up(self, output_ids: list[int]) -> str:
+        """Push the output tokens not seen yet; returns the new text."""
+        new = "".join(self.push(t) for t in output_ids[self.num_seen:])
+        self.num_seen = len(output_ids)
+        return new
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            piece = text[len(prefix):]
+            self.text += piece
+            return piece
+        return ""
+
+
+def _read_template(folder: Path) -> str | None:
+    """transformers >= 4.43 may keep the template beside tokenizer_config.json."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.exists():
+        return read_text(jinja)
+    path = folder / "chat_template.json"
+    template = read_json(path).get("chat_template")
+    check_chat_template(template, str(path))
+    return template
+
+
+class _RenderTimeout(BaseException):  # not an Exception: no handler inside jinja may swallow it
+    pass
+
+
+@contextmanager
+def _time_limit(seconds: float):
+    """Stop the block after `seconds` (a SIGALRM timer: only where Python can take signals, in the
+    main thread; elsewhere the length limit alone bounds a render)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(*_):
+        raise _RenderTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else type(e).__name__
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
+        return value.get("content")
+    return value

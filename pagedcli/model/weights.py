@@ -1,0 +1,261 @@
+"""safetensors -> the tensors `Llama` computes with.
+
+Tensors are read one at a time from memory-mapped files straight into their final dtype and
+device, q/k/v and gate/up into fused matrices (one GEMM instead of three or two), so the model is
+never held twice in memory.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pagedcli.model.config import ModelConfig
+from pagedcli.errors import RunError
+from pagedcli.model.files import read_json
+
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of what a weight may be stored as
+LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_dim + 2 kv_dim, hidden]
+    o: torch.Tensor  # [hidden, q_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+    # biases, when config.json has attention_bias / mlp_bias (fused like their weights)
+    qkv_bias: torch.Tensor | None = None  # [q_dim + 2 kv_dim]
+    o_bias: torch.Tensor | None = None  # [hidden]
+    gate_up_bias: torch.Tensor | None = None  # [2 intermediate]
+    down_bias: torch.Tensor | None = None  # [hidden]
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of distinct weight tensors (a tied lm_head counts once)."""
+        seen, total = set(), 0
+        for t in [self.embed, self.norm, self.lm_head] + [w for l in self.layers for w in vars(l).values()]:
+            if t is not None and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (c.hidden_size,),
+            p + "self_attn.q_proj.weight": (c.q_dim, c.hidden_size),
+            p + "self_attn.k_proj.weight": (c.kv_dim, c.hidden_size),
+            p + "self_attn.v_proj.weight": (c.kv_dim, c.hidden_size),
+            p + "self_attn.o_proj.weight": (c.hidden_size, c.q_dim),
+            p + "post_attention_layernorm.weight": (c.hidden_size,),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        }
+        if c.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (c.q_dim,), p + "self_attn.k_proj.bias": (c.kv_dim,),
+                       p + "self_attn.v_proj.bias": (c.kv_dim,), p + "self_attn.o_proj.bias": (c.hidden_size,)}
+        if c.mlp_bias:
+            shapes |= {p + "mlp.gate_proj.bias": (c.intermediate_size,), p + "mlp.up_proj.bias": (c.intermediate_size,),
+                       p + "mlp.down_proj.bias": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return shapes
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise RunError(f"{index}: weight_map {_short(weight_map)} is not an object naming the tensors' files",
+                           "download the checkpoint again")
+        bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
+        if bad is not None:
+            raise RunError(f"{index}: weight_map entry {bad[0]!r} is {_short(bad[1])}, not a file name",
+                           "download the checkpoint again")
+        return [_shard(folder, index, name) for name in sorted(set(weight_map.values()))]
+    single = folder / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise RunError(f"no model.safetensors in {folder}", "the folder needs model.safetensors or a sharded index")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _shard(folder: Path, index: Path, name: str) -> Path:
+    """An index entry, refused unless it names a file inside the model folder: the index is data
+    from the folder, and nothing outside the folder is opened on its word."""
+    inside = [folder.resolve()]
+    if folder.resolve().parent.name == "snapshots":  # a Hugging Face cache snapshot links into its repo's blobs
+        inside.append(folder.resolve().parent.parent / "blobs")
+    relative = Path(name)
+    target = (folder / relative).resolve()
+    if (not name or relative.is_absolute() or ".." in relative.parts
+            or not any(target.is_relative_to(root) for root in inside)):
+        raise RunError(f"{index}: entry {name!r} points outside the model folder {folder}",
+                       "a sharded index names files beside it; download the checkpoint again")
+    return folder / relative
+
+
+class _TensorReader:
+    """Looks tensors up across shards; checks the layers, and every tensor's dtype and shape,
+    before reading any, and each tensor's values as it is read."""
+
+    def __init__(self, files: list[Path], config: ModelConfig, dtype, device):
+        self.dtype, self.device = dtype, device
+        self.handles, self.where = [], {}
+        for path in files:
+            if not path.is_file():
+                why = "is a folder, not a file" if path.is_dir() else "is missing"
+                raise RunError(f"weights file {path} {why}", "download the checkpoint again")
+            try:
+                handle = safe_open(str(path), framework="pt")
+                self.handles.append(handle)
+                for name in handle.keys():
+                    self.where[name] = handle
+            except (SafetensorError, OSError, ValueError) as e:
+                raise RunError(f"{path} is not a readable safetensors file ({_first_line(e)})",
+                               "download the checkpoint again") from None
+        folder = files[0].parent
+        self._check_layers(config, folder)
+        self.shapes = shapes = expected_shapes(config)
+        missing = [n for n in shapes if n not in self.where]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise RunError(f"tensor {missing[0]}{more} missing from {folder}", "is this a Llama checkpoint?")
+        for name in shapes:  # from the headers, before any tensor is allocated or read
+            self._check_header(name)
+
+    def _check_layers(self, config: ModelConfig, folder: Path) -> None:
+        """The checkpoint's layers are the config's: a layer more would go unused (and the output
+        be wrong without a word), a layer less is missing."""
+        layers = {int(m.group(1)) for m in map(LAYER_NAME.match, self.where) if m}
+        have = max(layers) + 1 if layers else 0
+        if have > config.num_layers:
+            unused = sorted(n for n in self.where if (m := LAYER_NAME.match(n)) and int(m.group(1)) >= config.num_layers)
+            raise RunError(f"{folder} holds {have} layers but config.json's num_hidden_layers is {config.num_layers}: "
+                           f"{len(unused)} tensors would go unused ({unused[0]}, ...)",
+                           "fix num_hidden_layers in config.json")
+        if have < config.num_layers:
+            raise RunError(f"config.json's num_hidden_layers is {config.num_layers}, but {folder} holds {have} layers",
+                           "fix num_hidden_layers in config.json, or download the checkpoint again")
+
+    def _check_header(self, name: str) -> None:
+        try:
+            tensor_slice = self.where[name].get_slice(name)
+            stored, shape = tensor_slice.get_dtype(), tuple(tensor_slice.get_shape())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise RunError(f"tensor {name} could not be read ({_first_line(e)})",
+                           "the file may be truncated; download it again") from None
+        if stored not in FLOAT_DTYPES:
+            raise RunError(f"tensor {name} holds {stored} values, not floating point",
+                           "pagedcli reads float weights (quantized checkpoints are not supported)")
+        if shape != self.shapes[name]:
+            raise RunError(f"tensor {name} has shape {list(shape)}, config.json implies {list(self.shapes[name])}")
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        handle = self.where[name]
+        try:
+            out.copy_(handle.get_tensor(name))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise RunError(f"tensor {name} could not be read ({_first_line(e)})",
+                           "the file may be truncated; download it again") from None
+        if not torch.isfinite(out).all():  # one pass per tensor, as it is read
+            self._not_finite(name, handle.get_tensor(name))
+
+    def _not_finite(self, name: str, stored: torch.Tensor) -> None:
+        if torch.isfinite(stored).all():  # finite in the file: the load dtype cannot hold it
+            big = stored.abs().max().item()
+            hint = ("use `dtype` bfloat16 (float16 ends at 65504)" if self.dtype == torch.float16
+                    else "the checkpoint is damaged; download it again")
+            raise RunError(f"tensor {name} has values beyond {str(self.dtype).removeprefix('torch.')}'s range "
+                           f"(up to {big:.3g})", hint)
+        nan, inf = int(stored.isnan().sum()), int(stored.isinf().sum())
+        what = " and ".join(f"{n} {kind}" for n, kind in ((nan, "NaN"), (inf, "infinite")) if n)
+        raise RunError(f"tensor {name} holds {what} value{'s' * (nan + inf > 1)} of {stored.numel()}",
+                       "the checkpoint is damaged; download it again")
+
+    def read(self, name: str) -> torch.Tensor:
+        out = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
+        self.read_into(name, out)
+        return out
+
+    def fused(self, names: list[str]) -> torch.Tensor:
+        rows = [self.shapes[n][0] for n in names]
+        out = torch.empty((sum(rows),) + self.shapes[names[0]][1:], dtype=self.dtype, device=self.device)
+        for name, part in zip(names, out.split(rows)):
+            self.read_into(name, part)
+        return out
+
+
+def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device) -> Weights:
+    reader = _TensorReader(safetensors_files(Path(folder)), config, dtype, device)
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        attn, mlp = config.attention_bias, config.mlp_bias
+        layers.append(LayerWeights(
+            input_norm=reader.read(p + "input_layernorm.weight"),
+            qkv=reader.fused([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
+            o=reader.read(p + "self_attn.o_proj.weight"),
+            post_norm=reader.read(p + "post_attention_layernorm.weight"),
+            gate_up=reader.fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            down=reader.read(p + "mlp.down_proj.weight"),
+            qkv_bias=reader.fused([p + f"self_attn.{x}_proj.bias" for x in "qkv"]) if attn else None,
+            o_bias=reader.read(p + "self_attn.o_proj.bias") if attn else None,
+            gate_up_bias=reader.fused([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]) if mlp else None,
+            down_bias=reader.read(p + "mlp.down_proj.bias") if mlp else None,
+        ))
+    embed = reader.read("model.embed_tokens.weight")
+    lm_head = embed if config.tie_word_embeddings else reader.read("lm_head.weight")
+    return Weights(embed=embed, layers=layers, norm=reader.read("model.norm.weight"), lm_head=lm_head)
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else type(e).__name__
+
+
+def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> Weights:
+    """Weights of the right shapes drawn from N(0, 0.02), norms at 1, made on `device` directly:
+    the same work per token as the real checkpoint, for benchmarks without a download."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, i = config.hidden_size, config.intermediate_size
+
+    def normal(*shape):
+        return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    def ones(n):
+        return torch.ones(n, dtype=dtype, device=device)
+
+    qkv_rows = config.q_dim + 2 * config.kv_dim
+    attn, mlp = config.attention_bias, config.mlp_bias
+    layers = [LayerWeights(ones(h), normal(qkv_rows, h), normal(h, config.q_dim), ones(h), normal(2 * i, h), normal(h, i),
+                           qkv_bias=normal(qkv_rows) if attn else None, o_bias=normal(h) if attn else None,
+                           gate_up_bias=normal(2 * i) if mlp else None, down_bias=normal(h) if mlp else None)
+              for _ in range(config.num_layers)]
+    embed = normal(config.vocab_size, h)
+    lm_head = embed if config.tie_word_embeddings else normal(config.vocab_size, h)
+    return Weights(embed, layers, ones(h), lm_head)
