@@ -6,12 +6,19 @@
 // value, then by the smaller index (torch returns the first maximum): (ordered float bits << 32) |
 // (0xffffffff - index). The last CTA of a row to finish writes the token and zeroes the row's key
 // and counter for the next launch.
+//
+// A row holding a NaN or an inf (a float16 overflow, a broken weight) gets the token -1 (the
+// backends' NOT_FINITE): the engine then fails that request alone. The check rides on the same
+// pass over the logits; a CTA that saw one sets the flag bit of the row's counter before it counts
+// itself done, so the last CTA's count sees every CTA's flag.
 
 #include "common.cuh"
 
 #if !defined(ARGMAX_THREADS)
-#error "argmax.cu needs -DARGMAX_THREADS (pagedcli/backends/cuda.py)"
+#error "argmax.cu needs -DARGMAX_THREADS (pagedcli/backends/cuda_build.py)"
 #endif
+
+#define NOT_FINITE_FLAG 0x80000000u  // in counters[row]: some CTA of the row saw a NaN or an inf
 
 // Float bits as an unsigned integer that orders like the float (negative numbers reversed).
 __device__ __forceinline__ unsigned long long argmax_key(float value, int index) {
@@ -41,20 +48,26 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(
     const float* __restrict__ x = logits + row * row_stride;
 
     unsigned long long best = 0;
+    bool finite = true;
     for (int i = begin + threadIdx.x; i < end; i += ARGMAX_THREADS) {
-        const unsigned long long key = argmax_key(x[i], i);
+        const float value = x[i];
+        finite &= (__float_as_uint(value) & 0x7f800000u) != 0x7f800000u;  // exponent all ones: inf or NaN
+        const unsigned long long key = argmax_key(value, i);
         best = key > best ? key : best;
     }
     best = warp_max_key(best);
     if (threadIdx.x % WARP_SIZE == 0) warp_keys[threadIdx.x / WARP_SIZE] = best;
-    __syncthreads();
+    const bool chunk_finite = __syncthreads_and(finite);
     if (threadIdx.x != 0) return;
     for (int w = 1; w < ARGMAX_THREADS / WARP_SIZE; ++w) best = warp_keys[w] > best ? warp_keys[w] : best;
     atomicMax(keys + row, best);
+    if (!chunk_finite) atomicOr(counters + row, NOT_FINITE_FLAG);
     __threadfence();  // our key is in before we count ourselves done
-    if (atomicAdd(counters + row, 1u) == gridDim.x - 1) {  // the last CTA of this row
+    const unsigned int before = atomicAdd(counters + row, 1u);
+    if ((before & ~NOT_FINITE_FLAG) == gridDim.x - 1) {  // the last CTA of this row
         const unsigned long long final_key = atomicExch(keys + row, 0ull);
-        tokens[row] = (long long)(0xffffffffu - (unsigned int)(final_key & 0xffffffffu));
+        const bool row_finite = chunk_finite && !(before & NOT_FINITE_FLAG);
+        tokens[row] = row_finite ? (long long)(0xffffffffu - (unsigned int)(final_key & 0xffffffffu)) : -1ll;
         counters[row] = 0;
     }
 }

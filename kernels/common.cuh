@@ -67,10 +67,12 @@ __device__ __forceinline__ float round_to_dtype(float f) { return to_float(from_
 
 // --- 16-byte vectors ------------------------------------------------------------------------
 
-__device__ __forceinline__ void unpack_vec(const uint4& raw, float (&out)[VEC]) {
-    const unsigned int w[4] = {raw.x, raw.y, raw.z, raw.w};
+// WORDS 32-bit words of packed elements as floats (a word holds one float, or two bf16/fp16).
+template <int WORDS>
+__device__ __forceinline__ void unpack_words(const unsigned int (&w)[WORDS],
+                                             float (&out)[WORDS * 4 / (int)sizeof(scalar_t)]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < WORDS; ++i) {
 #if defined(DTYPE_F32)
         out[i] = __uint_as_float(w[i]);
 #elif defined(DTYPE_BF16)
@@ -81,6 +83,11 @@ __device__ __forceinline__ void unpack_vec(const uint4& raw, float (&out)[VEC]) 
         out[2 * i + 1] = to_float((scalar_t)(w[i] >> 16));
 #endif
     }
+}
+
+__device__ __forceinline__ void unpack_vec(const uint4& raw, float (&out)[VEC]) {
+    const unsigned int w[4] = {raw.x, raw.y, raw.z, raw.w};
+    unpack_words<4>(w, out);
 }
 
 __device__ __forceinline__ uint4 pack_vec(const float (&in)[VEC]) {

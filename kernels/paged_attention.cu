@@ -64,25 +64,14 @@ typedef uint2 kv_vec_t;
 constexpr int KV_VEC = ATTN_VEC_BYTES / (int)sizeof(scalar_t);  // elements in one load
 constexpr int KV_WORDS = ATTN_VEC_BYTES / 4;
 
-// The elements of one load, as floats (common.cuh's unpack_vec, for either width).
+// The elements of one load, as floats (common.cuh's unpack_words, for either width).
 __device__ __forceinline__ void unpack_kv(const kv_vec_t& raw, float (&out)[KV_VEC]) {
 #if ATTN_VEC_BYTES == 16
     const unsigned int w[KV_WORDS] = {raw.x, raw.y, raw.z, raw.w};
 #else
     const unsigned int w[KV_WORDS] = {raw.x, raw.y};
 #endif
-#pragma unroll
-    for (int i = 0; i < KV_WORDS; ++i) {
-#if defined(DTYPE_F32)
-        out[i] = __uint_as_float(w[i]);
-#elif defined(DTYPE_BF16)
-        out[2 * i] = __uint_as_float(w[i] << 16);
-        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-#else
-        out[2 * i] = to_float((scalar_t)(w[i] & 0xffffu));
-        out[2 * i + 1] = to_float((scalar_t)(w[i] >> 16));
-#endif
-    }
+    unpack_words<KV_WORDS>(w, out);
 }
 
 constexpr int GQA = NUM_HEADS / NUM_KV_HEADS;  // query heads per kv head

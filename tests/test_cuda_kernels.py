@@ -527,6 +527,28 @@ def test_argmax_matches_torch_including_ties(vocab, rows, monkeypatch):
         assert torch.equal(s.cuda.argmax(logits), logits.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -float("nan")])
+def test_argmax_marks_rows_that_are_not_finite(bad, monkeypatch):
+    """A NaN or an inf anywhere in a row (here in the last CTA's chunk, and in the first) makes its
+    token NOT_FINITE, as the torch reference says; the other rows keep theirs, and the next launch
+    (counters and flags reset) is clean again."""
+    from pagedcli.backends import NOT_FINITE
+
+    s = Setup("llama1b", [16], seed=15)
+    logits = torch.randn(4, 128256, generator=s.gen, device=DEVICE)
+    poisoned = logits.clone()
+    poisoned[1, -3] = bad
+    poisoned[3, 5] = bad
+    forbid_torch_fallback(monkeypatch, "argmax")
+    tokens = s.cuda.argmax(poisoned)
+    expected = logits.argmax(dim=-1)
+    expected[1] = expected[3] = NOT_FINITE
+    assert torch.equal(tokens, expected)
+    assert torch.equal(s.cuda.argmax(logits), logits.argmax(dim=-1))
+    monkeypatch.undo()
+    assert torch.equal(s.ref.argmax(poisoned), expected)
+
+
 # --- (h) the qkv GEMV with RoPE and the K/V write fused -------------------------------------------
 
 @pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32", "stories-fp32"])

@@ -16,7 +16,8 @@ gate|up). RoPE's cos and sin come from `backend.rope` (pagedcli.model.rope.Rotar
 `backend.cos`, `backend.sin` for the static types, per-token rows for dynamic NTK.
 
 Around it: `prepare(batch)` (the network, once per forward pass: index tensors the layers share)
-and `argmax(logits)` (the runner: greedy tokens). The halves the fused steps are made of are
+and `argmax(logits)` (the runner: greedy tokens; NOT_FINITE for a row holding a NaN or an inf, so
+the engine fails that request alone). The halves the fused steps are made of are
 methods too, used by fallbacks and tests: `rms_norm`, `norm_linear`, `silu_mul`, `rope_write_kv`;
 composed.py builds the fused steps from any backend's halves.
 
@@ -24,6 +25,8 @@ composed.py builds the fused steps from any backend's halves.
 `TorchBackend` for what they do not serve.
 """
 
-from pagedcli.backends.torch import TorchBackend
+NOT_FINITE = -1  # argmax's token for a row of logits that holds a NaN or an inf (argmax.cu: -1 too)
 
-__all__ = ["TorchBackend"]
+from pagedcli.backends.torch import TorchBackend  # noqa: E402  (after NOT_FINITE, which it uses)
+
+__all__ = ["NOT_FINITE", "TorchBackend"]

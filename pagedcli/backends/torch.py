@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedcli.backends import NOT_FINITE
+
 from pagedcli.backends import composed
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.cache import KVCache
@@ -68,8 +70,9 @@ class TorchBackend:
         return composed.logits(self, x, norm_weight, lm_head, eps)
 
     def argmax(self, logits):
-        """Greedy tokens: [B] int64, the first maximum of each row (as torch.argmax)."""
-        return logits.argmax(dim=-1)
+        """Greedy tokens: [B] int64, the first maximum of each row (as torch.argmax); NOT_FINITE for
+        a row that holds a NaN or an inf."""
+        return torch.where(logits.isfinite().all(dim=-1), logits.argmax(dim=-1), NOT_FINITE)
 
     # --- positions and the cache --------------------------------------------------------------
     def prepare(self, batch: StepBatch) -> None:

@@ -4,29 +4,30 @@ Greedy rows share one argmax. Sampled rows each draw with their own generator, s
 request's seed, so a request's samples do not depend on what else is in the batch.
 
 A row whose logits are not all finite (an overflow in float16, a NaN weight) gets the token
-NOT_FINITE instead: the scheduler ends that request with an error, and the others go on. The check
-is one pass over the logits on their device, and its answer comes back with the tokens (no sync).
+NOT_FINITE instead: the scheduler ends that request with an error, and the others go on. For
+greedy rows the backend's argmax says so (on a GPU inside the same kernel, and inside the decode
+graph); a sampled row is checked before its draw. The answer comes back with the tokens (no sync).
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedcli.backends import NOT_FINITE
 from pagedcli.engine.sequence import Sequence
 
-NOT_FINITE = -1  # the token of a row whose logits hold a NaN or an inf
 
 
 def sample(logits: torch.Tensor, greedy: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits: [B, vocab] float32, row b for seqs[b]; greedy: [B] int64, their argmax (the runner's),
-    which sampled rows overwrite. Returns [B] int64 tokens where the logits are (NOT_FINITE for a row
-    that is not all finite): nothing waits for them."""
-    finite = logits.isfinite().all(dim=-1)  # [B]
+    """logits: [B, vocab] float32, row b for seqs[b]; greedy: [B] int64, their argmax (the runner's,
+    NOT_FINITE where a row is not all finite), which sampled rows overwrite. Returns [B] int64
+    tokens where the logits are: nothing waits for them."""
     tokens = greedy
-    sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
-    for b in sampled:  # a row that is not finite draws from zeros instead: its token is replaced anyway
-        tokens[b] = _draw(torch.where(finite[b], logits[b], 0.0), seqs[b])
-    return torch.where(finite, tokens, NOT_FINITE)
+    for b, seq in enumerate(seqs):
+        if not seq.params.greedy:  # a row that is not finite draws from zeros, then loses its token
+            finite = logits[b].isfinite().all()
+            tokens[b] = torch.where(finite, _draw(torch.where(finite, logits[b], 0.0), seq), NOT_FINITE)
+    return tokens
 
 
 def _draw(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 
 from pagedcli.engine.cache import KVCache
-from pagedcli.engine.sampler import NOT_FINITE
+from pagedcli.backends import NOT_FINITE
 from pagedcli.engine.sequence import Sequence, Status
 
 
