@@ -13,7 +13,7 @@ fi
 base=$(mktemp -d)
 tar xf .gpu/base.tar -C "$base"
 bench() {  # $1: label; runs in the current folder's pagedcli
-  timeout 180 python3 -m pagedcli.commands.app bench --model random:llama-3.2-1b --batch "${BATCHES:-1,2,64}" --input-len 128 \
+  timeout 180 python3 -m pagedcli bench --model random:llama-3.2-1b --batch "${BATCHES:-1,2,64}" --input-len 128 \
     --output-len 256 --json 2>/dev/null | python3 -c "
 import json, sys
 for r in map(json.loads, sys.stdin):
