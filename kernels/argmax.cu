@@ -7,15 +7,15 @@
 // (0xffffffff - index). The last CTA of a row to finish writes the token and zeroes the row's key
 // and counter for the next launch.
 //
-// A row holding a NaN or an inf (a float16 overflow, a broken weight) gets the token -1 (the
-// backends' NOT_FINITE): the engine then fails that request alone. The check rides on the same
+// A row holding a NaN or an inf (a float16 overflow, a broken weight) gets the token NOT_FINITE
+// (pagedcli/backends: -1): the engine then fails that request alone. The check rides on the same
 // pass over the logits; a CTA that saw one sets the flag bit of the row's counter before it counts
 // itself done, so the last CTA's count sees every CTA's flag.
 
 #include "common.cuh"
 
-#if !defined(ARGMAX_THREADS)
-#error "argmax.cu needs -DARGMAX_THREADS (pagedcli/backends/cuda_build.py)"
+#if !defined(ARGMAX_THREADS) || !defined(NOT_FINITE)
+#error "argmax.cu needs -DARGMAX_THREADS -DNOT_FINITE (pagedcli/backends/cuda_build.py)"
 #endif
 
 #define NOT_FINITE_FLAG 0x80000000u  // in counters[row]: some CTA of the row saw a NaN or an inf
@@ -66,8 +66,9 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(
     const unsigned int before = atomicAdd(counters + row, 1u);
     if ((before & ~NOT_FINITE_FLAG) == gridDim.x - 1) {  // the last CTA of this row
         const unsigned long long final_key = atomicExch(keys + row, 0ull);
-        const bool row_finite = chunk_finite && !(before & NOT_FINITE_FLAG);
-        tokens[row] = row_finite ? (long long)(0xffffffffu - (unsigned int)(final_key & 0xffffffffu)) : -1ll;
+        // `before` holds every CTA's flag, this one's too: its atomicOr came first, on the same word
+        tokens[row] = (before & NOT_FINITE_FLAG) ? (long long)NOT_FINITE
+                                                 : (long long)(0xffffffffu - (unsigned int)(final_key & 0xffffffffu));
         counters[row] = 0;
     }
 }

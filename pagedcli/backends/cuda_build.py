@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from pagedcli.errors import RunError
+from pagedcli.backends import NOT_FINITE
 from pagedcli.model.config import CacheGeometry, ModelConfig
 
 PARTITION_SIZE = 512  # tokens per split-KV chunk of the decode kernel (a multiple of every block size)
@@ -186,7 +187,8 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool) -
     gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),
                     ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST))
     plan.files["gemv.cu"] = (gemv, tuple(gemv_kernel_names()))
-    plan.files["argmax.cu"] = (dtype + (("ARGMAX_THREADS", ARGMAX_THREADS),), ("argmax_rows",))
+    plan.files["argmax.cu"] = (dtype + (("ARGMAX_THREADS", ARGMAX_THREADS), ("NOT_FINITE", NOT_FINITE)),
+                               ("argmax_rows",))
 
     # what gemv.cu and kv_write.cu have no epilogue or table for (the CUDA backend checks the same)
     if config.attention_bias:

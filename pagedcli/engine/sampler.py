@@ -23,10 +23,12 @@ def sample(logits: torch.Tensor, greedy: torch.Tensor, seqs: list[Sequence]) -> 
     NOT_FINITE where a row is not all finite), which sampled rows overwrite. Returns [B] int64
     tokens where the logits are: nothing waits for them."""
     tokens = greedy
-    for b, seq in enumerate(seqs):
-        if not seq.params.greedy:  # a row that is not finite draws from zeros, then loses its token
-            finite = logits[b].isfinite().all()
-            tokens[b] = torch.where(finite, _draw(torch.where(finite, logits[b], 0.0), seq), NOT_FINITE)
+    sampled = [b for b, seq in enumerate(seqs) if not seq.params.greedy]
+    if sampled:
+        bad = greedy == NOT_FINITE  # the argmax looked at every row, sampled ones too
+        for b in sampled:  # a row that is not finite draws from zeros (multinomial refuses NaN)
+            tokens[b] = _draw(torch.where(bad[b], 0.0, logits[b]), seqs[b])
+        tokens = torch.where(bad, NOT_FINITE, tokens)
     return tokens
 
 

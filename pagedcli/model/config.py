@@ -130,10 +130,7 @@ def rope_settings(d: dict, source: str) -> tuple[float, dict | None]:
     """config.json's RoPE settings as (rope_theta, parameters or None for the default type), read
     as transformers reads them: `rope_scaling`, or transformers 5's `rope_parameters` (which holds
     the theta too); the type as `rope_type` or `type`."""
-    rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        raise RunError(f"{source}: rope_scaling {rope!r} is not an object", "is this a Llama config.json?")
-    rope = dict(rope)
+    rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})  # an object: config_checks saw to it
     theta = rope.pop("rope_theta", None)
     theta = d.get("rope_theta", 10000.0) if theta is None else theta
     rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"

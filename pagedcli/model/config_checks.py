@@ -3,7 +3,7 @@ read: a value of the wrong type or range ends in one line naming the file, the f
 before anything is built from it (a bare int() or bool() would take "64" or "false" silently).
 
 Only shapes of values are checked here; which RoPE types or architectures are supported is the
-config parser's business (pagedcli/config.py)."""
+config parser's business (pagedcli/model/config.py)."""
 
 from __future__ import annotations
 
