@@ -62,3 +62,9 @@ def allocation_failure(e: BaseException, what: str | None = None, hint: str = OU
     asked = re.search(r"tried to allocate ([\d.]+ ?[KMGT]i?B|\d+ bytes)", str(e), re.IGNORECASE)
     detail = f" (it asked for {asked.group(1)})" if asked else ""
     return RunError(f"{what} does not fit in {where}" if what else f"out of {where}{detail}", hint)
+
+
+def show_value(value) -> str:
+    """A value from a user's file as an error message quotes it: its repr, cut to one short line."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

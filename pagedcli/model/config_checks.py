@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from pagedcli.errors import RunError
+from pagedcli.errors import RunError, show_value
 
 # config.json: sizes that must be whole numbers of at least 1 (None: the field may be absent or null)
 POSITIVE_INTS = {"vocab_size": False, "hidden_size": False, "intermediate_size": False, "num_hidden_layers": False,
@@ -24,12 +24,7 @@ ROPE_NUMBERS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_
 
 
 def _fail(source: str, field: str, value, why: str, hint: str | None = None):
-    raise RunError(f"{source}: {field} {_show(value)} {why}", hint or f"fix {field} in the file")
-
-
-def _show(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."  # one line, even for a huge value
+    raise RunError(f"{source}: {field} {show_value(value)} {why}", hint or f"fix {field} in the file")
 
 
 def is_int(value) -> bool:

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedcli.model.config import ModelConfig
-from pagedcli.errors import RunError
+from pagedcli.errors import RunError, show_value
 from pagedcli.model.files import read_json
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of what a weight may be stored as
@@ -86,22 +86,17 @@ def safetensors_files(folder: Path) -> list[Path]:
     if index.exists():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise RunError(f"{index}: weight_map {_short(weight_map)} is not an object naming the tensors' files",
+            raise RunError(f"{index}: weight_map {show_value(weight_map)} is not an object naming the tensors' files",
                            "download the checkpoint again")
         bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
         if bad is not None:
-            raise RunError(f"{index}: weight_map entry {bad[0]!r} is {_short(bad[1])}, not a file name",
+            raise RunError(f"{index}: weight_map entry {bad[0]!r} is {show_value(bad[1])}, not a file name",
                            "download the checkpoint again")
         return [_shard(folder, index, name) for name in sorted(set(weight_map.values()))]
     single = folder / "model.safetensors"
     if single.exists():
         return [single]
     raise RunError(f"no model.safetensors in {folder}", "the folder needs model.safetensors or a sharded index")
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _shard(folder: Path, index: Path, name: str) -> Path:
