@@ -346,263 +346,237 @@ __device__ __forceinline__ void merge_cluster(float (&owned)[OWNED], float (&run
     out, q, pool, table, table_slot_stride, slots, context_lens, max_context, partial_out, partial_max, \
         partial_sum, merge_counters, scale_log2
 
-template <int CLUSTER>
-__device__ __forceinline__ void attention(ATTENTION_PARAMS) {
-    const int split = blockIdx.z;
-    const int num_splits = gridDim.z;
-    const int head0 = blockIdx.x * HEADS_PER_CTA;  // first query head of this CTA
-    const int kv_head = head0 / GQA;
-    const int seq = blockIdx.y;
-    const int tid = threadIdx.x;
-    scalar_t* __restrict__ out_rows = out + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM;
+// --- the phases of attention<> -----------------------------------------------------------------
 
-    // This split's span of the context: num_splits equal runs of whole blocks. (The slot is read
-    // beside the length, not after it: the two reads overlap instead of adding their latencies.)
-    const int context = min(max(context_lens[seq], 0), max_context);
-    const int slot = slots[seq];
-    if (context == 0) {  // padding row: zeros, written by one CTA
-        if (split == 0) {
-            for (int i = tid; i < HEADS_PER_CTA * HEAD_DIM; i += ATTN_THREADS) out_rows[i] = from_float(0.0f);
-        }
-        return;
-    }
-    // With clusters, a context that one cluster covers with a chunk per CTA stays in the first
-    // cluster: its only merge is the cheap one in shared memory.
+// Which part of a sequence's context split `split` covers: num_splits equal runs of whole blocks
+// (or, with clusters, CLUSTER runs in the first cluster when one cluster covers the context).
+struct Span {
+    int start, end;  // tokens [start, end) of the context
+    int part;        // what is merged in the end: this split's sums or (CLUSTER > 1) its cluster's
+    int used_parts;  // parts with tokens; a CTA whose part >= used_parts has nothing to do
+};
+
+template <int CLUSTER>
+__device__ __forceinline__ Span plan_span(int context, int split, int num_splits) {
+    // A context that one cluster covers with a chunk per CTA stays in the first cluster: its only
+    // merge is the cheap one in shared memory.
     const bool one_cluster = CLUSTER > 1 && context <= CLUSTER * PARTITION_SIZE;
     const int span = one_cluster ? max((context + CLUSTER - 1) / CLUSTER, ATTN_CLUSTER_MIN_SPAN)
                                  : max((context + num_splits - 1) / num_splits, ATTN_MIN_SPAN);
-    const int span_blocks = (span + BLOCK_SIZE - 1) / BLOCK_SIZE;
-    const int span_tokens = span_blocks * BLOCK_SIZE;
+    const int span_tokens = (span + BLOCK_SIZE - 1) / BLOCK_SIZE * BLOCK_SIZE;
     const int used_splits = (context + span_tokens - 1) / span_tokens;
-    // Parts: what is merged in the end, a split's sums or (CLUSTER > 1) a cluster's. A cluster
-    // with no tokens leaves whole (no barrier is pending); in one with tokens, a CTA without any
-    // takes part in the cluster's merge with empty sums.
-    const int part = split / CLUSTER, used_parts = (used_splits + CLUSTER - 1) / CLUSTER;
-    if (part >= used_parts) return;
-    const int span_start = split * span_tokens;
-    const int span_end = min(context, span_start + span_tokens);
+    // A cluster with no tokens leaves whole (no barrier is pending); in one with tokens, a CTA
+    // without any takes part in the cluster's merge with empty sums.
+    Span s;
+    s.part = split / CLUSTER;
+    s.used_parts = (used_splits + CLUSTER - 1) / CLUSTER;
+    s.start = split * span_tokens;
+    s.end = min(context, s.start + span_tokens);
+    return s;
+}
 
-    __shared__ __align__(16) float smem[SMEM_FLOATS];  // scores and load ring; later per-warp sums
-    __shared__ int chunk_blocks[BLOCKS_PER_CHUNK];
-    __shared__ float warp_max_buf[NUM_WARPS][HEADS_PER_CTA];
-    __shared__ float warp_sum_buf[NUM_WARPS][HEADS_PER_CTA];
-    __shared__ float head_correction[HEADS_PER_CTA];
-    __shared__ float head_scale[HEADS_PER_CTA];  // 1 / softmax denominator, for the final writes
-    __shared__ float head_max[HEADS_PER_CTA];
-    __shared__ bool last_to_finish;
-    float* const scores = smem;
-    kv_vec_t* const ring = reinterpret_cast<kv_vec_t*>(smem + SCORE_FLOATS);
+// What one lane is in the row layout: which load of a row it makes, which token of a load step,
+// and which heads' reduced scores it writes.
+struct Lanes {
+    int warp, lane, lane_in_row, row_in_step, score_head;
+    bool active, score_writer;  // active: false for the lanes past ROW_VECS of a row
+};
 
-    const int warp = tid / WARP_SIZE;
-    const int lane = tid % WARP_SIZE;
-    const int lane_in_row = lane % ROW_LANES;          // which 16-byte vector of the row
-    const int row_in_step = tid / ROW_LANES;           // which token of a load step
-    const bool lane_active = lane_in_row < ROW_VECS;   // idle when the row is not a power of two
-    const int score_head = reduced_head_base(lane_in_row);
-    const bool score_writer = reduced_writer(lane_in_row);
+__device__ __forceinline__ Lanes lanes_of(int tid) {
+    Lanes l;
+    l.warp = tid / WARP_SIZE;
+    l.lane = tid % WARP_SIZE;
+    l.lane_in_row = l.lane % ROW_LANES;
+    l.row_in_step = tid / ROW_LANES;
+    l.active = l.lane_in_row < ROW_VECS;
+    l.score_head = reduced_head_base(l.lane_in_row);
+    l.score_writer = reduced_writer(l.lane_in_row);
+    return l;
+}
 
-    // Running softmax state per head (identical in every thread) and, for the HEADS_PER_CTA x
-    // HEAD_DIM outputs, the unnormalised sums over this CTA's chunks: thread tid owns elements
-    // tid, tid + ATTN_THREADS, ...
-    float run_max[HEADS_PER_CTA], run_sum[HEADS_PER_CTA], owned[OWNED];
+// Phase 1, the K pass: scores[h][t] = q_h . k_t (log2 units) for the chunk's n tokens. The ring's
+// first STAGES - 1 steps were issued by the caller; this issues the K pass's own and, past it, the
+// V pass's first ones.
+__device__ __forceinline__ void score_chunk(float* scores, kv_vec_t* ring, const scalar_t* q_base, float scale_log2,
+                                            const unsigned char* k_base, const unsigned char* v_base,
+                                            const int* blocks, int n, int iters, const Lanes& l, int tid) {
+    float qf[HEADS_PER_CTA][KV_VEC];
 #pragma unroll
     for (int h = 0; h < HEADS_PER_CTA; ++h) {
-        run_max[h] = neg_infinity();
-        run_sum[h] = 0.0f;
+        if (l.active) {
+            unpack_kv(load_vec_keep_in_loop(q_base + h * HEAD_DIM), qf[h]);
+#pragma unroll
+            for (int j = 0; j < KV_VEC; ++j) qf[h][j] *= scale_log2;
+        } else {
+#pragma unroll
+            for (int j = 0; j < KV_VEC; ++j) qf[h][j] = 0.0f;
+        }
+    }
+    for (int it = 0; it < iters; ++it) {
+        const int t0 = it * TOKENS_PER_ITER;
+        kv_vec_t cur[UNROLL];
+        read_step(cur, ring, it, tid);
+        issue_step(ring, it + STAGES - 1, iters, k_base, v_base, blocks, n, l.row_in_step, l.active, tid);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float kf[KV_VEC];
+            unpack_kv(cur[u], kf);
+            float dot[HEAD_SLOTS];
+#pragma unroll
+            for (int h = 0; h < HEAD_SLOTS; ++h) {
+                dot[h] = 0.0f;
+                if (h < HEADS_PER_CTA) {
+#pragma unroll
+                    for (int j = 0; j < KV_VEC; ++j) dot[h] = fmaf(qf[h][j], kf[j], dot[h]);
+                }
+            }
+            reduce_row(dot, l.lane_in_row);
+            const int t = t0 + u * ROWS_PER_STEP + l.row_in_step;
+            if (t < n && l.score_writer) {
+#pragma unroll
+                for (int i = 0; i < HEADS_HELD; ++i) {
+                    if (l.score_head + i < HEADS_PER_CTA) scores[(l.score_head + i) * SCORE_STRIDE + t] = dot[i];
+                }
+            }
+        }
+    }
+}
+
+// Phase 2, softmax over the chunk, merged with the earlier chunks: probabilities relative to the
+// new running max replace the scores; `correction[h]` rescales the earlier sums (read by phase 3
+// after its first barrier).
+__device__ __forceinline__ void softmax_chunk(float* scores, int n, float (&run_max)[HEADS_PER_CTA],
+                                              float (&run_sum)[HEADS_PER_CTA], float* correction, const Lanes& l,
+                                              int tid) {
+    __shared__ float warp_max_buf[NUM_WARPS][HEADS_PER_CTA];
+    __shared__ float warp_sum_buf[NUM_WARPS][HEADS_PER_CTA];
+    float new_max[HEADS_PER_CTA];
+#pragma unroll
+    for (int h = 0; h < HEADS_PER_CTA; ++h) {
+        float m = neg_infinity();
+        for (int t = tid; t < n; t += ATTN_THREADS) m = fmaxf(m, scores[h * SCORE_STRIDE + t]);
+        m = warp_max(m);
+        if (l.lane == 0) warp_max_buf[l.warp][h] = m;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < HEADS_PER_CTA; ++h) {
+        float m = run_max[h];
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, warp_max_buf[w][h]);
+        new_max[h] = m;  // finite: the chunk has at least one token
+        float s = 0.0f;
+        for (int t = tid; t < n; t += ATTN_THREADS) {
+            const float p = exp2f(scores[h * SCORE_STRIDE + t] - m);
+            scores[h * SCORE_STRIDE + t] = p;
+            s += p;
+        }
+        s = warp_sum(s);
+        if (l.lane == 0) warp_sum_buf[l.warp][h] = s;
+    }
+    __syncthreads();  // probabilities and per-warp sums are complete
+#pragma unroll
+    for (int h = 0; h < HEADS_PER_CTA; ++h) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) s += warp_sum_buf[w][h];
+        const float c = exp2f(run_max[h] - new_max[h]);  // 0 for the CTA's first chunk
+        run_sum[h] = run_sum[h] * c + s;
+        run_max[h] = new_max[h];
+        if (tid == h) correction[h] = c;
+    }
+}
+
+// Phase 3, the V pass: p[h][t] * v_t summed over the chunk into `owned` (rescaled by the
+// correction first): in registers per row group, across a warp's groups with shuffles, then
+// across warps in shared memory (`smem`, the score buffer, once every warp is done with it).
+__device__ __forceinline__ void accumulate_chunk(float (&owned)[OWNED], float* smem, const float* scores,
+                                                 kv_vec_t* ring, const float* correction,
+                                                 const unsigned char* k_base, const unsigned char* v_base,
+                                                 const int* blocks, int n, int iters, const Lanes& l, int tid) {
+    float acc[HEADS_PER_CTA][KV_VEC];
+#pragma unroll
+    for (int h = 0; h < HEADS_PER_CTA; ++h) {
+#pragma unroll
+        for (int j = 0; j < KV_VEC; ++j) acc[h][j] = 0.0f;
+    }
+    for (int it = 0; it < iters; ++it) {
+        const int t0 = it * TOKENS_PER_ITER;
+        kv_vec_t cur_v[UNROLL];
+        read_step(cur_v, ring, iters + it, tid);
+        issue_step(ring, iters + it + STAGES - 1, iters, k_base, v_base, blocks, n, l.row_in_step, l.active, tid);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = t0 + u * ROWS_PER_STEP + l.row_in_step;
+            if (t < n) {
+                float vf[KV_VEC];
+                unpack_kv(cur_v[u], vf);
+#pragma unroll
+                for (int h = 0; h < HEADS_PER_CTA; ++h) {
+                    const float p = scores[h * SCORE_STRIDE + t];
+#pragma unroll
+                    for (int j = 0; j < KV_VEC; ++j) acc[h][j] = fmaf(p, vf[j], acc[h][j]);
+                }
+            }
+        }
     }
 #pragma unroll
-    for (int k = 0; k < OWNED; ++k) owned[k] = 0.0f;
-
-    const int* __restrict__ seq_table = table + slot * table_slot_stride;
-    const unsigned char* __restrict__ k_base = pool + (size_t)kv_head * ROW_BYTES + (size_t)lane_in_row * ATTN_VEC_BYTES;
-    const unsigned char* __restrict__ v_base = k_base + V_OFFSET;
-    const scalar_t* __restrict__ q_base = q + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM + lane_in_row * KV_VEC;
-
-    for (int chunk_start = span_start; chunk_start < span_end; chunk_start += PARTITION_SIZE) {
-        const int n = min(PARTITION_SIZE, span_end - chunk_start);  // tokens in this chunk
-
-        __syncthreads();  // the previous chunk is done with chunk_blocks and smem
-        for (int i = tid; i < (n + BLOCK_SIZE - 1) / BLOCK_SIZE; i += ATTN_THREADS) {
-            chunk_blocks[i] = max(seq_table[chunk_start / BLOCK_SIZE + i], 0);  // -1 would be a bug; stay in bounds
-        }
-        __syncthreads();
-
-        // Start the load ring: the first STAGES - 1 steps (K rows, then V rows).
-        const int iters = (n + TOKENS_PER_ITER - 1) / TOKENS_PER_ITER;  // load steps per pass
-#pragma unroll
-        for (int g = 0; g < STAGES - 1; ++g) {
-            issue_step(ring, g, iters, k_base, v_base, chunk_blocks, n, row_in_step, lane_active, tid);
-        }
-
-        // 1. K pass: scores[h][t] = q_h . k_t (log2 units).
-        {
-            float qf[HEADS_PER_CTA][KV_VEC];
-#pragma unroll
-            for (int h = 0; h < HEADS_PER_CTA; ++h) {
-                if (lane_active) {
-                    unpack_kv(load_vec_keep_in_loop(q_base + h * HEAD_DIM), qf[h]);
-#pragma unroll
-                    for (int j = 0; j < KV_VEC; ++j) qf[h][j] *= scale_log2;
-                } else {
-#pragma unroll
-                    for (int j = 0; j < KV_VEC; ++j) qf[h][j] = 0.0f;
-                }
-            }
-            for (int it = 0; it < iters; ++it) {
-                const int t0 = it * TOKENS_PER_ITER;
-                kv_vec_t cur[UNROLL];
-                read_step(cur, ring, it, tid);
-                issue_step(ring, it + STAGES - 1, iters, k_base, v_base, chunk_blocks, n, row_in_step, lane_active,
-                           tid);
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    float kf[KV_VEC];
-                    unpack_kv(cur[u], kf);
-                    float dot[HEAD_SLOTS];
-#pragma unroll
-                    for (int h = 0; h < HEAD_SLOTS; ++h) {
-                        dot[h] = 0.0f;
-                        if (h < HEADS_PER_CTA) {
-#pragma unroll
-                            for (int j = 0; j < KV_VEC; ++j) dot[h] = fmaf(qf[h][j], kf[j], dot[h]);
-                        }
-                    }
-                    reduce_row(dot, lane_in_row);
-                    const int t = t0 + u * ROWS_PER_STEP + row_in_step;
-                    if (t < n && score_writer) {
-#pragma unroll
-                        for (int i = 0; i < HEADS_HELD; ++i) {
-                            if (score_head + i < HEADS_PER_CTA) scores[(score_head + i) * SCORE_STRIDE + t] = dot[i];
-                        }
-                    }
-                }
-            }
-        }
-        __syncthreads();
-
-        // 2. Softmax over the chunk, merged with the earlier chunks: probabilities relative to the
-        //    new running max replace the scores; the earlier sums are rescaled by `correction`.
-        float new_max[HEADS_PER_CTA];
+    for (int off = ROW_LANES; off < WARP_SIZE; off <<= 1) {
 #pragma unroll
         for (int h = 0; h < HEADS_PER_CTA; ++h) {
-            float m = neg_infinity();
-            for (int t = tid; t < n; t += ATTN_THREADS) m = fmaxf(m, scores[h * SCORE_STRIDE + t]);
-            m = warp_max(m);
-            if (lane == 0) warp_max_buf[warp][h] = m;
+#pragma unroll
+            for (int j = 0; j < KV_VEC; ++j) acc[h][j] += __shfl_xor_sync(FULL_MASK, acc[h][j], off);
         }
-        __syncthreads();
+    }
+    __syncthreads();
+    float* const warp_acc = smem;  // [NUM_WARPS][HEADS_PER_CTA][HEAD_DIM]
+    if (l.lane < ROW_LANES && l.active) {
 #pragma unroll
         for (int h = 0; h < HEADS_PER_CTA; ++h) {
-            float m = run_max[h];
 #pragma unroll
-            for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, warp_max_buf[w][h]);
-            new_max[h] = m;  // finite: the chunk has at least one token
+            for (int j = 0; j < KV_VEC; ++j) {
+                warp_acc[(l.warp * HEADS_PER_CTA + h) * HEAD_DIM + l.lane * KV_VEC + j] = acc[h][j];
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < OWNED; ++k) {
+        const int i = tid + k * ATTN_THREADS;
+        if (i < HEADS_PER_CTA * HEAD_DIM) {
             float s = 0.0f;
-            for (int t = tid; t < n; t += ATTN_THREADS) {
-                const float p = exp2f(scores[h * SCORE_STRIDE + t] - m);
-                scores[h * SCORE_STRIDE + t] = p;
-                s += p;
-            }
-            s = warp_sum(s);
-            if (lane == 0) warp_sum_buf[warp][h] = s;
-        }
-        __syncthreads();  // probabilities and per-warp sums are complete
 #pragma unroll
-        for (int h = 0; h < HEADS_PER_CTA; ++h) {
-            float s = 0.0f;
-#pragma unroll
-            for (int w = 0; w < NUM_WARPS; ++w) s += warp_sum_buf[w][h];
-            const float correction = exp2f(run_max[h] - new_max[h]);  // 0 for the CTA's first chunk
-            run_sum[h] = run_sum[h] * correction + s;
-            run_max[h] = new_max[h];
-            if (tid == h) head_correction[h] = correction;  // read after the next barrier
-        }
-
-        // 3. V pass: acc[h] = sum over this lane group's rows of p[h][t] * v_t.
-        float acc[HEADS_PER_CTA][KV_VEC];
-#pragma unroll
-        for (int h = 0; h < HEADS_PER_CTA; ++h) {
-#pragma unroll
-            for (int j = 0; j < KV_VEC; ++j) acc[h][j] = 0.0f;
-        }
-        for (int it = 0; it < iters; ++it) {
-            const int t0 = it * TOKENS_PER_ITER;
-            kv_vec_t cur_v[UNROLL];
-            read_step(cur_v, ring, iters + it, tid);
-            issue_step(ring, iters + it + STAGES - 1, iters, k_base, v_base, chunk_blocks, n, row_in_step,
-                       lane_active, tid);
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int t = t0 + u * ROWS_PER_STEP + row_in_step;
-                if (t < n) {
-                    float vf[KV_VEC];
-                    unpack_kv(cur_v[u], vf);
-#pragma unroll
-                    for (int h = 0; h < HEADS_PER_CTA; ++h) {
-                        const float p = scores[h * SCORE_STRIDE + t];
-#pragma unroll
-                        for (int j = 0; j < KV_VEC; ++j) acc[h][j] = fmaf(p, vf[j], acc[h][j]);
-                    }
-                }
-            }
-        }
-
-        // Sum acc over the row groups: across the groups of a warp with shuffles, then across warps
-        // in shared memory (reusing the score buffer once every warp is done with it), into `owned`.
-#pragma unroll
-        for (int off = ROW_LANES; off < WARP_SIZE; off <<= 1) {
-#pragma unroll
-            for (int h = 0; h < HEADS_PER_CTA; ++h) {
-#pragma unroll
-                for (int j = 0; j < KV_VEC; ++j) acc[h][j] += __shfl_xor_sync(FULL_MASK, acc[h][j], off);
-            }
-        }
-        __syncthreads();
-        float* const warp_acc = smem;  // [NUM_WARPS][HEADS_PER_CTA][HEAD_DIM]
-        if (lane < ROW_LANES && lane_active) {
-#pragma unroll
-            for (int h = 0; h < HEADS_PER_CTA; ++h) {
-#pragma unroll
-                for (int j = 0; j < KV_VEC; ++j) {
-                    warp_acc[(warp * HEADS_PER_CTA + h) * HEAD_DIM + lane * KV_VEC + j] = acc[h][j];
-                }
-            }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int k = 0; k < OWNED; ++k) {
-            const int i = tid + k * ATTN_THREADS;
-            if (i < HEADS_PER_CTA * HEAD_DIM) {
-                float s = 0.0f;
-#pragma unroll
-                for (int w = 0; w < NUM_WARPS; ++w) s += warp_acc[w * HEADS_PER_CTA * HEAD_DIM + i];
-                owned[k] = owned[k] * head_correction[i / HEAD_DIM] + s;
-            }
+            for (int w = 0; w < NUM_WARPS; ++w) s += warp_acc[w * HEADS_PER_CTA * HEAD_DIM + i];
+            owned[k] = owned[k] * correction[i / HEAD_DIM] + s;
         }
     }
+}
 
-    if constexpr (CLUSTER > 1) {
-        merge_cluster<CLUSTER>(owned, run_max, run_sum, split % CLUSTER, tid);
-        if (split % CLUSTER != 0) return;
-    }
-
-    // The whole context in this one part: normalise and write the output.
-    if (used_parts == 1) {
+// The whole context in one part: normalise and write the output.
+__device__ __forceinline__ void write_normalised(scalar_t* out_rows, const float (&owned)[OWNED],
+                                                 const float (&run_sum)[HEADS_PER_CTA], float* head_scale, int tid) {
 #pragma unroll
-        for (int h = 0; h < HEADS_PER_CTA; ++h) {
-            if (tid == h) head_scale[h] = 1.0f / run_sum[h];  // run_sum >= 1: the max term is 2^0
-        }
-        __syncthreads();
-#pragma unroll
-        for (int k = 0; k < OWNED; ++k) {
-            const int i = tid + k * ATTN_THREADS;
-            if (i < HEADS_PER_CTA * HEAD_DIM) out_rows[i] = from_float(owned[k] * head_scale[i / HEAD_DIM]);
-        }
-        return;
+    for (int h = 0; h < HEADS_PER_CTA; ++h) {
+        if (tid == h) head_scale[h] = 1.0f / run_sum[h];  // run_sum >= 1: the max term is 2^0
     }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < OWNED; ++k) {
+        const int i = tid + k * ATTN_THREADS;
+        if (i < HEADS_PER_CTA * HEAD_DIM) out_rows[i] = from_float(owned[k] * head_scale[i / HEAD_DIM]);
+    }
+}
 
-    // Several parts: publish this one's unnormalised output, max and sum ...
-    const size_t row0 = ((size_t)seq * NUM_HEADS + head0) * num_splits;  // (seq, head0, split 0)
+// Several parts: publish this one's unnormalised output, max and sum, and count it; the last part
+// of this (sequence, head group) to arrive merges them all and writes the output.
+__device__ __forceinline__ void publish_and_merge(scalar_t* out_rows, const float (&owned)[OWNED],
+                                                  const float (&run_max)[HEADS_PER_CTA],
+                                                  const float (&run_sum)[HEADS_PER_CTA], float* partial_out,
+                                                  float* partial_max, float* partial_sum, unsigned int* counter,
+                                                  size_t row0, int part, int used_parts, int num_splits,
+                                                  float* head_scale, const Lanes& l, int tid) {
+    __shared__ float head_max[HEADS_PER_CTA];
+    __shared__ bool last_to_finish;
 #pragma unroll
     for (int k = 0; k < OWNED; ++k) {
         const int i = tid + k * ATTN_THREADS;
@@ -617,10 +591,8 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
             partial_sum[row0 + (size_t)h * num_splits + part] = run_sum[h];
         }
     }
-    // ... and count it; the last part of this (sequence, head group) to arrive merges them all.
     __threadfence();  // our partials are visible GPU-wide before the counter moves
     __syncthreads();
-    unsigned int* const counter = merge_counters + (size_t)seq * gridDim.x + blockIdx.x;
     if (tid == 0) last_to_finish = atomicAdd(counter, 1u) == (unsigned int)(used_parts - 1);
     __syncthreads();
     if (!last_to_finish) return;
@@ -628,18 +600,18 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
     if (tid == 0) *counter = 0u;  // ready for the next launch (or CUDA-graph replay)
 
     // The merged max and 1 / denominator of each head: a warp per head, its lanes over the parts.
-    for (int h = warp; h < HEADS_PER_CTA; h += NUM_WARPS) {
+    for (int h = l.warp; h < HEADS_PER_CTA; h += NUM_WARPS) {
         const float* maxes = partial_max + row0 + (size_t)h * num_splits;
         const float* sums = partial_sum + row0 + (size_t)h * num_splits;
         float m = neg_infinity();
-        for (int s = lane; s < used_parts; s += WARP_SIZE) m = fmaxf(m, load_from_l2(maxes + s));
+        for (int s = l.lane; s < used_parts; s += WARP_SIZE) m = fmaxf(m, load_from_l2(maxes + s));
         m = warp_max(m);
         float denom = 0.0f;
-        for (int s = lane; s < used_parts; s += WARP_SIZE) {
+        for (int s = l.lane; s < used_parts; s += WARP_SIZE) {
             denom += load_from_l2(sums + s) * exp2f(load_from_l2(maxes + s) - m);
         }
         denom = warp_sum(denom);  // >= 1: the split holding the max contributes 2^0 * (sum >= 1)
-        if (lane == 0) {
+        if (l.lane == 0) {
             head_max[h] = m;
             head_scale[h] = 1.0f / denom;
         }
@@ -656,6 +628,90 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
         }
         out_rows[i] = from_float(a * head_scale[h]);
     }
+}
+
+// One CTA: its span of one sequence's context for HEADS_PER_CTA query heads, chunk by chunk
+// (phases 1 to 3), then the merge.
+template <int CLUSTER>
+__device__ __forceinline__ void attention(ATTENTION_PARAMS) {
+    const int split = blockIdx.z, num_splits = gridDim.z;
+    const int head0 = blockIdx.x * HEADS_PER_CTA;  // first query head of this CTA
+    const int kv_head = head0 / GQA;
+    const int seq = blockIdx.y;
+    const int tid = threadIdx.x;
+    scalar_t* __restrict__ out_rows = out + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM;
+
+    // (The slot is read beside the length, not after it: the two reads overlap instead of adding
+    // their latencies.)
+    const int context = min(max(context_lens[seq], 0), max_context);
+    const int slot = slots[seq];
+    if (context == 0) {  // padding row: zeros, written by one CTA
+        if (split == 0) {
+            for (int i = tid; i < HEADS_PER_CTA * HEAD_DIM; i += ATTN_THREADS) out_rows[i] = from_float(0.0f);
+        }
+        return;
+    }
+    const Span span = plan_span<CLUSTER>(context, split, num_splits);
+    if (span.part >= span.used_parts) return;
+
+    __shared__ __align__(16) float smem[SMEM_FLOATS];  // scores and load ring; later per-warp sums
+    __shared__ int chunk_blocks[BLOCKS_PER_CHUNK];
+    __shared__ float head_correction[HEADS_PER_CTA];
+    __shared__ float head_scale[HEADS_PER_CTA];  // 1 / softmax denominator, for the final writes
+    float* const scores = smem;
+    kv_vec_t* const ring = reinterpret_cast<kv_vec_t*>(smem + SCORE_FLOATS);
+    const Lanes l = lanes_of(tid);
+
+    // Running softmax state per head (identical in every thread) and, for the HEADS_PER_CTA x
+    // HEAD_DIM outputs, the unnormalised sums over this CTA's chunks: thread tid owns elements
+    // tid, tid + ATTN_THREADS, ...
+    float run_max[HEADS_PER_CTA], run_sum[HEADS_PER_CTA], owned[OWNED];
+#pragma unroll
+    for (int h = 0; h < HEADS_PER_CTA; ++h) {
+        run_max[h] = neg_infinity();
+        run_sum[h] = 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < OWNED; ++k) owned[k] = 0.0f;
+
+    const int* __restrict__ seq_table = table + slot * table_slot_stride;
+    const unsigned char* __restrict__ k_base = pool + (size_t)kv_head * ROW_BYTES + (size_t)l.lane_in_row * ATTN_VEC_BYTES;
+    const unsigned char* __restrict__ v_base = k_base + V_OFFSET;
+    const scalar_t* __restrict__ q_base = q + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM + l.lane_in_row * KV_VEC;
+
+    for (int chunk_start = span.start; chunk_start < span.end; chunk_start += PARTITION_SIZE) {
+        const int n = min(PARTITION_SIZE, span.end - chunk_start);  // tokens in this chunk
+
+        __syncthreads();  // the previous chunk is done with chunk_blocks and smem
+        for (int i = tid; i < (n + BLOCK_SIZE - 1) / BLOCK_SIZE; i += ATTN_THREADS) {
+            chunk_blocks[i] = max(seq_table[chunk_start / BLOCK_SIZE + i], 0);  // -1 would be a bug; stay in bounds
+        }
+        __syncthreads();
+
+        // Start the load ring: the first STAGES - 1 steps (K rows, then V rows).
+        const int iters = (n + TOKENS_PER_ITER - 1) / TOKENS_PER_ITER;  // load steps per pass
+#pragma unroll
+        for (int g = 0; g < STAGES - 1; ++g) {
+            issue_step(ring, g, iters, k_base, v_base, chunk_blocks, n, l.row_in_step, l.active, tid);
+        }
+        score_chunk(scores, ring, q_base, scale_log2, k_base, v_base, chunk_blocks, n, iters, l, tid);
+        __syncthreads();
+        softmax_chunk(scores, n, run_max, run_sum, head_correction, l, tid);
+        accumulate_chunk(owned, smem, scores, ring, head_correction, k_base, v_base, chunk_blocks, n, iters, l, tid);
+    }
+
+    if constexpr (CLUSTER > 1) {
+        merge_cluster<CLUSTER>(owned, run_max, run_sum, split % CLUSTER, tid);
+        if (split % CLUSTER != 0) return;
+    }
+    if (span.used_parts == 1) {
+        write_normalised(out_rows, owned, run_sum, head_scale, tid);
+        return;
+    }
+    const size_t row0 = ((size_t)seq * NUM_HEADS + head0) * num_splits;  // (seq, head0, split 0)
+    publish_and_merge(out_rows, owned, run_max, run_sum, partial_out, partial_max, partial_sum,
+                      merge_counters + (size_t)seq * gridDim.x + blockIdx.x, row0, span.part, span.used_parts,
+                      num_splits, head_scale, l, tid);
 }
 
 // ATTN_MIN_CTAS resident CTAs per SM bound the registers (the compiler would otherwise take more,

@@ -43,6 +43,7 @@ if _OK:  # these import cupy lazily, but keep CPU-only collection free of GPU wo
     import pagedcli.backends.cuda_build as cuda_build
     import pagedcli.backends.cuda_launch as cuda_launch
     from pagedcli.backends.cuda import CudaBackend
+    from pagedcli.backends.cuda_gemv import gemv
     from pagedcli.backends.cuda_launch import LaunchShapes
     from pagedcli.backends.torch import TorchBackend
     from pagedcli.engine.batch import StepBatch
@@ -91,8 +92,9 @@ class Setup:
     """A cache on the GPU with random contents, sequences of the given lengths in shuffled blocks,
     and both backends over it."""
 
-    def __init__(self, geometry: str, lengths, max_model_len=8192, seed=0, spare_slots=0):
-        num_heads, num_kv_heads, head_dim, block_size, dtype = GEOMETRIES[geometry]
+    def __init__(self, geometry: str, lengths, max_model_len=8192, seed=0, spare_slots=0, block_size=None):
+        num_heads, num_kv_heads, head_dim, own_block_size, dtype = GEOMETRIES[geometry]
+        block_size = block_size or own_block_size
         self.dtype = dtype
         self.config = make_config(num_heads, num_kv_heads, head_dim, dtype, max_len=max_model_len)
         blocks = sum(math.ceil(n / block_size) for n in lengths) * self.config.num_layers + 64
@@ -275,6 +277,92 @@ def test_decode_attend_one_split_merges_all_chunks(monkeypatch):
     monkeypatch.setattr(cuda_launch, "SPLIT_CTAS_PER_SM", 0)
     s = _decode_case("llama1b", [4097, 1000, 1, 513], max_model_len=8192, seed=5)
     assert s.cuda.shapes.num_splits(4) == 1
+
+
+# --- (b2) prefill attention ------------------------------------------------------------------------
+
+# (new tokens, tokens cached before them) per sequence of one prefill step
+PREFILL_CASES = {
+    "prompts": [(1, 0), (15, 0), (16, 0), (17, 0), (100, 0), (1000, 0), (64, 0), (65, 0)],
+    "cached prefixes and decode rows": [(13, 20), (1, 64), (50, 128), (64, 64), (1, 1), (200, 37), (1, 999)],
+}
+
+
+def reference_prefill_fp64(setup, layer, q, seqs, slots, rows=None):
+    """Causal attention of each sequence's new tokens in float64, through the host block table.
+    rows: only the last `rows` new tokens of each sequence (long prompts)."""
+    geo = setup.cache.geometry
+    gqa = setup.config.num_heads // setup.config.num_kv_heads
+    out, start = [], 0
+    for (n, cached), slot in zip(seqs, slots):
+        ctx = n + cached
+        blocks = torch.as_tensor(setup.cache.table[slot, layer, : math.ceil(ctx / geo.block_size)], device=DEVICE).long()
+        kv = setup.cache.pool[blocks].double()
+        k = kv[:, 0].reshape(-1, geo.num_kv_heads, geo.head_dim)[:ctx].repeat_interleave(gqa, dim=1)
+        v = kv[:, 1].reshape(-1, geo.num_kv_heads, geo.head_dim)[:ctx].repeat_interleave(gqa, dim=1)
+        first = max(0, n - rows) if rows else 0
+        qb = q[start + first:start + n].double()
+        s = torch.einsum("qhd,thd->hqt", qb, k) / math.sqrt(geo.head_dim)
+        pos = cached + torch.arange(first, n, device=DEVICE)
+        s = s.masked_fill(torch.arange(ctx, device=DEVICE)[None, None, :] > pos[None, :, None], float("-inf"))
+        out.append(torch.einsum("hqt,thd->qhd", s.softmax(-1), v))
+        start += n
+    return torch.cat(out)
+
+
+def _prefill_case(geometry, seqs, monkeypatch, block_size=None, seed=7, layer=1):
+    lengths = [n + c for n, c in seqs]
+    s = Setup(geometry, lengths, max_model_len=max(lengths) + 16, seed=seed, block_size=block_size)
+    batch = StepBatch.build(True, s.slots, [[1] * n for n, _ in seqs], [c for _, c in seqs], torch.device(DEVICE))
+    q = s.randn(sum(n for n, _ in seqs), s.config.num_heads, s.config.head_dim, scale=2.0)
+    s.ref.prepare(batch)
+    ref_torch = s.ref.attend(layer, q, batch)
+    if s.cuda.prefill_kernel:
+        forbid_torch_fallback(monkeypatch, "attend")
+    s.cuda.prepare(batch)
+    poison_allocator(q.shape, dtype=s.dtype)
+    out = s.cuda.attend(layer, q, batch)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    loose = (out.float() - ref_torch.float()).abs().max().item()
+    assert loose <= 2e-2 * ref_torch.float().abs().max().item(), f"off the torch reference by {loose}"
+    return s, q, out
+
+
+def assert_prefill_close(out, ref64):
+    """P is rounded to the element type before P V (as FlashAttention and SDPA do): the output is
+    within a few of the dtype's ulps of the float64 result, relative to the largest output."""
+    bound = (2e-6 if out.dtype == torch.float32 else 8 * ULP[out.dtype]) * ref64.abs().max().item()
+    worst = (out.double() - ref64).abs().max().item()
+    assert worst <= bound, f"off the fp64 reference by {worst} (bound {bound})"
+
+
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_attend_matches_fp64_reference(geometry, case, monkeypatch):
+    seqs = PREFILL_CASES[case]
+    s, q, out = _prefill_case(geometry, seqs, monkeypatch)
+    assert s.cuda.prefill_kernel == (s.dtype != torch.float32), s.cuda.fallbacks
+    assert_prefill_close(out, reference_prefill_fp64(s, 1, q, seqs, s.slots))
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 64])
+def test_prefill_attend_every_block_size(block_size, monkeypatch):
+    seqs = PREFILL_CASES["cached prefixes and decode rows"]
+    s, q, out = _prefill_case("llama1b", seqs, monkeypatch, block_size=block_size)
+    assert s.cache.geometry.block_size == block_size
+    assert_prefill_close(out, reference_prefill_fp64(s, 1, q, seqs, s.slots))
+
+
+@pytest.mark.parametrize("seqs", [[(16000, 0)], [(4000, 0), (3000, 1000), (1, 4000), (8000, 96)]])
+def test_prefill_attend_long_prompts(seqs, monkeypatch):
+    """16k-token prompts and long chunks after cached prefixes: the last rows against float64."""
+    s, q, out = _prefill_case("llama1b", seqs, monkeypatch)
+    rows = 40
+    ref64 = reference_prefill_fp64(s, 1, q, seqs, s.slots, rows=rows)
+    ends = torch.cumsum(torch.tensor([n for n, _ in seqs]), 0).tolist()
+    picked = torch.cat([out[e - min(rows, n):e] for e, (n, _) in zip(ends, seqs)])
+    assert_prefill_close(picked, ref64)
 
 
 # --- (c) elementwise ---------------------------------------------------------------------------
@@ -505,11 +593,11 @@ def test_gemv_falls_back_past_its_limits():
     weight = s.randn(256, 2048)
     norm_weight = s.randn(2048) + 1
     many_rows = s.randn(cuda_build.GEMV_MAX_ROWS + 1, 2048)
-    assert s.cuda._gemv("rms_norm_store", many_rows, weight, norm_weight, 1e-5) is None
+    assert gemv(s.cuda, "rms_norm_store", many_rows, weight, norm_weight, 1e-5) is None
     ref = s.ref.norm_linear(many_rows, norm_weight, weight, 1e-5)
     torch.testing.assert_close(s.cuda.norm_linear(many_rows, norm_weight, weight, 1e-5), ref, rtol=2**-7, atol=1e-2)
     odd = s.randn(1, 2049)[:, 1:]  # a row that is not 16-byte aligned
-    assert s.cuda._gemv("rms_norm_store", odd, weight, norm_weight, 1e-5) is None
+    assert gemv(s.cuda, "rms_norm_store", odd, weight, norm_weight, 1e-5) is None
 
 
 # --- (g) greedy argmax -----------------------------------------------------------------------------

@@ -85,18 +85,24 @@ def test_kernels_compile_without_clusters_for_older_gpus():
     config = preset_configs()["llama-3.2-1b"]
     plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=False)
     assert plan.files["paged_attention.cu"][1] == ("paged_attention_decode",)
-    ok, err = nvcc("paged_attention.cu", plan.files["paged_attention.cu"][0], arch="sm_80")
-    assert ok, err
+    for file in ("paged_attention.cu", "paged_prefill.cu"):
+        ok, err = nvcc(file, plan.files[file][0], arch="sm_80")
+        assert ok, err
 
 
 def test_plan_sends_to_torch_only_what_the_kernel_cannot_serve():
     """Every preset has its decode kernel in every dtype (head_dim 100 in bf16, 200 bytes a row,
-    with 8-byte loads). A row over a warp's loads (head_dim 256 in fp32: 1 KiB) runs as torch ops,
+    with 8-byte loads), and its tensor-core prefill kernel in bf16 and fp16 (float32 prefill runs
+    as torch ops). A row over a warp's loads (head_dim 256 in fp32: 1 KiB) runs as torch ops,
     with a reason naming the head_dim and dtype."""
     for name, config in preset_configs().items():
         for dtype in DTYPES:
             plan = plan_kernels(config, geometry(config, dtype), clusters=True)
-            assert plan.attention_decode and not plan.fallbacks, (name, dtype, plan.fallbacks)
+            expected = {"prefill attention"} if dtype == torch.float32 else set()
+            assert plan.attention_decode and set(plan.fallbacks) == expected, (name, dtype, plan.fallbacks)
+            assert plan.attention_prefill == (dtype != torch.float32)
+        plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=False, tensor_cores=False)
+        assert "sm_80" in plan.fallbacks["prefill attention"] and not plan.attention_prefill
     odd = synthetic_config(32, 32, 100)
     width = {dt: dict(plan_kernels(odd, geometry(odd, dt), clusters=True).files["paged_attention.cu"][0])
              ["ATTN_VEC_BYTES"] for dt in DTYPES}
@@ -116,7 +122,7 @@ def test_biases_and_dynamic_rope_are_named_as_torch_ops():
     for op, extra in cases.items():
         config = ModelConfig.from_dict(base | extra, source="test")
         plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=True)
-        assert set(plan.fallbacks) == {op} and plan.attention_decode
+        assert set(plan.fallbacks) == {op} and plan.attention_decode and plan.attention_prefill
 
 
 def test_shared_memory_mirror_matches_the_kernel():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shlex
 import shutil
@@ -139,7 +140,7 @@ def test_live_without_a_terminal_is_plain_output(stories):
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_live_view_in_a_real_terminal(stories, tmp_path):
     """Run `generate --live` in a 200 x 50 tmux terminal; watch frames go by; the last one stays."""
-    tmux = ["tmux", "-L", f"pagedcli-test-{tmp_path.name}", "-f", "/dev/null"]  # a server of our own
+    tmux = ["tmux", "-L", f"pagedcli-test-{os.getpid()}-{tmp_path.name}", "-f", "/dev/null"]  # a server of our own
     command = (f"unset COLUMNS LINES; cd {shlex.quote(str(REPO))} && OMP_NUM_THREADS=1 {shlex.quote(sys.executable)} "
                f"-m pagedcli generate --live --model {shlex.quote(str(stories))} --raw --max-tokens 300 --ignore-eos "
                f"--batch 4 --num-blocks 400 {' '.join(map(shlex.quote, PROMPTS))}; echo __EXIT\"\"=$?")

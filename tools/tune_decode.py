@@ -22,6 +22,7 @@ import torch
 
 import pagedcli.backends.cuda as cuda_backend
 import pagedcli.backends.cuda_build as cuda_build
+import pagedcli.backends.cuda_gemv as cuda_gemv
 import pagedcli.backends.cuda_launch as cuda_launch
 from pagedcli.bench.measure import Workload, measure_bandwidth, run_batch
 from pagedcli.model.loader import EngineOptions, build_engine, load_model
@@ -42,9 +43,9 @@ VARIANTS = {
 
 @contextlib.contextmanager
 def variant(settings: dict):
-    """The tunables set in every module that reads them: cuda_build (what is compiled), cuda_launch
-    and cuda (how it is launched)."""
-    saved = {(m, k): getattr(m, k) for m in (cuda_build, cuda_launch, cuda_backend) for k in settings
+    """The tunables set in every module that reads them: cuda_build (what is compiled), cuda_launch,
+    cuda and cuda_gemv (how it is launched)."""
+    saved = {(m, k): getattr(m, k) for m in (cuda_build, cuda_launch, cuda_backend, cuda_gemv) for k in settings
              if hasattr(m, k)}
     try:
         for (m, k) in saved:
@@ -183,7 +184,7 @@ def profile(model, opts, steps: int) -> None:
 
     engine, seq = decoding_engine(model, opts, steps=20, max_tokens=steps + 40)
     torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()

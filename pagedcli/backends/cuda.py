@@ -9,8 +9,8 @@ What runs where:
 - `rope_write_kv`  -> kv_write.cu: RoPE on q and k fused with the K/V write into the paged pool;
 - `attend`         -> paged_attention.cu at decode (one split-KV kernel that also merges; at small
                       batches on sm_90+ its splits run in thread-block clusters and merge in shared
-                      memory); prefill runs the torch reference's gather + SDPA, which also reads
-                      through the block table;
+                      memory); paged_prefill.cu for a step's prompts (tensor-core tiles, every
+                      sequence's rows in one launch, K/V read through the block table);
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs.
 
 Kernels are compiled once per geometry (the `-D` defines from `CacheGeometry.defines()`, plus the
@@ -25,31 +25,22 @@ buffers allocated once per batch size. Compilation happens in `__init__`, never 
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import torch
 
 from pagedcli.backends import composed
-from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, GEMV_MAX_ROWS,
-                                          GEMV_MAX_SHARED, GEMV_ROW_BUCKETS, GEMV_THREADS, KV_WRITE_THREADS,
-                                          SILU_THREADS, VEC_BYTES, DTYPE_DEFINES, compile_kernels, cuda_available,
-                                          gemv_kernel_names, plan_kernels)
-from pagedcli.backends.cuda_launch import LaunchShapes, resident_ctas
+from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS,
+                                          GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS, SILU_THREADS, VEC_BYTES, DTYPE_DEFINES, compile_kernels,
+                                          cuda_available, gemv_kernel_names, plan_kernels)
+from pagedcli.backends.cuda_gemv import gemv
+from pagedcli.backends.cuda_launch import Launcher, LaunchShapes, aligned, prefill_tiles, ptr, resident_ctas
 from pagedcli.backends.torch import TorchBackend
 from pagedcli.backends.torch_decode import decode_attention_full_width
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.cache import KVCache
 from pagedcli.model.config import ModelConfig
 from pagedcli.errors import RunError
-
-
-def _ptr(t: torch.Tensor | None) -> np.uint64:
-    return np.uint64(0 if t is None else t.data_ptr())
-
-
-def _aligned(*tensors: torch.Tensor) -> bool:
-    return all(t.data_ptr() % VEC_BYTES == 0 for t in tensors)
 
 
 class CudaBackend:
@@ -66,8 +57,6 @@ class CudaBackend:
         # the torch ops, called by name wherever a kernel of ours does not apply
         self.reference = TorchBackend(cache, config)
         self.rope, self.cos, self.sin = self.reference.rope, self.reference.cos, self.reference.sin
-        import cupy
-
         self.device_index = cache.device.index if cache.device.index is not None else torch.cuda.current_device()
         self.dtype = geo.dtype
         self.num_heads = config.num_heads
@@ -76,15 +65,20 @@ class CudaBackend:
         self.scale_log2 = np.float32(math.log2(math.e) / math.sqrt(geo.head_dim))
         self.max_context = cache.max_blocks_per_seq * geo.block_size  # the block table's width in tokens
         self.num_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
-        # thread-block clusters: sm_90 and newer
-        self.cluster = ATTN_CLUSTER if torch.cuda.get_device_capability(self.device_index) >= (9, 0) else 1
+        capability = torch.cuda.get_device_capability(self.device_index)
+        self.cluster = ATTN_CLUSTER if capability >= (9, 0) else 1  # thread-block clusters: sm_90 and newer
 
         # which kernels serve this geometry (cuda_build.py checks every compile-time limit first);
         # `fallbacks`: the ops that run as torch ops instead, and why (the loader tells the user)
-        plan = plan_kernels(config, geo, clusters=self.cluster > 1)
+        import cupy
+
+        optin = cupy.cuda.Device(self.device_index).attributes["MaxSharedMemoryPerBlockOptin"]
+        plan = plan_kernels(config, geo, clusters=self.cluster > 1, tensor_cores=capability >= (8, 0), max_shared=optin)
         self.fallbacks = dict(plan.fallbacks)
         self.heads_per_cta = plan.heads_per_cta
         self.attention_kernel = plan.attention_decode
+        self.prefill_kernel, self.prefill_shared = plan.attention_prefill, plan.prefill_shared
+        self._prefill_tiles: tuple | None = None  # this prefill step's work list (cuda_launch.prefill_tiles)
         self.shapes = LaunchShapes(cache, self.num_heads, self.heads_per_cta, self.vec, self.num_sms, self.cluster)
         d = self.device_index
         self.kernels = {}
@@ -92,38 +86,29 @@ class CudaBackend:
             self.kernels.update(compile_kernels(file, defines, names, d))
         for name in gemv_kernel_names():  # staged inputs may pass CUDA's default 48 KiB of shared memory
             self.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED
+        if self.prefill_kernel:
+            self.kernels["paged_prefill_attention"].max_dynamic_shared_size_bytes = self.prefill_shared
         self.decode_ctas_per_sm = (  # for reports
             resident_ctas(self.kernels["paged_attention_decode"], ATTN_THREADS, d, plan.attn_min_ctas)
             if self.attention_kernel else 0)
-        self._cupy_device = cupy.cuda.Device(d)
-        self._streams: dict[int, object] = {}  # torch stream handle -> cupy.cuda.ExternalStream
-
-    # --- launching ----------------------------------------------------------------------------
-    def _launch_kernel(self, kernel: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
-        """Launch on torch's current stream (the capture stream while a CUDA graph is captured)."""
-        import cupy
-
-        handle = torch.cuda.current_stream(self.device_index).cuda_stream
-        stream = self._streams.get(handle)
-        if stream is None:
-            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; older ones lack the successor
-                warnings.simplefilter("ignore", DeprecationWarning)
-                stream = self._streams[handle] = cupy.cuda.ExternalStream(handle, self.device_index)
-        with self._cupy_device, stream:
-            self.kernels[kernel](grid, block, args, shared_mem=shared_mem)
+        self.launch = Launcher(self.kernels, d)
 
     def _layer_table(self, layer: int) -> tuple[np.uint64, np.int64, np.int32]:
         """This layer's block table as the kernels index it: table[slot * slot_stride + block]."""
         t = self.cache.device_table  # [slots, layers, blocks] int32, contiguous
-        base = t.data_ptr() + layer * t.stride(1) * t.element_size()
+        base = t.dataptr() + layer * t.stride(1) * t.element_size()
         return np.uint64(base), np.int64(t.stride(0)), np.int32(t.shape[2])
 
     # --- the backend interface ----------------------------------------------------------------
     def prepare(self, batch: StepBatch) -> None:
-        # the reference's index tensors for what it serves: prefill attention, and per-token RoPE
-        # rows (dynamic NTK); decode needs nothing from the host: the batch tensors go to the kernels
-        self.reference.prepare_indices(batch, attention=batch.is_prefill, rope=not self.rope.static)
-        if not batch.is_prefill:
+        # the reference's index tensors for what it serves (prefill attention without our kernel,
+        # per-token RoPE rows for dynamic NTK); decode needs nothing from the host: the batch
+        # tensors go to the kernels
+        torch_prefill = batch.is_prefill and not self.prefill_kernel
+        self.reference.prepare_indices(batch, attention=torch_prefill, rope=not self.rope.static)
+        if batch.is_prefill and self.prefill_kernel:
+            self._prefill_tiles = prefill_tiles(batch.num_new, batch.context_lens_host, self.cache.device)
+        elif not batch.is_prefill:
             self.shapes.scratch_for(batch.slots.shape[0])
 
     def rope_write_kv(self, layer: int, q, k, v, batch: StepBatch):
@@ -140,9 +125,9 @@ class CudaBackend:
             return q_out
         geo = self.cache.geometry  # work items per token: rotary pairs of q and k, V elements
         items = (self.num_heads + geo.num_kv_heads) * self.head_dim // 2 + geo.kv_dim
-        self._launch_kernel("rope_write_kv", (T, -(-items // KV_WRITE_THREADS)), (KV_WRITE_THREADS,), (
-            _ptr(q), _ptr(k), _ptr(v), np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0)),
-        ) + self._rope_kv_args(layer, batch, q_out))
+        self.launch("rope_write_kv", (T, -(-items // KV_WRITE_THREADS)), (KV_WRITE_THREADS,), (
+            ptr(q), ptr(k), ptr(v), np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0)),
+        ) + self.rope_kv_args(layer, batch, q_out))
         return q_out
 
     def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None):
@@ -151,28 +136,31 @@ class CudaBackend:
         geo = self.cache.geometry
         T = x.shape[0] if x.dim() == 2 else 0
         if T == batch.positions.shape[0] and qkv.shape[0] == (self.num_heads + 2 * geo.num_kv_heads) * self.head_dim:
-            q = self._gemv("rms_norm_rope_kv", x, qkv, norm_weight, eps, rope_kv=(layer, batch))
+            q = gemv(self, "rms_norm_rope_kv", x, qkv, norm_weight, eps, rope_kv=(layer, batch))
             if q is not None:
                 return q
         return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch)
 
-    def _rope_kv_args(self, layer: int, batch: StepBatch, q_out: torch.Tensor) -> tuple:
+    def rope_kv_args(self, layer: int, batch: StepBatch, q_out: torch.Tensor) -> tuple:
         """kv_write.cu's arguments after q, k and v (gemv.cu's qkv epilogue takes the same)."""
         table, slot_stride, max_blocks = self._layer_table(layer)
         return (  # the batch's index tensors have the kernels' types (StepBatch's declared dtypes)
-            _ptr(q_out), _ptr(self.cache.pool), table, slot_stride, max_blocks,
-            _ptr(batch.positions), _ptr(batch.token_seq), _ptr(batch.slots),
-            _ptr(self.cos), _ptr(self.sin), np.int32(self.cos.shape[0]),
+            ptr(q_out), ptr(self.cache.pool), table, slot_stride, max_blocks,
+            ptr(batch.positions), ptr(batch.token_seq), ptr(batch.slots),
+            ptr(self.cos), ptr(self.sin), np.int32(self.cos.shape[0]),
         )
 
     def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         if batch.is_prefill:
-            return self.reference.attend(layer, q, batch)
+            if not self.prefill_kernel:
+                return self.reference.attend(layer, q, batch)
+            return self._prefill_attend(layer, q, batch)
         B = batch.slots.shape[0]
         if q.shape[0] != B:
             raise ValueError(f"decode attend: {q.shape[0]} queries for {B} sequences")
         if not self.attention_kernel:
-            return self._decode_attend_torch(layer, q, batch)
+            return decode_attention_full_width(q, self.cache.pool, self.cache.device_table[:, layer], batch.slots,
+                                               batch.context_lens, self.max_context)
         q = q.contiguous()
         out = torch.empty_like(q)
         if B == 0:
@@ -180,33 +168,42 @@ class CudaBackend:
         splits, part_out, part_max, part_sum, counters = self.shapes.scratch_for(B)
         table, slot_stride, _ = self._layer_table(layer)
         kernel = "paged_attention_decode_cluster" if self.shapes.uses_clusters(B) else "paged_attention_decode"
-        self._launch_kernel(kernel, (self.num_heads // self.heads_per_cta, B, splits), (ATTN_THREADS,), (
-            _ptr(out), _ptr(q), _ptr(self.cache.pool), table, slot_stride, _ptr(batch.slots), _ptr(batch.context_lens),
-            np.int32(self.max_context), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(counters),
+        self.launch(kernel, (self.num_heads // self.heads_per_cta, B, splits), (ATTN_THREADS,), (
+            ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(batch.slots), ptr(batch.context_lens),
+            np.int32(self.max_context), ptr(part_out), ptr(part_max), ptr(part_sum), ptr(counters),
             self.scale_log2,
         ))
         return out
 
-    def _decode_attend_torch(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        return decode_attention_full_width(q, self.cache.pool, self.cache.device_table[:, layer], batch.slots,
-                                           batch.context_lens, self.max_context)
+    def _prefill_attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        tile_seq, tile_row, seq_start, num_new = self._prefill_tiles
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        if q.shape[0] == 0:
+            return out
+        table, slot_stride, _ = self._layer_table(layer)
+        self.launch("paged_prefill_attention", (tile_seq.shape[0] * self.num_heads,), (PREFILL_WARPS * 32,), (
+            ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(tile_seq), ptr(tile_row),
+            ptr(seq_start), ptr(num_new), ptr(batch.context_lens), ptr(batch.slots), self.scale_log2,
+        ), shared_mem=self.prefill_shared)
+        return out
 
     def rms_norm(self, x, weight, eps):
         hidden = x.shape[-1]
         rows = x.numel() // hidden if hidden else 0
-        if not self._fusable(x, weight) or rows == 0 or hidden != weight.numel():
+        if not self.fusable(x, weight) or rows == 0 or hidden != weight.numel():
             return self.reference.rms_norm(x, weight, eps)
         x, weight = x.contiguous(), weight.contiguous()
         out = torch.empty_like(x)
-        vec = self.vec if hidden % self.vec == 0 and _aligned(x, weight, out) else 1
+        vec = self.vec if hidden % self.vec == 0 and aligned(x, weight, out) else 1
         threads = min(1024, max(32, -(-hidden // vec // 32) * 32))
-        self._launch_kernel(f"rms_norm_{'vec' if vec > 1 else 'scalar'}", (rows,), (threads,), (
-            _ptr(x), _ptr(weight), _ptr(out), np.int32(hidden), np.float32(eps),
+        self.launch(f"rms_norm_{'vec' if vec > 1 else 'scalar'}", (rows,), (threads,), (
+            ptr(x), ptr(weight), ptr(out), np.int32(hidden), np.float32(eps),
         ))
         return out
 
     def silu_mul(self, gate_up):
-        if not self._fusable(gate_up) or gate_up.shape[-1] % 2:
+        if not self.fusable(gate_up) or gate_up.shape[-1] % 2:
             return self.reference.silu_mul(gate_up)
         gate_up = gate_up.contiguous()
         inter = gate_up.shape[-1] // 2
@@ -214,10 +211,10 @@ class CudaBackend:
         total = out.numel()
         if total == 0:
             return out
-        vec = self.vec if inter % self.vec == 0 and _aligned(gate_up, out) else 1
+        vec = self.vec if inter % self.vec == 0 and aligned(gate_up, out) else 1
         blocks = max(1, min(-(-total // (vec * SILU_THREADS)), 16 * self.num_sms))
-        self._launch_kernel(f"silu_mul_{'vec' if vec > 1 else 'scalar'}", (blocks,), (SILU_THREADS,), (
-            _ptr(gate_up), _ptr(out), np.int32(inter), np.int64(total),
+        self.launch(f"silu_mul_{'vec' if vec > 1 else 'scalar'}", (blocks,), (SILU_THREADS,), (
+            ptr(gate_up), ptr(out), np.int32(inter), np.int64(total),
         ))
         return out
 
@@ -229,72 +226,34 @@ class CudaBackend:
         keys, counters = self.shapes.argmax_scratch_for(B, logits.device)
         tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
         chunks = max(1, min(-(-vocab // ARGMAX_CHUNK), 4 * self.num_sms))
-        self._launch_kernel("argmax_rows", (chunks, B), (ARGMAX_THREADS,), (
-            _ptr(logits), np.int64(logits.stride(0)), np.int32(vocab), _ptr(tokens), _ptr(keys), _ptr(counters),
+        self.launch("argmax_rows", (chunks, B), (ARGMAX_THREADS,), (
+            ptr(logits), np.int64(logits.stride(0)), np.int32(vocab), ptr(tokens), ptr(keys), ptr(counters),
         ))
         return tokens
 
     # --- GEMMs with what surrounds them: gemv.cu at small batches ---------------------------------
     def norm_linear(self, x, norm_weight, weight, eps):
-        out = self._gemv("rms_norm_store", x, weight, norm_weight, eps)
+        out = gemv(self, "rms_norm_store", x, weight, norm_weight, eps)
         return out if out is not None else composed.norm_matmul(self, x, norm_weight, weight, eps)
 
     def logits(self, x, norm_weight, lm_head, eps):
-        out = self._gemv("rms_norm_float", x, lm_head, norm_weight, eps)
+        out = gemv(self, "rms_norm_float", x, lm_head, norm_weight, eps)
         return out if out is not None else composed.logits(self, x, norm_weight, lm_head, eps)
 
     def norm_linear_silu(self, x, norm_weight, gate_up, eps, bias=None):
         if bias is not None:  # gemv.cu has no bias
             return composed.norm_linear_silu(self, x, norm_weight, gate_up, eps, bias)
-        out = self._gemv("rms_norm_silu_mul", x, gate_up, norm_weight, eps)
+        out = gemv(self, "rms_norm_silu_mul", x, gate_up, norm_weight, eps)
         return out if out is not None else composed.norm_linear_silu(self, x, norm_weight, gate_up, eps)
 
     def linear_add(self, x, weight, residual, bias=None):
         if bias is not None:  # gemv.cu has no bias
             return self.reference.linear_add(x, weight, residual, bias)
-        out = self._gemv("plain_add", x, weight, residual=residual)
+        out = gemv(self, "plain_add", x, weight, residual=residual)
         return out if out is not None else self.reference.linear_add(x, weight, residual)
 
-    def _gemv(self, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
-              rope_kv: tuple | None = None) -> torch.Tensor | None:
-        """x (or its RMSNorm) @ weight.T through gemv.cu, followed by what `op` says; None when the
-        shapes are not gemv.cu's (too many rows, unaligned, other dtype): the caller uses cuBLAS.
-        rope_kv: (layer, batch) for the qkv epilogue, which returns the rotated q."""
-        N, K = weight.shape
-        rows = x.shape[0] if x.dim() == 2 else 0
-        paired = op.endswith(("silu_mul", "rope_kv"))  # units of two rows make one output pair
-        units = N // 2 if paired else N
-        tensors = [t for t in (x, weight, norm_weight, residual) if t is not None]
-        if not (1 <= rows <= GEMV_MAX_ROWS and x.shape[1] == K and not (paired and N % 2)
-                and self._fusable(*tensors)
-                and K % self.vec == 0 and weight.is_contiguous() and x.stride(1) == 1
-                and x.stride(0) * x.element_size() % VEC_BYTES == 0 and _aligned(x, weight)
-                and (norm_weight is None or (norm_weight.is_contiguous() and _aligned(norm_weight)))):
-            return None
-        bucket = next(b for b in GEMV_ROW_BUCKETS if b >= rows)
-        shared = bucket * K * x.element_size()
-        if shared > GEMV_MAX_SHARED:
-            return None
-        if op.endswith("_add"):
-            if residual.shape != (rows, N) or not residual.is_contiguous():
-                return None
-            out = residual  # updated in place
-        elif rope_kv is not None:
-            out = torch.empty((rows, self.num_heads, self.head_dim), dtype=self.dtype, device=x.device)
-        else:
-            out = torch.empty((rows, units), dtype=torch.float32 if op.endswith("float") else x.dtype, device=x.device)
-        tail = (_ptr(out), np.int64(out.stride(0))) if rope_kv is None else self._rope_kv_args(*rope_kv, out)
-        kernel = f"gemv_{bucket}_{op}"
-        split = self.shapes.gemv_split(units, K)
-        ctas = self.shapes.gemv_ctas(units, split)
-        self._launch_kernel(kernel, (ctas,), (GEMV_THREADS,), (
-            _ptr(weight), np.int32(N), np.int32(K), np.int32(rows), np.int32(split), _ptr(x), np.int64(x.stride(0)),
-            _ptr(norm_weight), np.float32(eps),
-        ) + tail, shared_mem=shared)
-        return out
-
     # --- helpers --------------------------------------------------------------------------------
-    def _fusable(self, *tensors: torch.Tensor) -> bool:
+    def fusable(self, *tensors: torch.Tensor) -> bool:
         """Tensors our elementwise kernels take: the model dtype, on our GPU (else: torch fallback).
         (Compare device indices: torch.device("cuda") != torch.device("cuda", 0).)"""
         return all(t.dtype == self.dtype and t.is_cuda and t.device.index == self.device_index for t in tensors)

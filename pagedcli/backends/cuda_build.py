@@ -40,6 +40,13 @@ MIN_SPAN = 128  # fewest context tokens a decode split takes (shorter ones cost 
 # memory (paged_attention.cu); cheap enough a merge that a split may take as few tokens as this.
 ATTN_CLUSTER = 8  # the largest portable cluster
 CLUSTER_MIN_SPAN = 64
+# The prefill kernel (paged_prefill.cu, FlashAttention-2's tiles on tensor cores): warps of 16
+# query rows each, keys per tile, and the largest head_dim its accumulators hold in registers.
+PREFILL_WARPS = 4
+PREFILL_BLOCK_M = 16 * PREFILL_WARPS
+PREFILL_BLOCK_N = 64
+PREFILL_MAX_HEAD_DIM = 256
+H100_MAX_SHARED = 227 * 1024  # shared memory a CTA may opt in to on sm_90 (the plan's default GPU)
 KV_WRITE_THREADS = 128
 SILU_THREADS = 256
 ARGMAX_THREADS = 256
@@ -128,7 +135,7 @@ class AttentionShape:
     def vec_bytes(self) -> int:
         """The kernel's load width (ATTN_VEC_BYTES): 16 bytes, or 8 for a row that is not whole
         16-byte vectors (head_dim 100 in bf16); 0 when neither divides the row."""
-        return next((v for v in (VEC_BYTES, VEC_BYTES // 2) if self.row_bytes % v == 0), 0)
+        return row_vec_bytes(self.row_bytes)
 
     @property
     def row_vecs(self) -> int:
@@ -159,6 +166,35 @@ class AttentionShape:
         return None
 
 
+def row_vec_bytes(row_bytes: int) -> int:
+    """The widest load (16 or 8 bytes) that a head's row is a whole number of; 0 when neither is."""
+    return next((v for v in (VEC_BYTES, VEC_BYTES // 2) if row_bytes % v == 0), 0)
+
+
+def prefill_shared_bytes(head_dim: int, itemsize: int) -> int:
+    """paged_prefill.cu's dynamic shared memory: the Q tile and two K and two V tiles, rows of the
+    head dim padded to the mma's 16 plus 8 elements (its SMEM_BYTES)."""
+    row = (-(-head_dim // 16) * 16 + 8) * itemsize
+    return (PREFILL_BLOCK_M + 4 * PREFILL_BLOCK_N) * row
+
+
+def prefill_unsupported(geometry: CacheGeometry, tensor_cores: bool, max_shared: int) -> str | None:
+    """Why paged_prefill.cu cannot serve this geometry on a GPU whose CTAs may have `max_shared`
+    bytes of shared memory, or None."""
+    dtype = str(geometry.dtype).removeprefix("torch.")
+    if geometry.dtype == torch.float32:
+        return "float32: the tensor-core kernel takes bfloat16 or float16"
+    if not tensor_cores:
+        return "the GPU is older than sm_80 (no bf16/fp16 mma.sync)"
+    if not row_vec_bytes(geometry.head_dim * geometry.itemsize) or geometry.head_dim > PREFILL_MAX_HEAD_DIM:
+        return (f"head_dim {geometry.head_dim} in {dtype}: the kernel takes rows of whole 8-byte loads, "
+                f"head_dim at most {PREFILL_MAX_HEAD_DIM}")
+    need = prefill_shared_bytes(geometry.head_dim, geometry.itemsize)
+    if need > max_shared:
+        return f"head_dim {geometry.head_dim}: a CTA needs {need} bytes of shared memory, this GPU allows {max_shared}"
+    return None
+
+
 @dataclass
 class KernelPlan:
     """Per .cu file: the -D defines and the kernels to load. `fallbacks`: op -> why it runs as torch
@@ -168,15 +204,22 @@ class KernelPlan:
     fallbacks: dict[str, str] = field(default_factory=dict)
     heads_per_cta: int = 1
     attn_min_ctas: int = MIN_CTAS_SMALL_Q
+    prefill_shared: int = 0  # dynamic shared memory of a prefill CTA
 
     @property
     def attention_decode(self) -> bool:
         return "paged_attention.cu" in self.files
 
+    @property
+    def attention_prefill(self) -> bool:
+        return "paged_prefill.cu" in self.files
 
-def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool) -> KernelPlan:
-    """The kernels for `config` with the cache of `geometry` (its dtype is the model's);
-    `clusters`: the GPU has thread-block clusters (sm_90+)."""
+
+def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, tensor_cores: bool = True,
+                 max_shared: int = H100_MAX_SHARED) -> KernelPlan:
+    """The kernels for `config` with the cache of `geometry` (its dtype is the model's) on a GPU
+    with thread-block clusters (`clusters`: sm_90+), bf16/fp16 mma.sync (`tensor_cores`: sm_80+)
+    and `max_shared` bytes of shared memory a CTA may opt in to."""
     if geometry.dtype not in DTYPE_DEFINES:
         raise ValueError(f"no CUDA kernels for {geometry.dtype}")
     dtype = ((DTYPE_DEFINES[geometry.dtype], None),)
@@ -198,6 +241,17 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool) -
     if config.rope_type == "dynamic":
         plan.fallbacks["RoPE and the K/V write"] = ("dynamic NTK RoPE rotates each token by its sequence's length, "
                                                     "not by one fixed table")
+
+    why = prefill_unsupported(geometry, tensor_cores, max_shared)
+    if why is None:
+        plan.prefill_shared = prefill_shared_bytes(geometry.head_dim, geometry.itemsize)
+        prefill = model + (("PREFILL_BLOCK_M", PREFILL_BLOCK_M), ("PREFILL_BLOCK_N", PREFILL_BLOCK_N),
+                           ("PREFILL_WARPS", PREFILL_WARPS),
+                           ("PREFILL_VEC_BYTES", row_vec_bytes(geometry.head_dim * geometry.itemsize)),
+                           ("PREFILL_SHARED_BYTES", plan.prefill_shared))
+        plan.files["paged_prefill.cu"] = (prefill, ("paged_prefill_attention",))
+    else:
+        plan.fallbacks["prefill attention"] = why
 
     plan.heads_per_cta = heads_per_cta(config.num_heads // config.num_kv_heads)
     small_q = plan.heads_per_cta <= 4  # q and its sums in registers leave room for more rows and CTAs

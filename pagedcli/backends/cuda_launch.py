@@ -1,20 +1,74 @@
-"""How the CUDA backend launches its kernels for a batch size: split-KV splits and thread-block
-clusters of the decode attention, warps per row of gemv.cu, and the scratch buffers they need.
+"""How the CUDA backend launches its kernels: split-KV splits and thread-block clusters of the
+decode attention, warps per row of gemv.cu, and the scratch buffers they need; the prefill
+kernel's tiles; and the launch itself, on torch's current stream.
 
-Every choice depends on the batch size and the model (never on the contexts), so one CUDA graph per
-batch size serves every context length; the scratch is allocated once per batch size and reused by
-every layer and step.
+Every decode choice depends on the batch size and the model (never on the contexts), so one CUDA
+graph per batch size serves every context length; the scratch is allocated once per batch size and
+reused by every layer and step. Prefill steps are not captured: their tiles follow the prompts.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
+import numpy as np
 import torch
 
 from pagedcli.backends.cuda_build import (GEMV_CTAS_PER_SM, GEMV_SPLITS, GEMV_THREADS, GEMV_UNROLL, PARTITION_SIZE,
-                                          SPLIT_CTAS_PER_SM)
+                                          PREFILL_BLOCK_M, SPLIT_CTAS_PER_SM, VEC_BYTES)
 from pagedcli.engine.cache import KVCache
+
+
+def ptr(t: torch.Tensor | None) -> np.uint64:
+    """A tensor's device address as a kernel argument (0 for None)."""
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor starts on a 16-byte boundary (the kernels' vector loads)."""
+    return all(t.data_ptr() % VEC_BYTES == 0 for t in tensors)
+
+
+class Launcher:
+    """Launches compiled kernels (cupy.RawKernel) on torch's current stream: the capture stream
+    while a CUDA graph is captured, so our kernels land in the graph beside torch's."""
+
+    def __init__(self, kernels: dict, device_index: int):
+        import cupy
+
+        self.kernels, self.device_index = kernels, device_index
+        self._device = cupy.cuda.Device(device_index)
+        self._streams: dict[int, object] = {}  # torch stream handle -> cupy.cuda.ExternalStream
+
+    def __call__(self, kernel: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        import cupy
+
+        handle = torch.cuda.current_stream(self.device_index).cuda_stream
+        stream = self._streams.get(handle)
+        if stream is None:
+            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; older ones lack the successor
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = self._streams[handle] = cupy.cuda.ExternalStream(handle, self.device_index)
+        with self._device, stream:
+            self.kernels[kernel](grid, block, args, shared_mem=shared_mem)
+
+
+def prefill_tiles(num_new: list[int], context_lens: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """paged_prefill.cu's work list for a step: a tile per PREFILL_BLOCK_M new tokens of a sequence,
+    as (sequence, first row), the tiles that read the most keys first (a causal tile's keys end at
+    its last row: launched early, the long ones do not trail the rest); and each sequence's first
+    token in the step. One host-to-device copy; int32 views of it."""
+    tiles = [(ctx - n + r + min(PREFILL_BLOCK_M, n - r), b, r)
+             for b, (n, ctx) in enumerate(zip(num_new, context_lens)) for r in range(0, n, PREFILL_BLOCK_M)]
+    tiles.sort(key=lambda t: -t[0])
+    starts = [0]
+    for n in num_new[:-1]:
+        starts.append(starts[-1] + n)
+    flat = [t[1] for t in tiles] + [t[2] for t in tiles] + starts + list(num_new)
+    values = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
+    n_tiles, B = len(tiles), len(num_new)
+    return values[:n_tiles], values[n_tiles:2 * n_tiles], values[2 * n_tiles:2 * n_tiles + B], values[2 * n_tiles + B:]
 
 
 def resident_ctas(kernel, threads: int, device_index: int, fallback: int) -> int:

@@ -1,0 +1,330 @@
+// paged_prefill.cu: causal attention for the new tokens of a step (prompts, prompt chunks, and the
+// single tokens of decoding sequences that ride along), over the paged KV pool, on tensor cores.
+//
+// FlashAttention-2's scheme: a CTA takes PREFILL_BLOCK_M consecutive query rows of one sequence
+// and one query head, walks that sequence's keys in tiles of PREFILL_BLOCK_N from position 0 up
+// to its last row's position, and keeps the softmax online (a running max and sum per row), so no
+// score matrix is ever stored. Each of the PREFILL_WARPS warps owns 16 of the query rows:
+//   S = Q K^T    mma.sync m16n8k16 (bf16 or fp16 in, fp32 accumulators), Q and K from shared memory
+//   P = exp2(S - running max), the causal mask applied in the tiles that cross the diagonal
+//   O += P V     P stays in registers (an accumulator fragment is the next mma's A fragment)
+// K and V tiles are double-buffered: the next tile's cp.async copies are in flight while this one
+// is multiplied.
+//
+// Sequences of any length share one launch: the host lists the tiles (sequence, first row), the
+// longest-running (latest rows) first, and the grid is tiles x NUM_HEADS CTAs, heads fastest, so
+// the GQA heads that read the same K/V run side by side and share it in L2. Token i of a sequence is
+// row i % BLOCK_SIZE of physical block table[slot][layer][i / BLOCK_SIZE]: cached prefix blocks are
+// read like any other. A sequence's new tokens are the last num_new of its context_len: row r sits
+// at position context_len - num_new + r and sees positions 0 .. that.
+//
+// Head dims that are not a multiple of 16 (the mma's k) are padded with zeros in shared memory
+// (the pad columns are never copied into, so they stay zero); rows that are not whole 16-byte
+// vectors are copied 8 bytes at a time (PREFILL_VEC_BYTES), as the decode kernel does.
+
+#include "geometry.cuh"
+
+#if !defined(PREFILL_BLOCK_M) || !defined(PREFILL_BLOCK_N) || !defined(PREFILL_WARPS) || !defined(PREFILL_VEC_BYTES) || \
+    !defined(PREFILL_SHARED_BYTES)
+#error "paged_prefill.cu needs -DPREFILL_BLOCK_M -DPREFILL_BLOCK_N -DPREFILL_WARPS -DPREFILL_VEC_BYTES -DPREFILL_SHARED_BYTES (backends/cuda_build.py)"
+#endif
+#if defined(DTYPE_F32)
+#error "paged_prefill.cu runs on bf16/fp16 tensor cores; float32 prefill takes the torch path (backends/cuda_build.py)"
+#endif
+
+constexpr int BLOCK_M = PREFILL_BLOCK_M;  // query rows of a CTA
+constexpr int BLOCK_N = PREFILL_BLOCK_N;  // keys per tile
+constexpr int WARPS = PREFILL_WARPS;
+constexpr int THREADS = WARPS * WARP_SIZE;
+static_assert(BLOCK_M == 16 * WARPS, "each warp owns 16 query rows (one mma row tile)");
+static_assert(BLOCK_N % 16 == 0, "a key tile is whole k-steps of the P V product");
+constexpr int GQA = NUM_HEADS / NUM_KV_HEADS;
+
+constexpr int D_PAD = (HEAD_DIM + 15) / 16 * 16;  // head dim rounded up to the mma's k
+constexpr int K_STEPS = D_PAD / 16;               // k-steps of Q K^T
+constexpr int S_TILES = BLOCK_N / 8;              // n-tiles of S (8 keys each)
+constexpr int O_TILES = D_PAD / 8;                // n-tiles of O (8 head-dim columns each)
+// Shared-memory rows are padded by 16 bytes: the 8 rows one ldmatrix reads then start in
+// different banks (a row stride of 4 mod 8 words).
+constexpr int ROW_STRIDE = D_PAD + 8;  // elements
+constexpr int TILE_ELEMS_M = BLOCK_M * ROW_STRIDE;
+constexpr int TILE_ELEMS_N = BLOCK_N * ROW_STRIDE;
+
+#if PREFILL_VEC_BYTES != 16 && PREFILL_VEC_BYTES != 8
+#error "PREFILL_VEC_BYTES must be 16 or 8"
+#endif
+constexpr int VEC_BYTES_COPY = PREFILL_VEC_BYTES;
+constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(scalar_t);
+static_assert(ROW_BYTES % VEC_BYTES_COPY == 0, "a head's row must be a whole number of copies");
+constexpr int COPIES_PER_ROW = ROW_BYTES / VEC_BYTES_COPY;
+constexpr size_t TOKEN_STRIDE = (size_t)KV_DIM * sizeof(scalar_t);  // bytes from one row of a block to the next
+
+// Shared memory (dynamic): Q, then two K tiles, then two V tiles; the launch asks for the size
+// backends/cuda_build.py computed, which must be this one.
+constexpr int SMEM_BYTES = (TILE_ELEMS_M + 4 * TILE_ELEMS_N) * (int)sizeof(scalar_t);
+static_assert(SMEM_BYTES == PREFILL_SHARED_BYTES, "cuda_build.prefill_shared_bytes disagrees with the kernel");
+
+// --- PTX wrappers (sm_80+) ---------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned int smem_u32(const void* p) {
+    unsigned int a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// One copy into shared memory; zeros (and no read) when !valid.
+__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
+#if PREFILL_VEC_BYTES == 16
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+#else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 8 : 0)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Four 8x8 matrices of 16-bit elements; lane l names row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(unsigned int (&r)[4], const scalar_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int (&r)[4], const scalar_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+
+// c += a (16x16, row-major) * b (16x8, column-major), fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
+#if defined(DTYPE_BF16)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Two floats as two packed 16-bit elements (lo in the low half), rounded to nearest even.
+__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+    unsigned int r;
+#if defined(DTYPE_BF16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+// --- the phases -----------------------------------------------------------------------------
+
+// Copy `rows` key (or value) rows starting at position `first` of the sequence into a shared tile;
+// rows at or past `limit` become zeros (so 0 x garbage can never make a NaN).
+__device__ __forceinline__ void copy_kv_tile(scalar_t* tile, const unsigned char* __restrict__ head_base,
+                                             const int* __restrict__ seq_table, int first, int limit, int tid) {
+    for (int i = tid; i < BLOCK_N * COPIES_PER_ROW; i += THREADS) {
+        const int r = i / COPIES_PER_ROW, c = i % COPIES_PER_ROW;
+        const int pos = first + r;
+        const bool valid = pos < limit;
+        const unsigned char* src = head_base;
+        if (valid) {
+            const int block = max(seq_table[pos / BLOCK_SIZE], 0);  // -1 would be a bug; stay in bounds
+            src += (size_t)block * BLOCK_BYTES + (size_t)(pos % BLOCK_SIZE) * TOKEN_STRIDE + (size_t)c * VEC_BYTES_COPY;
+        }
+        copy_async(reinterpret_cast<unsigned char*>(tile + r * ROW_STRIDE) + c * VEC_BYTES_COPY, src, valid);
+    }
+}
+
+// The query rows of the CTA (rows past the sequence's new tokens become zeros).
+__device__ __forceinline__ void copy_q_tile(scalar_t* tile, const scalar_t* __restrict__ q, int first_token,
+                                            int rows, int head, int tid) {
+    for (int i = tid; i < BLOCK_M * COPIES_PER_ROW; i += THREADS) {
+        const int r = i / COPIES_PER_ROW, c = i % COPIES_PER_ROW;
+        const bool valid = r < rows;
+        const unsigned char* src = reinterpret_cast<const unsigned char*>(
+                                       q + ((size_t)(first_token + (valid ? r : 0)) * NUM_HEADS + head) * HEAD_DIM) +
+                                   c * VEC_BYTES_COPY;
+        copy_async(reinterpret_cast<unsigned char*>(tile + r * ROW_STRIDE) + c * VEC_BYTES_COPY, src, valid);
+    }
+}
+
+// S (this warp's 16 rows x BLOCK_N keys) = Q K^T, in log2 units.
+__device__ __forceinline__ void score_tile(float (&s)[S_TILES][4], const scalar_t* q_warp, const scalar_t* k_tile,
+                                           int lane) {
+#pragma unroll
+    for (int j = 0; j < S_TILES; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < K_STEPS; ++ks) {
+        unsigned int a[4];  // rows lane % 16, columns 16 ks + 8 (lane / 16)
+        ldmatrix_x4(a, q_warp + (lane % 16) * ROW_STRIDE + ks * 16 + (lane / 16) * 8);
+#pragma unroll
+        for (int j = 0; j < S_TILES; j += 2) {  // two n-tiles of keys per ldmatrix
+            unsigned int b[4];  // keys 8 j + 8 (lane / 16) + lane % 8, columns 16 ks + 8 ((lane / 8) % 2)
+            ldmatrix_x4(b, k_tile + (j * 8 + (lane / 16) * 8 + lane % 8) * ROW_STRIDE + ks * 16 + ((lane / 8) % 2) * 8);
+            mma_16816(s[j], a, b[0], b[1]);
+            mma_16816(s[j + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// Online softmax over one tile: mask, new running max, rescale of the sums so far, P in place of S.
+// A thread holds rows g = lane / 4 and g + 8 of the warp, at positions q_pos[0] and q_pos[1];
+// key column 2 (lane % 4) + {0, 1} of each n-tile j.
+__device__ __forceinline__ void softmax_tile(float (&s)[S_TILES][4], float (&o)[O_TILES][4], float (&run_max)[2],
+                                             float (&run_sum)[2], const int (&q_pos)[2], int key0, bool diagonal,
+                                             float scale_log2, int lane) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float m = run_max[half];
+#pragma unroll
+        for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float& x = s[j][2 * half + e];
+                x *= scale_log2;
+                if (diagonal && key0 + j * 8 + 2 * (lane % 4) + e > q_pos[half]) x = neg_infinity();
+                m = fmaxf(m, x);
+            }
+        }
+        m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 1));  // the 4 lanes of a row
+        m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 2));
+        // Finite: key 0 is in every row's first tile, so a row's max is finite from then on.
+        const float correction = exp2f(run_max[half] - m);
+        run_max[half] = m;
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float& x = s[j][2 * half + e];
+                x = exp2f(x - m);
+                sum += x;
+            }
+        }
+        run_sum[half] = run_sum[half] * correction + sum;  // each lane's own columns; summed at the end
+#pragma unroll
+        for (int d = 0; d < O_TILES; ++d) {
+            o[d][2 * half] *= correction;
+            o[d][2 * half + 1] *= correction;
+        }
+    }
+}
+
+// O (16 rows x D_PAD) += P V: P from the score registers (rounded to the element type), V by
+// transposing loads.
+__device__ __forceinline__ void accumulate_values(float (&o)[O_TILES][4], const float (&p)[S_TILES][4],
+                                                  const scalar_t* v_tile, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {  // 16 keys: n-tiles 2 kk and 2 kk + 1 of S
+        const unsigned int a[4] = {pack2(p[2 * kk][0], p[2 * kk][1]), pack2(p[2 * kk][2], p[2 * kk][3]),
+                                   pack2(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack2(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+        for (int d = 0; d < O_TILES; d += 2) {  // two n-tiles of head dims per ldmatrix
+            unsigned int b[4];  // keys 16 kk + 8 ((lane / 8) % 2) + lane % 8, columns 8 d + 8 (lane / 16)
+            ldmatrix_x4_trans(b, v_tile + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * ROW_STRIDE + d * 8 +
+                                     (lane / 16) * 8);
+            mma_16816(o[d], a, b[0], b[1]);
+            if (d + 1 < O_TILES) mma_16816(o[d + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// out: [T, NUM_HEADS, HEAD_DIM]; q: [T, NUM_HEADS, HEAD_DIM] (rotated, contiguous).
+// tile_seq, tile_row: per tile, its sequence and its first new-token row in that sequence.
+// seq_start: [B] the sequence's first token in T; num_new, context_lens, slots: [B].
+// table: this layer's block table, table[slot * table_slot_stride + logical_block].
+extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
+    scalar_t* __restrict__ out, const scalar_t* __restrict__ q, const unsigned char* __restrict__ pool,
+    const int* __restrict__ table, long long table_slot_stride, const int* __restrict__ tile_seq,
+    const int* __restrict__ tile_row, const int* __restrict__ seq_start, const int* __restrict__ num_new,
+    const int* __restrict__ context_lens, const int* __restrict__ slots, float scale_log2) {
+#if __CUDA_ARCH__ >= 800
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    scalar_t* const q_tile = reinterpret_cast<scalar_t*>(smem_raw);
+    scalar_t* const k_tiles = q_tile + TILE_ELEMS_M;       // [2][BLOCK_N][ROW_STRIDE]
+    scalar_t* const v_tiles = k_tiles + 2 * TILE_ELEMS_N;  // [2][BLOCK_N][ROW_STRIDE]
+
+    const int head = blockIdx.x % NUM_HEADS, kv_head = head / GQA, tile = blockIdx.x / NUM_HEADS;
+    const int seq = tile_seq[tile], row0 = tile_row[tile];
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int new_tokens = num_new[seq], context = context_lens[seq];
+    const int rows = min(BLOCK_M, new_tokens - row0);
+    const int first_pos = context - new_tokens + row0;  // position of the CTA's first row
+    const int keys = first_pos + rows;                  // keys 0 .. keys - 1 are seen by some row
+    const int num_tiles = (keys + BLOCK_N - 1) / BLOCK_N;
+    const int first_token = seq_start[seq] + row0;
+
+    // Zero the pad columns (D_PAD - HEAD_DIM and the 8 of ROW_STRIDE) once: no copy writes them.
+    if constexpr (D_PAD != HEAD_DIM) {
+        for (int r = tid; r < BLOCK_M + 4 * BLOCK_N; r += THREADS) {
+            for (int c = HEAD_DIM; c < D_PAD; ++c) q_tile[r * ROW_STRIDE + c] = 0;
+        }
+    }
+
+    const int* __restrict__ seq_table = table + (size_t)slots[seq] * table_slot_stride;
+    const unsigned char* __restrict__ k_base = pool + (size_t)kv_head * ROW_BYTES;
+    const unsigned char* __restrict__ v_base = k_base + V_OFFSET;
+
+    copy_q_tile(q_tile, q, first_token, rows, head, tid);
+    copy_kv_tile(k_tiles, k_base, seq_table, 0, keys, tid);
+    copy_kv_tile(v_tiles, v_base, seq_table, 0, keys, tid);
+    copy_async_commit();
+
+    // This thread's two rows (g and g + 8 of its warp); rows past the new tokens copy the last
+    // real row's position, so that they compute something finite (never written).
+    int q_pos[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) q_pos[half] = first_pos + min(warp * 16 + lane / 4 + 8 * half, rows - 1);
+    const int warp_last = first_pos + min(warp * 16 + 15, rows - 1);  // this warp's latest position
+
+    float o[O_TILES][4], run_max[2] = {neg_infinity(), neg_infinity()}, run_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int d = 0; d < O_TILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+    const scalar_t* q_warp = q_tile + warp * 16 * ROW_STRIDE;
+
+    for (int t = 0; t < num_tiles; ++t) {
+        const int buf = t % 2, key0 = t * BLOCK_N;
+        if (t + 1 < num_tiles) {  // the next tile's copies fly while this one is multiplied
+            copy_kv_tile(k_tiles + (buf ^ 1) * TILE_ELEMS_N, k_base, seq_table, key0 + BLOCK_N, keys, tid);
+            copy_kv_tile(v_tiles + (buf ^ 1) * TILE_ELEMS_N, v_base, seq_table, key0 + BLOCK_N, keys, tid);
+        }
+        copy_async_commit();
+        copy_async_wait<1>();  // every group but the newest: tile t (and Q) have landed
+        __syncthreads();
+        if (key0 <= warp_last) {  // a warp whose rows all precede the tile has nothing to add
+            float s[S_TILES][4];
+            score_tile(s, q_warp, k_tiles + buf * TILE_ELEMS_N, lane);
+            const bool diagonal = key0 + BLOCK_N - 1 > first_pos + warp * 16;  // some key after some row
+            softmax_tile(s, o, run_max, run_sum, q_pos, key0, diagonal, scale_log2, lane);
+            accumulate_values(o, s, v_tiles + buf * TILE_ELEMS_N, lane);
+        }
+        __syncthreads();  // everyone is done with buffer `buf` before tile t + 2 is copied into it
+    }
+
+    // Normalise: the row's sum over its 4 lanes, then write rows < rows, columns < HEAD_DIM.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float sum = run_sum[half];
+        sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+        sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+        const float inv = 1.0f / sum;  // >= 1: the max term is 2^0
+        const int r = warp * 16 + lane / 4 + 8 * half;
+        if (r < rows) {
+            scalar_t* dst = out + ((size_t)(first_token + r) * NUM_HEADS + head) * HEAD_DIM;
+#pragma unroll
+            for (int d = 0; d < O_TILES; ++d) {
+                const int c = d * 8 + 2 * (lane % 4);
+                if (c < HEAD_DIM) {  // HEAD_DIM is even: the pair is whole
+                    *reinterpret_cast<unsigned int*>(dst + c) = pack2(o[d][2 * half] * inv, o[d][2 * half + 1] * inv);
+                }
+            }
+        }
+    }
+#endif
+}

@@ -1,0 +1,100 @@
+"""Time to first token of long prompts on the GPU: pagedcli's prefill against transformers' forward
+pass (sdpa) on the same random weights, in one process, one run.
+
+    python3 tools/prefill_peer.py [--model random:llama-3.2-1b] [--lens 16000 16x4000] [--repeats 3]
+
+A length `N` is one prompt of N tokens; `KxN` is K prompts of N tokens submitted together (the
+time is until the last of them has its first token). pagedcli runs with the prefix cache off (a
+repeat would otherwise hit its own blocks) and its default step budget; transformers runs one
+padded-free forward per prompt batch (`logits_to_keep=1`: only the last position's logits, as
+pagedcli computes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagedcli.bench.hf import hf_model
+from pagedcli.engine.sequence import SamplingParams
+from pagedcli.model.loader import EngineOptions, build_engine, load_model
+
+
+def parse(spec: str) -> tuple[int, int]:
+    count, _, n = spec.rpartition("x")
+    return (int(count) if count else 1), int(n)
+
+
+def best_ms(run, repeats: int) -> float:
+    run()  # warm-up: compile, allocate, capture
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:llama-3.2-1b")
+    ap.add_argument("--lens", nargs="*", default=["16000", "16x4000"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="then the kernels of one pagedcli prefill of each length")
+    args = ap.parse_args()
+    specs = [parse(s) for s in args.lens]
+    longest = max(n for _, n in specs)
+    most = max(k for k, _ in specs)
+    opts = EngineOptions(model=args.model, device="cuda", batch=most, prefix_caching=False,
+                         max_model_len=longest + 16)
+    model = load_model(opts)
+    engine = build_engine(model, opts)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.source.config.vocab_size
+    hf = None if args.no_hf else hf_model(model)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for count, n in specs:
+        prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for _ in range(count)]
+
+        def ours():
+            engine.reset()
+            for p in prompts:
+                engine.add_request(p, params)
+            while engine.has_unfinished:
+                engine.step()
+
+        line = f"{count} x {n} tokens: pagedcli {best_ms(ours, args.repeats):8.1f} ms"
+        if hf is not None:
+            ids = torch.tensor(prompts, device=model.device)
+
+            def theirs():
+                with torch.no_grad():
+                    hf(ids, logits_to_keep=1)
+
+            line += f"   transformers (sdpa) {best_ms(theirs, args.repeats):8.1f} ms"
+        print(line, flush=True)
+        if args.profile:
+            profile(ours)
+
+
+def profile(run) -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+        run()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if getattr(e.device_type, "name", "") == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"  kernels: {total / 1e3:.1f} ms in all")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+        print(f"  {e.self_device_time_total / 1e3:8.2f} ms  {e.count:4d}x  {e.key[:90]}")
+
+
+if __name__ == "__main__":
+    main()
