@@ -100,10 +100,16 @@ class Penalties:
         self.output_counts.index_put_((slots, tokens.clamp(min=0)), valid.to(torch.int32), accumulate=True)
 
     def _take(self, seq: Sequence) -> None:
+        """Count `seq`'s tokens into its slot's row, from scratch (device ops only: no wait for the GPU)."""
         p, slot = seq.params, seq.slot
+
+        def on_device(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
         self.prompt_mask[slot] = False
-        self.prompt_mask[slot, torch.tensor(seq.prompt_token_ids, device=self.device)] = True
-        self.output_counts[slot] = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64),
-                                                  minlength=self.vocab_size).to(self.device, torch.int32)
-        self.values[slot] = torch.tensor([p.repetition_penalty, p.presence_penalty, p.frequency_penalty])
-        self.owner[seq.slot] = seq
+        self.prompt_mask[slot, on_device(seq.prompt_token_ids, torch.int64)] = True
+        output = on_device(seq.output_token_ids, torch.int64)  # not empty after a preemption
+        self.output_counts[slot] = 0
+        self.output_counts[slot].index_add_(0, output, torch.ones_like(output, dtype=torch.int32))
+        self.values[slot] = on_device([p.repetition_penalty, p.presence_penalty, p.frequency_penalty], torch.float32)
+        self.owner[slot] = seq
