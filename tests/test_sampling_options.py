@@ -287,3 +287,43 @@ def test_bad_values_are_one_line(stories, args, fragment):
     code, out, err = invoke("generate", "--model", str(stories), *args, "hi")
     assert_one_line(code, err, 2, fragment)
     assert out == ""
+
+
+# --- on a GPU: the decode graphs and the overlap ---------------------------------------------------
+def _cuda_ready() -> bool:
+    from pagedcli.backends.cuda import cuda_available
+
+    return cuda_available()[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ready(), reason="needs CUDA and CuPy")
+def test_the_options_on_cuda_with_graphs_and_the_overlap(stories, make_engine):
+    """The same answers with the overlap on and off (penalties counting the token fed on the device,
+    stop strings dropping the step ahead, logprobs copied with the tokens), and greedy penalized
+    answers as on the CPU."""
+    texts = ["Once upon a time", "Tom and his dog", "The sun was hot", "Lily"]
+    kinds = [SamplingParams(repetition_penalty=1.4, max_tokens=40, logprobs=2, ignore_eos=True),
+             SamplingParams(presence_penalty=0.8, frequency_penalty=0.5, stop=(" park", "!"), max_tokens=40),
+             SamplingParams(temperature=0.9, min_p=0.05, repetition_penalty=1.2, seed=3, max_tokens=40, logprobs=0),
+             SamplingParams(max_tokens=30, stop=(".",), ignore_eos=True)]
+
+    def run(device, overlap):
+        loaded = make_engine(stories, device=device, dtype="float32", batch=2)
+        engine = loaded.engine
+        engine.overlap = overlap
+        seqs = [add_requests(engine, loaded.tokenizer, [t], p, chat=False)[0] for t, p in zip(texts, kinds)]
+        while engine.has_unfinished:
+            engine.step()
+            check_block_accounting(engine)
+        assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+        return [(s.output_token_ids, s.finish_reason, s.stop_strings and s.stop_strings.text(True),
+                 [(e.rank, [i for i, _ in e.top]) for e in s.logprobs]) for s in seqs], seqs, engine
+
+    plain, plain_seqs, _ = run("cuda", False)
+    overlapped, seqs, engine = run("cuda", True)
+    assert overlapped == plain and engine.num_launched_ahead > 10
+    for a, b in zip(seqs, plain_seqs):
+        assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs], abs=1e-4)
+    cpu, _, _ = run("cpu", False)
+    assert [cpu[i][0] for i in (0, 1, 3)] == [plain[i][0] for i in (0, 1, 3)]

@@ -35,14 +35,15 @@ class Sampler:
         NOT_FINITE where a row is not all finite), which other rows overwrite. Returns [B] int64
         tokens where the logits are, and the log-probabilities asked for: nothing waits for them."""
         raw, tokens = logits, greedy
-        bad = greedy == NOT_FINITE  # the argmax looked at every row
         penalized = [b for b, seq in enumerate(seqs) if seq.params.has_penalties]
+        sampled = [b for b, seq in enumerate(seqs) if not seq.params.greedy]
+        if penalized or sampled:
+            bad = greedy == NOT_FINITE  # the argmax looked at every row
         if penalized:  # their argmax is taken after the penalties (a sampled row's is overwritten below)
             index = torch.tensor(penalized).to(logits.device, non_blocking=True)
             rows, slots = self.penalties.apply(logits[index], [seqs[b] for b in penalized])
             logits = logits.index_copy(0, index, rows)  # a copy: the raw logits stay for logprobs
             tokens = greedy.index_copy(0, index, torch.where(bad[index], NOT_FINITE, rows.argmax(-1)))
-        sampled = [b for b, seq in enumerate(seqs) if not seq.params.greedy]
         for b in sampled:  # a row that is not finite draws from zeros (multinomial refuses NaN)
             tokens[b] = _draw(torch.where(bad[b], 0.0, logits[b]), seqs[b])
         if sampled:
