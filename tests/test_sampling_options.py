@@ -31,7 +31,8 @@ def test_repetition_penalty_is_transformers():
     ids = torch.tensor([[3, 7, 7, 12, 40], [0, 1, 2, 3, 4], [49, 49, 49, 20, 5]])
     prompt, output = ids[:, :3], ids[:, 3:]  # the penalty looks at both
     prompt_mask = torch.zeros_like(logits, dtype=torch.bool).scatter(1, prompt, True)
-    counts = torch.zeros_like(logits, dtype=torch.int32).scatter_add(1, output, torch.ones_like(output, dtype=torch.int32))
+    ones = torch.ones_like(output, dtype=torch.int32)
+    counts = torch.zeros_like(logits, dtype=torch.int32).scatter_add(1, output, ones)
     for penalty in (1.3, 0.7):
         ours = apply_penalties(logits, prompt_mask, counts, torch.full((3,), penalty), torch.zeros(3), torch.zeros(3))
         theirs = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone())
@@ -88,7 +89,8 @@ def reference_greedy(model, prompt, steps, params):
         logits = model(torch.tensor([seq])).logits[0, -1].float()
         seen = set(seq)
         for j in seen:
-            logits[j] = logits[j] / params.repetition_penalty if logits[j] > 0 else logits[j] * params.repetition_penalty
+            r = params.repetition_penalty
+            logits[j] = logits[j] / r if logits[j] > 0 else logits[j] * r
         for j in set(out):
             logits[j] -= out.count(j) * params.frequency_penalty + params.presence_penalty
         out.append(int(logits.argmax()))

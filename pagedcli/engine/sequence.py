@@ -48,7 +48,8 @@ class SamplingParams:
             return isinstance(x, (int, float)) and math.isfinite(x)
 
         checks = [
-            ("temperature", finite(self.temperature) and self.temperature >= 0, "must be 0 (greedy) or a positive number", None),
+            ("temperature", finite(self.temperature) and self.temperature >= 0,
+             "must be 0 (greedy) or a positive number", None),
             ("top_p", finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]", "1 turns it off"),
             ("top_k", self.top_k >= 0, "must be 0 (off) or more", None),
             ("min_p", finite(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]", "0 turns it off"),
