@@ -135,7 +135,7 @@ def test_stop_strings_with_the_overlap(stories, make_engine):
     """Stop strings found at different steps end their sequences as stop tokens do: the same text
     with the overlap on, the step ahead's token dropped, every block back."""
     texts = ["Once upon a time", "Tom and his dog", "The sun was hot", "Lily"]
-    params = SamplingParams(max_tokens=40, stop=("park", " he", "."), ignore_eos=True)
+    params = SamplingParams(max_tokens=40, stop=("park", " he", "."), ignore_eos=True, logprobs=2)
 
     def run(overlap):
         loaded = make_engine(stories, batch=2)
@@ -146,13 +146,18 @@ def test_stop_strings_with_the_overlap(stories, make_engine):
             engine.step()
             check_block_accounting(engine)
         assert engine.in_flight is None and engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
-        return [(s.output_token_ids, s.stop_strings.text(True), s.finish_reason) for s in seqs], engine
+        return [(s.output_token_ids, s.stop_strings.text(True), s.finish_reason) for s in seqs], seqs, engine
 
-    plain, _ = run(False)
-    overlapped, engine = run(True)
+    plain, plain_seqs, _ = run(False)
+    overlapped, seqs, engine = run(True)
     assert overlapped == plain and engine.num_launched_ahead > 0
     assert all(reason == "stop" for _, _, reason in plain)
     assert len({len(tokens) for tokens, _, _ in plain}) > 1, "meant to stop at different steps"
+    for a, b in zip(seqs, plain_seqs):  # one entry per token kept, the step ahead's dropped with it
+        assert len(a.logprobs) == len(a.output_token_ids)
+        ranks_and_ids = [[(e.rank, [i for i, _ in e.top]) for e in s.logprobs] for s in (a, b)]
+        assert ranks_and_ids[0] == ranks_and_ids[1]
+        assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs], abs=1e-4)
 
 
 def same_answers(ours, theirs):
