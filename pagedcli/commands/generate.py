@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -88,24 +87,16 @@ def sampling_defaults(params: SamplingParams, generation_config: dict, given: se
 
 
 def check_sampling(params: SamplingParams, source: str | None = None) -> None:
-    """Refuse settings no sampler can use. `source`: the file they came from (a RunError naming the
-    file's key and the option that overrides it), else the options (a UsageError)."""
-    def bad(option: str, value, why: str, hint: str | None = None):
-        if source is None:
-            raise UsageError(f"{option} {value}: {why}", hint)
-        key = option.removeprefix("--").replace("-", "_")
-        raise RunError(f"{source}: {key} {value}: {why}", f"fix the file, or pass {option}")
-
-    if not (math.isfinite(params.temperature) and params.temperature >= 0):
-        bad("--temperature", params.temperature, "must be 0 (greedy) or a positive number")
-    if not 0 < params.top_p <= 1:
-        bad("--top-p", params.top_p, "must be in (0, 1]", "1 turns it off")
-    if params.top_k < 0:
-        bad("--top-k", params.top_k, "must be 0 (off) or more")
-    if params.max_tokens < 1:
-        raise UsageError(f"--max-tokens {params.max_tokens}: must be at least 1")
-    if params.seed is not None and not -(2**63) <= params.seed < 2**63:
-        raise UsageError(f"--seed {params.seed}: must fit in 64 bits", "use a number from -2**63 to 2**63 - 1")
+    """Refuse settings no sampler can use (SamplingParams.problem). `source`: the file they came
+    from (a RunError naming the file's key and the option that overrides it), else the options (a
+    UsageError naming the option)."""
+    problem = params.problem()
+    if problem is None:
+        return
+    name, value, why, hint = problem
+    if source is None:
+        raise UsageError(f"`{name}` {value}: {why}", hint)
+    raise RunError(f"{source}: {name} {value}: {why}", f"fix the file, or pass `{name}`")
 
 
 def add_requests(engine: Engine, tokenizer, prompts: list[str], params: SamplingParams, chat: bool,
@@ -203,6 +194,8 @@ def generate(
     from pagedcli.commands.output import JsonPrinter, TextPrinter
 
     loaded, seqs, use_chat = start_requests(engine_flags, requests, "generate")
+    if requests.logprobs is not None and not json_output:
+        notice("--logprobs: the log-probabilities are in the --json output only")
     engine, samples = loaded.engine, requests.samples
     view = None
     if live:

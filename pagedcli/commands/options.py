@@ -60,6 +60,21 @@ class RequestFlags:
     top_k: Annotated[Optional[int], typer.Option(help="Sample from the k likeliest tokens (0: off).", show_default=False)] = None
     top_p: Annotated[Optional[float], typer.Option(
         help="Sample from the smallest set holding this probability (1: off).", show_default=False)] = None
+    min_p: Annotated[Optional[float], typer.Option(
+        help="Drop tokens less likely than this times the likeliest (0: off).", show_default=False)] = None
+    repetition_penalty: Annotated[Optional[float], typer.Option(
+        help="Divide the logits of tokens in the prompt or answer so far by this (1: off; >1 repeats less).",
+        show_default=False)] = None
+    presence_penalty: Annotated[Optional[float], typer.Option(
+        help="Lower the logit of every token the answer holds by this, -2 to 2 (0: off).", show_default=False)] = None
+    frequency_penalty: Annotated[Optional[float], typer.Option(
+        help="Lower a token's logit by this times its count in the answer, -2 to 2 (0: off).",
+        show_default=False)] = None
+    stop: Annotated[Optional[list[str]], typer.Option(
+        help="End the answer before this text (repeatable).", show_default=False)] = None
+    logprobs: Annotated[Optional[int], typer.Option(
+        help="With --json: each token's log-probability and the N likeliest tokens' (0 to 20).",
+        show_default=False)] = None
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (the i-th answer uses seed + i).")] = None
     ignore_eos: Annotated[bool, typer.Option(help="Keep going past the model's stop tokens.")] = False
     samples: Annotated[int, typer.Option("--n", help="Answers per prompt; they share the prompt's blocks "
@@ -67,8 +82,10 @@ class RequestFlags:
 
     def sampling(self) -> dict:
         """The sampling options as given (None: not given)."""
-        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, max_tokens=self.max_tokens,
-                    ignore_eos=self.ignore_eos, seed=self.seed)
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                    repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                    seed=self.seed, stop=tuple(self.stop) if self.stop else None, logprobs=self.logprobs)
 
 
 def flag_group(group: type, param: str, leave_out: dict | None = None, first: bool = False):

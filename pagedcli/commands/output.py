@@ -14,6 +14,15 @@ from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
 ERROR_MARK = " [error]"  # ends the text of an answer that failed (stderr says why)
 
 
+def answer_text(seq: Sequence, decoder: StreamDecoder) -> str:
+    """The answer's text as far as it may be shown: with stop strings, the engine's cut of it (and
+    while it runs, less a tail that may begin one); else what `decoder` makes of its tokens."""
+    if seq.stop_strings is not None:
+        return seq.stop_strings.text(seq.is_finished)
+    decoder.catch_up(seq.output_token_ids)
+    return decoder.text
+
+
 class TextPrinter:
     """Streams the answer of the earliest unfinished prompt as it is generated; answers of later
     prompts are held back until every earlier one is printed, so they never interleave."""
@@ -27,13 +36,16 @@ class TextPrinter:
         self.labelled = len(seqs) > 1
         self.decoders = {s.id: StreamDecoder(tokenizer, s.prompt_token_ids) for s in seqs}
         self.pending = {s.id: "" for s in seqs}  # text not yet printed
+        self.taken = {s.id: 0 for s in seqs}  # characters of the answer's text moved to `pending`
         self.current = 0  # index into seqs of the answer being streamed
         self.started = False
         self._advance()
 
     def update(self, seq: Sequence) -> None:
         """Take in the tokens `seq` gained since the last call."""
-        self.pending[seq.id] += self.decoders[seq.id].catch_up(seq.output_token_ids)
+        text = answer_text(seq, self.decoders[seq.id])
+        self.pending[seq.id] += text[self.taken[seq.id]:]
+        self.taken[seq.id] = len(text)
 
     def flush(self) -> None:
         """Print what can be printed now: the current answer's new text, then every following
@@ -75,6 +87,7 @@ class JsonPrinter:
     and nothing else there."""
 
     def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], samples: int = 1, out: TextIO | None = None):
+        self.tokenizer = tokenizer
         self.seqs = seqs
         self.samples = samples
         self.out = out or sys.stdout
@@ -82,7 +95,8 @@ class JsonPrinter:
         self.current = 0
 
     def update(self, seq: Sequence) -> None:
-        self.decoders[seq.id].catch_up(seq.output_token_ids)
+        if seq.stop_strings is None:
+            self.decoders[seq.id].catch_up(seq.output_token_ids)
 
     def flush(self) -> None:
         while self.current < len(self.seqs) and self.seqs[self.current].is_finished:
@@ -102,9 +116,20 @@ class JsonPrinter:
             "prompt": seq.prompt,
             "prompt_token_ids": seq.prompt_token_ids,
             "token_ids": seq.output_token_ids,
-            "text": self.decoders[seq.id].text,
+            "text": answer_text(seq, self.decoders[seq.id]),
             "finish_reason": seq.finish_reason,
         }
+        if seq.params.logprobs is not None:
+            r["logprobs"] = [self._logprobs(t, entry) for t, entry in zip(seq.output_token_ids, seq.logprobs)]
         if seq.error:
             r["error"] = with_flags(seq.error)
         return r
+
+    def _logprobs(self, token: int, entry) -> dict:
+        """One token's entry, as vLLM gives it: the chosen token's log-probability and rank, and the
+        top ones, each with its id and its own text."""
+        def one(token_id: int, logprob: float) -> dict:
+            return {"token_id": token_id, "token": self.tokenizer.decode([token_id], skip_special_tokens=False),
+                    "logprob": max(logprob, -9999.0)}  # vLLM's floor: JSON has no -inf
+
+        return one(token, entry.logprob) | {"rank": entry.rank, "top_logprobs": [one(i, lp) for i, lp in entry.top]}

@@ -2,8 +2,8 @@
 
     step():  scheduler.schedule()  -> which sequences run, prefill or decode
              runner.execute()      -> the forward pass over the paged cache: logits, greedy tokens
-             sampler.sample()      -> one token per sequence
-             scheduler.update()    -> append, finish, give blocks back
+             sampler.sample()      -> penalties, temperature, min-p/top-k/top-p: one token per sequence
+             scheduler.update()    -> append, finish, give blocks back (stop strings: stop_strings.py)
 
 Each step returns a StepOutput saying what happened, which the CLI streams, the live view
 draws and the benchmark times.
@@ -15,7 +15,8 @@ sequence goes on (its blocks are taken one token early). So the host's bookkeepi
 runs while the GPU computes step n + 1, and in steady decoding the GPU does not wait for Python. A
 sequence that a stop token ends at step n has computed one token in vain at step n + 1, which is
 dropped (vLLM's async scheduling does the same). Prefills, admissions and preemptions are never
-planned ahead: the step before them is waited for.
+planned ahead: the step before them is waited for. Stop strings end a sequence as stop tokens do,
+once its tokens are on the host; penalties count the token a step feeds on the device (sampler.py).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ import torch
 
 from pagedcli.engine.cache import KVCache
 from pagedcli.engine.runner import ModelRunner
-from pagedcli.engine.sampler import sample
+from pagedcli.engine.sampler import Sampler, StepLogprobs
 from pagedcli.engine.scheduler import Scheduler
 from pagedcli.engine.sequence import SamplingParams, Sequence
 from pagedcli.engine.snapshot import CacheSnapshot, take_snapshot
+from pagedcli.engine.stop_strings import MakeDetokenizer, StopStrings
+from pagedcli.errors import UsageError
 
 
 @dataclass
@@ -56,6 +59,7 @@ class QueuedStep:
     num_tokens: int
     used_blocks: int
     num_running: int
+    logprobs: StepLogprobs | None = None  # on their way to the host with the tokens
 
     def tokens_on_host(self) -> list[int]:
         if self.ready is not None:
@@ -64,10 +68,14 @@ class QueuedStep:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, cache: KVCache, stop_ids, overlap: bool = False):
+    def __init__(self, runner: ModelRunner, cache: KVCache, stop_ids, overlap: bool = False,
+                 detokenizer: MakeDetokenizer | None = None):
         self.runner = runner
         self.cache = cache  # its max_slots and max_model_len are the engine's
-        self.scheduler = Scheduler(cache, set(stop_ids), vocab_size=runner.model.config.vocab_size)
+        vocab_size = runner.model.config.vocab_size
+        self.scheduler = Scheduler(cache, set(stop_ids), vocab_size=vocab_size)
+        self.sampler = Sampler(cache.max_slots, vocab_size, cache.device)
+        self.detokenizer = detokenizer  # for stop strings: the engine does not know the tokenizer
         self.sequences: list[Sequence] = []
         self.num_steps = 0
         self.overlap = overlap  # queue the next decode step before this one's tokens are on the host
@@ -75,7 +83,7 @@ class Engine:
         self.num_launched_ahead = 0
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
-        seq = Sequence(len(self.sequences), prompt_token_ids, params, prompt)
+        seq = self._watch_stops(Sequence(len(self.sequences), prompt_token_ids, params, prompt))
         self.sequences.append(seq)
         self.scheduler.add(seq)
         return seq
@@ -83,10 +91,18 @@ class Engine:
     def add_parallel(self, prompt_token_ids: list[int], params: list[SamplingParams],
                      prompt: str | None = None) -> list[Sequence]:
         """`len(params)` samples of one prompt that share its blocks (copy-on-write)."""
-        seqs = [Sequence(len(self.sequences) + i, prompt_token_ids, p, prompt) for i, p in enumerate(params)]
+        seqs = [self._watch_stops(Sequence(len(self.sequences) + i, prompt_token_ids, p, prompt))
+                for i, p in enumerate(params)]
         self.sequences.extend(seqs)
         self.scheduler.add_parallel(seqs[0], seqs[1:])
         return seqs
+
+    def _watch_stops(self, seq: Sequence) -> Sequence:
+        if seq.params.stop:
+            if self.detokenizer is None:
+                raise UsageError("`stop` needs the text, and this model has no tokenizer", "leave `stop` out")
+            seq.stop_strings = StopStrings(seq.params.stop, self.detokenizer(seq.prompt_token_ids))
+        return seq
 
     @property
     def has_unfinished(self) -> bool:
@@ -125,14 +141,16 @@ class Engine:
             if rows is not None:
                 index = torch.tensor(rows).to(logits.device)
                 logits, greedy = logits[index], greedy[index]
-        tokens = sample(logits, greedy, seqs)
+        tokens, logprobs = self.sampler.sample(logits, greedy, seqs)
         if tokens.is_cuda:
             host, ready = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True), torch.cuda.Event()
             host.copy_(tokens, non_blocking=True)
+            if logprobs is not None:
+                logprobs.to_host()
             ready.record()
         else:
             host, ready = tokens, None
-        return QueuedStep(is_prefill, seqs, tokens, host, ready, num_tokens, used_blocks, num_running)
+        return QueuedStep(is_prefill, seqs, tokens, host, ready, num_tokens, used_blocks, num_running, logprobs)
 
     def _finish(self, step: QueuedStep) -> StepOutput:
         """Wait for a step's tokens; append them, finish sequences, give blocks back."""
@@ -147,10 +165,26 @@ class Engine:
                 seq.first_token_time = now
             seq.token_times.append(now)
         finished = self.scheduler.update(seqs, tokens)
+        if step.logprobs is not None:
+            step.logprobs.attach(step.seqs)
+        finished += self._stop_strings(seqs)
         if self.in_flight is not None and all(s.is_finished for s in self.in_flight.seqs):
             self.in_flight = None  # every row of the step ahead is void: nobody waits for it
         self.num_steps += 1
         return StepOutput(step.is_prefill, seqs, tokens, finished, step.num_tokens, step.used_blocks, step.num_running)
+
+    def _stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
+        """End the sequences whose text now holds a stop string, as a stop token would: those that
+        were still running. A stop string outranks the length limit (vLLM's finish_reason)."""
+        ended = []
+        for seq in seqs:
+            if seq.stop_strings is None or seq.error or not seq.stop_strings.update(seq.output_token_ids):
+                continue
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                ended.append(seq)
+            seq.finish_reason = "stop"
+        return ended
 
     def run_to_completion(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         """Run prompts to completion; returns their sequences in input order."""

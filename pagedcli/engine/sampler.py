@@ -1,35 +1,56 @@
-"""Next-token choice: greedy, or temperature with top-k / top-p, seeded per request.
+"""Next-token choice: greedy, or temperature with min-p / top-k / top-p, seeded per request, after
+the penalties (logits_processors.py); and the log-probabilities a request asks for.
 
-Greedy rows share one argmax. Sampled rows each draw with their own generator, seeded from the
+Greedy rows share one argmax (the runner's) unless penalties change their logits: then theirs is
+taken after the penalties. Sampled rows each draw with their own generator, seeded from the
 request's seed, so a request's samples do not depend on what else is in the batch.
 
 A row whose logits are not all finite (an overflow in float16, a NaN weight) gets the token
 NOT_FINITE instead: the scheduler ends that request with an error, and the others go on. For
 greedy rows the backend's argmax says so (on a GPU inside the same kernel, and inside the decode
 graph); a sampled row is checked before its draw. The answer comes back with the tokens (no sync).
+
+Log-probabilities are vLLM's default (raw logprobs): the log-softmax of the model's logits, before
+penalties and temperature, for the chosen token and the N likeliest.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from pagedcli.backends import NOT_FINITE
+from pagedcli.engine.logits_processors import Penalties, warp
 from pagedcli.engine.sequence import Sequence
 
 
+class Sampler:
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
+        self.penalties = Penalties(num_slots, vocab_size, device)
 
-def sample(logits: torch.Tensor, greedy: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits: [B, vocab] float32, row b for seqs[b]; greedy: [B] int64, their argmax (the runner's,
-    NOT_FINITE where a row is not all finite), which sampled rows overwrite. Returns [B] int64
-    tokens where the logits are: nothing waits for them."""
-    tokens = greedy
-    sampled = [b for b, seq in enumerate(seqs) if not seq.params.greedy]
-    if sampled:
-        bad = greedy == NOT_FINITE  # the argmax looked at every row, sampled ones too
+    def sample(self, logits: torch.Tensor, greedy: torch.Tensor,
+               seqs: list[Sequence]) -> tuple[torch.Tensor, StepLogprobs | None]:
+        """logits: [B, vocab] float32, row b for seqs[b]; greedy: [B] int64, their argmax (the runner's,
+        NOT_FINITE where a row is not all finite), which other rows overwrite. Returns [B] int64
+        tokens where the logits are, and the log-probabilities asked for: nothing waits for them."""
+        raw, tokens = logits, greedy
+        penalized = [b for b, seq in enumerate(seqs) if seq.params.has_penalties]
+        sampled = [b for b, seq in enumerate(seqs) if not seq.params.greedy]
+        if penalized or sampled:
+            bad = greedy == NOT_FINITE  # the argmax looked at every row
+        if penalized:  # their argmax is taken after the penalties (a sampled row's is overwritten below)
+            index = torch.tensor(penalized).to(logits.device, non_blocking=True)
+            rows, slots = self.penalties.apply(logits[index], [seqs[b] for b in penalized])
+            logits = logits.index_copy(0, index, rows)  # a copy: the raw logits stay for logprobs
+            tokens = greedy.index_copy(0, index, torch.where(bad[index], NOT_FINITE, rows.argmax(-1)))
         for b in sampled:  # a row that is not finite draws from zeros (multinomial refuses NaN)
             tokens[b] = _draw(torch.where(bad[b], 0.0, logits[b]), seqs[b])
-        tokens = torch.where(bad, NOT_FINITE, tokens)
-    return tokens
+        if sampled:
+            tokens = torch.where(bad, NOT_FINITE, tokens)
+        if penalized:
+            self.penalties.count(slots, tokens[index])
+        return tokens, StepLogprobs.of(raw, tokens, seqs)
 
 
 def _draw(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
@@ -40,15 +61,52 @@ def _draw(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
             seq.generator.manual_seed(p.seed)
         else:
             seq.generator.seed()
-    logits = logits / p.temperature
-    if p.top_k > 0:
-        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= p.top_p  # keep the smallest prefix reaching top_p
-        drop[0] = False  # and the likeliest token always (transformers, vLLM): a top_p that is 0 in float32 drops all
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
+    probs = warp(logits, p).softmax(-1)
     return torch.multinomial(probs, 1, generator=seq.generator)[0]
+
+
+class TokenLogprobs(NamedTuple):
+    """One output token's: its log-probability, its rank (1: the likeliest), the top (id, logprob)."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+class StepLogprobs:
+    """The log-probabilities of one step's rows that ask for them, on the device, then on the host."""
+
+    def __init__(self, rows: list[int], chosen: torch.Tensor, rank: torch.Tensor, top_values: torch.Tensor,
+                 top_ids: torch.Tensor):
+        self.rows = rows
+        self.tensors = [chosen, rank, top_values, top_ids]
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> StepLogprobs | None:
+        rows = [b for b, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if not rows:
+            return None
+        index = torch.tensor(rows).to(logits.device, non_blocking=True)
+        logprobs = logits[index].log_softmax(-1)
+        chosen = logprobs.gather(1, tokens[index].clamp(min=0)[:, None])  # a NOT_FINITE row ends: any id does
+        rank = (logprobs >= chosen).sum(-1)  # vLLM's rank: 1 for the likeliest
+        top = logprobs.topk(max(seqs[b].params.logprobs for b in rows), dim=-1)
+        return cls(rows, chosen[:, 0], rank, top.values, top.indices)
+
+    def to_host(self) -> None:
+        """Start the copy to the host (pinned memory, no wait): the step's `ready` event covers it."""
+        if self.tensors[0].is_cuda:
+            pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in self.tensors]
+            for host, t in zip(pinned, self.tensors):
+                host.copy_(t, non_blocking=True)
+            self.tensors = pinned
+
+    def attach(self, seqs: list[Sequence]) -> None:
+        """Once on the host: give each row's sequence its token's entry, if the token was appended
+        (not a stop token, not a row dropped because the sequence had already ended)."""
+        chosen, rank, values, ids = (t.tolist() for t in self.tensors)
+        for i, b in enumerate(self.rows):
+            seq = seqs[b]
+            if len(seq.logprobs) < len(seq.output_token_ids):
+                n = seq.params.logprobs
+                seq.logprobs.append(TokenLogprobs(chosen[i], rank[i], list(zip(ids[i][:n], values[i][:n]))))

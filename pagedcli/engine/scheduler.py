@@ -253,6 +253,6 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         if seq.slot is not None:
             self._free(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+        if seq in self.running:  # a new list: the one schedule() returned may still be a step's rows
+            self.running = [s for s in self.running if s is not seq]
         seq.status = Status.FINISHED

@@ -16,7 +16,7 @@ from pagedcli.errors import UsageError
 from pagedcli.model.network import Llama
 from pagedcli.model.source import ModelSource, resolve_model
 from pagedcli.engine.runner import ModelRunner
-from pagedcli.model.tokenizer import Tokenizer
+from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
 from pagedcli.model.weights import Weights, load_weights, random_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -124,7 +124,10 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
         backend = TorchBackend(cache, config)
     llama = Llama(config, model.weights, backend)
     runner = ModelRunner(llama, cache, use_graphs=device.type == "cuda" and not opts.eager)
-    return Engine(runner, cache, model.source.stop_ids, overlap=opts.overlap and device.type == "cuda")
+    tokenizer = model.tokenizer
+    detokenizer = (lambda prompt_ids: StreamDecoder(tokenizer, prompt_ids)) if tokenizer is not None else None
+    return Engine(runner, cache, model.source.stop_ids, overlap=opts.overlap and device.type == "cuda",
+                  detokenizer=detokenizer)
 
 
 @dataclass
