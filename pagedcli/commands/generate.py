@@ -242,7 +242,7 @@ def load_for_text(engine_flags: EngineFlags, requests: RequestFlags, command: st
             return
         if command == "chat":
             raise UsageError(f"model {source.name} has no chat template",
-                             "give one with --chat-template FILE (a Jinja file, e.g. a chat model's chat_template.jinja)")
+                             "give one with --chat-template FILE, a Jinja file such as a chat model's chat_template.jinja")
         if chat:
             raise UsageError(f"--chat: model {source.name} has no chat template", "use --raw, or give --chat-template FILE")
         if requests.system is not None:
