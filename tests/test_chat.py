@@ -151,6 +151,23 @@ def test_a_template_that_trims_the_answer_still_extends_the_conversation(stories
     assert talk.ids[-2:] == [400, 401]
 
 
+def test_the_llama3_template_extends_turn_by_turn(llama3_tokenizer):
+    """Llama 3's own template (it trims each message): the new turn's ids are the old ones, the
+    answer's and then only what the new text adds, and here equal the whole rendering encoded."""
+    from pagedcli.commands.chat import Conversation
+    from pagedcli.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(llama3_tokenizer)
+    talk = Conversation(tok, system="Be brief.")
+    turn = talk.prompt("What is 2+2?")
+    talk.add(turn, tok.encode_rendered("The answer is 4."), "The answer is 4.")
+    turn = talk.prompt("And 3+3?")
+    assert turn.extended and turn.ids[:len(talk.ids)] == talk.ids and turn.ids == tok.encode_rendered(turn.text)
+    assert tok.decode(turn.ids[len(talk.ids):], skip_special_tokens=False) == (
+        "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nAnd 3+3?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
 # --- generate: prompts from standard input -----------------------------------------------------------
 def generate_json(stories, *args, input=""):
     code, out, err = invoke("generate", "--model", stories, "--raw", "--max-tokens", "2", "--json", *args, input=input)

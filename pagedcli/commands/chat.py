@@ -140,7 +140,7 @@ class Chat:
         if snap is None:
             notice("nothing to show yet: the conversation's blocks are shown after an answer of two tokens or more")
             return
-        self.console.print(render(snap, snap.slot(self.last_slot), self.tokenizer.decode))
+        self.console.print(render(snap, snap.slot(self.last_slot), self.tokenizer.decode, other_layers=None))
 
     # --- a turn -------------------------------------------------------------------------------
     def turn(self, message: str) -> None:
@@ -150,8 +150,8 @@ class Chat:
         try:
             check_text(message, "the message")
             turn = conversation.prompt(message)
-        except (UsageError, RunError) as e:
-            self.say_error(e.message, e.hint)
+        except (UsageError, RunError) as e:  # the template failed on it, or it is not text
+            self.say_error(e.message, e.hint, fatal=type(e))
             return
         number = conversation.num_turns + 1
         if not turn.extended:
@@ -244,7 +244,7 @@ def typed_lines(prompt: str = "> ") -> Iterator[str]:
 
 def piped_lines() -> Iterator[str]:
     """Standard input's lines, one message each (UTF-8; a byte-order mark at its start dropped)."""
-    for number, raw in enumerate(sys.stdin.buffer, 1):
+    for number, raw in enumerate(sys.stdin.buffer if sys.stdin else (), 1):  # (None: closed)
         try:
             line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
         except UnicodeDecodeError as e:

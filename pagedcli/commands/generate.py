@@ -71,7 +71,7 @@ def read_prompts(prompts: list[str], prompt_file: Path | None, separator: str = 
 def read_text_from(path: Path | None, what: str) -> str:
     """The UTF-8 text of a file, or of standard input (`path` None); `what` names it in errors."""
     try:
-        data = Path(path).read_bytes() if path is not None else sys.stdin.buffer.read()
+        data = Path(path).read_bytes() if path is not None else sys.stdin.buffer.read() if sys.stdin else b""
         return data.decode("utf-8-sig")
     except FileNotFoundError:
         raise UsageError(f"{what}: no such file") from None
