@@ -103,9 +103,28 @@ def test_a_model_without_a_chat_template_is_refused_in_one_line(stories):
 
 
 def test_commands_and_blank_lines_are_not_turns(stories, requests):
-    code, out, err = chat(stories, "\n/cache\n   \n/bogus\nHello!\n/exit\nnever read\n")
+    code, out, err = chat(stories, "\n/cache\n   \n/bogus\n/live\nHello!\n/exit\nnever read\n")
     assert code == 0 and len(requests) == 1 and [s[0] for s in stats(err)] == [1]
     assert "nothing to show yet" in err and "error: /bogus is not a command" in err
+    assert "/live: stdout is not a terminal, so no live view" in err and "╭" not in out
+
+
+def test_cache_shows_the_conversations_block_table(stories, requests):
+    code, out, _ = chat(stories, "Hello!\n/cache\n", "--block-size", "8")
+    (seq,) = requests
+    assert code == 0
+    table = out[out.index("slot "):]  # as the step before the answer's last left it
+    n = len(seq) - 1
+    assert f"tokens    {n} ({len(seq.prompt_token_ids)} prompt + {n - len(seq.prompt_token_ids)} output), " \
+           f"{n - 1} in the cache, in {-(-n // 8)} blocks a layer" in table
+    assert "│ [user]\\n " in table and "│ Hello! \\n" in table  # each block's text (</s> is not shown)
+
+
+def test_at_a_terminal_messages_are_typed_at_a_prompt(stories, requests, monkeypatch):
+    monkeypatch.setattr("pagedcli.commands.chat.stdin_is_terminal", lambda: True)
+    code, out, err = chat(stories, "Hello!\n")  # then end of input: Ctrl-D
+    assert code == 0 and out.startswith("> ") and out.endswith("> \n") and len(requests) == 1
+    assert err.startswith(f"chatting with {stories}: /reset starts over")
 
 
 @pytest.mark.parametrize("template, fragment", [

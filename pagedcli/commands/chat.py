@@ -261,7 +261,7 @@ def chat(*, requests: RequestFlags, engine_flags: EngineFlags):
 
     The conversation stays one sequence: each turn's prompt begins with the earlier turns' tokens, which the prefix cache serves, so a turn computes only its new tokens; a line on stderr says how many after each answer. Commands: /reset, /cache, /live, /exit (or Ctrl-D), /help.
 
-    From a pipe (stdin not a terminal) each line is one message, and stdout gets only the answers, one per message, each ending in a newline (an answer may hold line breaks of its own); the cache lines go to stderr. A turn that cannot run then ends the run (exit 1).
+    From a pipe (stdin not a terminal) each line is one message, and stdout gets only the answers, one per message, each ending in a newline (an answer may hold line breaks of its own), and what /cache shows; the cache lines go to stderr. A turn that cannot run then ends the run (exit 1).
     """
     params, given = request_params(requests)
     interactive = stdin_is_terminal()
