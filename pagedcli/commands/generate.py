@@ -48,7 +48,10 @@ def read_prompts(prompts: list[str], prompt_file: Path | None, separator: str = 
     implicit = not prompts and prompt_file is None and not stdin_is_terminal()
     if STDIN in prompts:
         i = prompts.index(STDIN)
-        prompts[i:i + 1] = split_prompts(read_text_from(None, STDIN), separator)
+        found = split_prompts(read_text_from(None, STDIN), separator)
+        if not found:
+            raise UsageError("-: standard input has no prompts (it is empty)", "pipe prompts in, one a line")
+        prompts[i:i + 1] = found
     if prompt_file is not None:
         found = split_prompts(read_text_from(None if file_is_stdin else prompt_file, f"--prompt-file {prompt_file}"),
                               separator)
