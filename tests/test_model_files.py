@@ -301,7 +301,7 @@ def test_a_chat_template_that_works_is_used(model):
     edit_json(model / "tokenizer_config.json", chat_template="{{ bos_token }}Q: {{ messages[0]['content'] }} A:")
     from pagedcli.model.tokenizer import Tokenizer
 
-    assert Tokenizer(model).render_chat("hi") == "<s>Q: hi A:"
+    assert Tokenizer(model).render_chat([{"role": "user", "content": "hi"}]) == "<s>Q: hi A:"
 
 
 def test_a_hugging_face_cache_snapshot_may_link_its_shards_to_the_repos_blobs(model, tmp_path):

@@ -1,11 +1,11 @@
 """The command line: the Typer app and its commands (one module each: generate.py,
-inspect_cache.py, bench.py); options, messages and exit codes only, the work happens elsewhere."""
+chat.py, inspect_cache.py, bench.py); options, messages and exit codes only, the work happens elsewhere."""
 
 from __future__ import annotations
 
 import typer
 
-from pagedcli.commands import bench, generate, inspect_cache
+from pagedcli.commands import bench, chat, generate, inspect_cache
 
 app = typer.Typer(
     add_completion=False,
@@ -21,6 +21,7 @@ def _group() -> None:
 
 
 app.command()(generate.generate)
+app.command()(chat.chat)
 app.command("inspect-cache")(inspect_cache.inspect_cache)
 app.command()(bench.bench)
 

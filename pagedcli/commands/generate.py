@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,32 +22,88 @@ if TYPE_CHECKING:  # the engine and torch load once a command runs, not for --he
     from pagedcli.engine.sequence import SamplingParams, Sequence
 
 
-def read_prompts(prompts: list[str], prompt_file: Path | None) -> list[str]:
-    """Arguments first, then the file's non-empty lines. Lines end at "\n" (or "\r\n") only, not
-    at the other breaks str.splitlines knows (U+2028, U+0085, form feed...), which a prompt may hold;
-    a byte-order mark at the start of the file is not part of its first prompt."""
+STDIN = "-"  # a prompt argument or --prompt-file that stands for standard input
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}  # what --prompt-separator reads after a backslash
+
+
+def stdin_is_terminal() -> bool:
+    """Whether a person types at standard input (a function of its own, so tests can fake one)."""
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def read_prompts(prompts: list[str], prompt_file: Path | None, separator: str = "\n") -> list[str]:
+    """Arguments first (standard input's prompts where one is `-`), then the file's (or, for `-`,
+    standard input's); with neither and input piped in, standard input's. The text splits at
+    `separator` only (a newline: "\n" or "\r\n", not the other breaks str.splitlines knows, such as
+    U+2028, U+0085 or a form feed, which a prompt may hold); a byte-order mark at its start is not
+    part of its first prompt."""
     prompts = list(prompts)
     for i, prompt in enumerate(prompts):
-        check_text(prompt, f"prompt {i + 1}")
+        if prompt != STDIN:
+            check_text(prompt, f"prompt {i + 1}")
+    file_is_stdin = prompt_file is not None and str(prompt_file) == STDIN
+    if prompts.count(STDIN) + file_is_stdin > 1:
+        raise UsageError("standard input (`-`) is named twice", "it can be read once: name it once")
+    implicit = not prompts and prompt_file is None and not stdin_is_terminal()
+    if STDIN in prompts:
+        i = prompts.index(STDIN)
+        found = split_prompts(read_text_from(None, STDIN), separator)
+        if not found:
+            raise UsageError("-: standard input has no prompts (it is empty)", "pipe prompts in, one a line")
+        prompts[i:i + 1] = found
     if prompt_file is not None:
-        try:
-            text = Path(prompt_file).read_bytes().decode("utf-8-sig")
-        except FileNotFoundError:
-            raise UsageError(f"--prompt-file {prompt_file}: no such file") from None
-        except IsADirectoryError:
-            raise UsageError(f"--prompt-file {prompt_file}: is a folder", "give a text file, one prompt per line") from None
-        except PermissionError:
-            raise UsageError(f"--prompt-file {prompt_file}: cannot be read (permission denied)") from None
-        except UnicodeDecodeError as e:
-            raise UsageError(f"--prompt-file {prompt_file}: not UTF-8 text (byte {e.start})",
-                             "save it as UTF-8, one prompt per line") from None
-        prompts += [line.removesuffix("\r") for line in text.split("\n") if line.strip()]
+        found = split_prompts(read_text_from(None if file_is_stdin else prompt_file, f"--prompt-file {prompt_file}"),
+                              separator)
+        if not found:
+            what = "standard input" if file_is_stdin else "every line"
+            raise UsageError(f"--prompt-file {prompt_file}: has no prompts ({what} is empty)",
+                             "write one prompt per line" if separator == "\n" else "check --prompt-separator")
+        prompts += found
+    elif implicit:
+        prompts = split_prompts(read_text_from(None, "standard input"), separator)
+        if not prompts:
+            raise UsageError("no prompt given, and standard input is empty",
+                             'pass one, e.g. pagedcli generate "ROMEO:", pipe prompts in, or use --prompt-file')
     if not prompts:
-        if prompt_file is not None:
-            raise UsageError(f"--prompt-file {prompt_file}: has no prompts (every line is empty)",
-                             "write one prompt per line")
-        raise UsageError("no prompt given", 'pass one, e.g. pagedcli generate "ROMEO:", or use --prompt-file')
+        raise UsageError("no prompt given", 'pass one, e.g. pagedcli generate "ROMEO:", pipe prompts in, '
+                         "or use --prompt-file")
     return prompts
+
+
+def read_text_from(path: Path | None, what: str) -> str:
+    """The UTF-8 text of a file, or of standard input (`path` None); `what` names it in errors."""
+    try:
+        data = Path(path).read_bytes() if path is not None else sys.stdin.buffer.read() if sys.stdin else b""
+        return data.decode("utf-8-sig")
+    except FileNotFoundError:
+        raise UsageError(f"{what}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{what}: is a folder", "give a text file, one prompt per line") from None
+    except PermissionError:
+        raise UsageError(f"{what}: cannot be read (permission denied)") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{what}: not UTF-8 text (byte {e.start})", "save it as UTF-8, one prompt per line") from None
+
+
+def prompt_separator(spelling: str) -> str:
+    """--prompt-separator as typed, with its backslash escapes read (a newline is awkward to type
+    in a shell): '\\n\\n' is a blank line."""
+    def escape(match: re.Match) -> str:
+        if match.group(1) not in ESCAPES:
+            raise UsageError(f"--prompt-separator {spelling!r}: unknown escape \\{match.group(1)}",
+                             "use \\n, \\t, \\r or \\\\, e.g. '\\n\\n' for a blank line")
+        return ESCAPES[match.group(1)]
+
+    return re.sub(r"\\(.?)", escape, spelling, flags=re.DOTALL)
+
+
+def split_prompts(text: str, separator: str) -> list[str]:
+    """The prompts in `text`: the pieces between separators ("" is none: the whole text is one),
+    less the line breaks at their ends; a piece of whitespace only is no prompt."""
+    if "\r" not in separator:  # a line may end in "\r\n"
+        text = text.replace("\r\n", "\n")
+    pieces = text.split(separator) if separator else [text]
+    return [piece.strip("\n") for piece in pieces if piece.strip()]
 
 
 def check_text(text: str, what: str) -> None:
@@ -100,12 +158,12 @@ def check_sampling(params: SamplingParams, source: str | None = None) -> None:
 
 
 def add_requests(engine: Engine, tokenizer, prompts: list[str], params: SamplingParams, chat: bool,
-                 samples: int = 1) -> list[Sequence]:
+                 samples: int = 1, system: str | None = None) -> list[Sequence]:
     """`samples` answers per prompt (sharing the prompt's blocks when more than one). The i-th
     answer overall samples with seed + i, so it does not depend on what else shares the batch."""
     seqs = []
     for prompt in prompts:
-        ids = tokenizer.encode(prompt, chat=chat)
+        ids = tokenizer.encode(prompt, chat=chat, system=system)
         answer_params = [replace(params, seed=None if params.seed is None else params.seed + len(seqs) + j)
                          for j in range(samples)]
         if samples == 1:
@@ -151,33 +209,58 @@ def summary(seqs: list[Sequence], elapsed: float, engine: Engine) -> str:
     return ", ".join(parts)
 
 
-def start_requests(engine_flags: EngineFlags, requests: RequestFlags, command: str, **overrides):
-    """Everything generate and inspect-cache share: check the input, load the model, queue the
-    requests. Returns the loaded model, the sequences and whether the chat template is used."""
+def request_params(requests: RequestFlags) -> tuple[SamplingParams, set[str]]:
+    """The sampling the options ask for (the rest: SamplingParams' defaults), and which they gave."""
     from pagedcli.engine.sequence import SamplingParams
+
+    sampling = requests.sampling()
+    given = {k for k, v in sampling.items() if v is not None}
+    params = SamplingParams(**{k: sampling[k] for k in given})
+    check_sampling(params)
+    return params, given
+
+
+def load_for_text(engine_flags: EngineFlags, requests: RequestFlags, command: str, chat: bool | None, **overrides):
+    """Load the model for a command that needs its tokenizer (and, `chat` True, a chat template:
+    --chat-template's, else the folder's), refusing one that lacks them before its weights are read."""
     from pagedcli.model.loader import load
 
     opts = engine_flags.options(**overrides)
-    sampling = requests.sampling()
-    given = {k for k, v in sampling.items() if v is not None}
-    params = SamplingParams(**{k: sampling[k] for k in given})  # the rest: SamplingParams' defaults
-    check_sampling(params)
-    if requests.samples < 1:
-        raise UsageError(f"--n {requests.samples}: needs at least one answer per prompt")
-    texts = read_prompts(requests.prompts or [], requests.prompt_file)
-    chat = requests.chat
 
     def check(source, tokenizer) -> None:  # before the weights are read
         if tokenizer is None:
             raise UsageError(f"--model {source.name} has no tokenizer", f"{command} needs a model folder with tokenizer.json")
-        if chat and not tokenizer.has_chat_template:
-            raise UsageError(f"--chat: model {source.name} has no chat template", "use --raw")
+        if requests.chat_template is not None:
+            tokenizer.use_chat_template(requests.chat_template)
+        if tokenizer.has_chat_template:
+            return
+        if command == "chat":
+            raise UsageError(f"model {source.name} has no chat template",
+                             "give one with --chat-template FILE, a Jinja file such as a chat model's chat_template.jinja")
+        if chat:
+            raise UsageError(f"--chat: model {source.name} has no chat template", "use --raw, or give --chat-template FILE")
+        if requests.system is not None:
+            raise UsageError(f"--system: model {source.name} has no chat template to put it in",
+                             "give one with --chat-template FILE")
 
-    loaded = load(opts, notice, check)
+    return load(opts, notice, check)
+
+
+def start_requests(engine_flags: EngineFlags, requests: RequestFlags, command: str, **overrides):
+    """Everything generate and inspect-cache share: check the input, load the model, queue the
+    requests. Returns the loaded model, the sequences and whether the chat template is used."""
+    params, given = request_params(requests)
+    if requests.samples < 1:
+        raise UsageError(f"--n {requests.samples}: needs at least one answer per prompt")
+    chat = requests.chat
+    if chat is False and requests.system is not None:
+        raise UsageError("--system goes in the chat template, which --raw leaves out", "leave out one of them")
+    texts = read_prompts(requests.prompts or [], requests.prompt_file, prompt_separator(requests.prompt_separator))
+    loaded = load_for_text(engine_flags, requests, command, chat, **overrides)
     use_chat = loaded.tokenizer.has_chat_template if chat is None else chat
     params = sampling_defaults(params, loaded.source.generation_config, given,
                                f"{loaded.source.name}'s generation_config.json")
-    seqs = add_requests(loaded.engine, loaded.tokenizer, texts, params, use_chat, requests.samples)
+    seqs = add_requests(loaded.engine, loaded.tokenizer, texts, params, use_chat, requests.samples, requests.system)
     report_failures(seqs, requests.samples)
     return loaded, seqs, use_chat
 

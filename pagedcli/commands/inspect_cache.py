@@ -170,8 +170,9 @@ def escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
 
 
-def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0) -> Group:
-    """The slot's request, the pool's geometry, and a table of one layer's blocks."""
+def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0, other_layers: str = "--layer picks another") -> Group:
+    """The slot's request, the pool's geometry, and a table of one layer's blocks (`other_layers`:
+    how to see the others, or None)."""
     geo = snap.geometry
     token_blocks = block_token_ids(view, geo.block_size)
     texts = block_texts(decode, token_blocks)
@@ -189,7 +190,8 @@ def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0) -> Group
                              f"K at +0x0, V at +{geo.v_offset:#x}")
     head.add_row("pool", f"{geo.num_blocks:,} blocks = {geo.pool_bytes:,} bytes ({human_bytes(geo.pool_bytes)}); "
                          f"{snap.num_free_blocks:,} free, {snap.num_used_blocks:,} used")
-    head.add_row(f"layer {layer}", Text(other_layers_note(view, layer) + "; --layer picks another", style="dim"))
+    head.add_row(f"layer {layer}", Text(other_layers_note(view, layer) + (f"; {other_layers}" if other_layers else ""),
+                                             style="dim"))
 
     shared = shared_with(snap, view)[layer]
     table = Table(header_style="bold", title_justify="left")

@@ -50,10 +50,21 @@ class EngineFlags:
 
 @dataclasses.dataclass
 class RequestFlags:
-    prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts; several run together.")] = None
-    prompt_file: Annotated[Optional[Path], typer.Option(help="A UTF-8 file with one prompt per line.")] = None
+    prompts: Annotated[Optional[list[str]], typer.Argument(
+        help="Prompts; several run together. `-`: read them from standard input, as with none and input piped in.",
+        show_default=False)] = None
+    prompt_file: Annotated[Optional[Path], typer.Option(
+        help="A UTF-8 file with one prompt per line (`-`: standard input).")] = None
+    prompt_separator: Annotated[str, typer.Option(
+        help=r"What ends a prompt in a prompt file or standard input, with \n, \t, \r and \\ read as escapes: "
+        r"'\n\n' for prompts of several lines between blank lines, '' for the whole input as one prompt.")] = r"\n"
     chat: Annotated[Optional[bool], typer.Option(
         "--chat/--raw", help="Wrap prompts in the model's chat template (default when it has one) or feed them as is.")] = None
+    system: Annotated[Optional[str], typer.Option(help="A system message before each prompt, in the chat template.",
+                                                  show_default=False)] = None
+    chat_template: Annotated[Optional[Path], typer.Option(
+        help="A Jinja chat template file (as vLLM's --chat-template), in place of the model folder's.",
+        show_default=False)] = None
     max_tokens: Annotated[int, typer.Option(help="New tokens per prompt, at most.")] = 256
     temperature: Annotated[Optional[float], typer.Option(
         help="0 is greedy. Default: the model's generation_config.json when it samples, else 0.", show_default=False)] = None

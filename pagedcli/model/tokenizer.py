@@ -38,6 +38,7 @@ class Tokenizer:
         self.eos_token = _token_text(config.get("eos_token"))
         self.add_bos = bool(config.get("add_bos_token", False))
         self.chat_template = config.get("chat_template") or _read_template(folder)
+        self.template_source = "the model's chat template"  # as messages name it
         if isinstance(self.chat_template, list):  # several named templates: take the default one
             named = {t.get("name"): t.get("template") for t in self.chat_template}
             self.chat_template = named.get("default") or next(iter(named.values()), None)
@@ -50,37 +51,64 @@ class Tokenizer:
     def token_id(self, text: str | None) -> int | None:
         return self.tok.token_to_id(text) if text else None
 
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        """`chat`: wrap the prompt as one user message in the model's chat template; otherwise feed
-        it as is, with BOS where the tokenizer's post-processor (or add_bos_token) puts one."""
+    def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+        """`chat`: wrap the prompt as one user message (after a `system` one, if given) in the model's
+        chat template; otherwise feed it as is, with BOS where the tokenizer's post-processor (or
+        add_bos_token) puts one."""
         if chat:
-            return self.tok.encode(self.render_chat(prompt), add_special_tokens=False).ids
+            return self.encode_rendered(self.render_chat(chat_messages(prompt, system)))
         ids = self.tok.encode(prompt).ids
         bos = self.token_id(self.bos_token)
         if self.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids = [bos] + ids
         return ids
 
-    def render_chat(self, prompt: str) -> str:
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    def encode_rendered(self, text: str) -> list[int]:
+        """Text the chat template rendered: its special tokens are written out, none is added."""
+        return self.tok.encode(text, add_special_tokens=False).ids
 
-        def raise_exception(message):
-            raise TemplateError(message)
+    def use_chat_template(self, path: Path) -> None:
+        """Take the Jinja template in `path` (--chat-template) instead of the model folder's; a
+        file that is not a template is refused here, before anything is rendered with it."""
+        from jinja2 import TemplateSyntaxError
+
+        try:
+            text = Path(path).read_bytes().decode("utf-8-sig")
+        except FileNotFoundError:
+            raise UsageError(f"--chat-template {path}: no such file") from None
+        except IsADirectoryError:
+            raise UsageError(f"--chat-template {path}: is a folder", "give a Jinja file, e.g. chat_template.jinja") from None
+        except PermissionError:
+            raise UsageError(f"--chat-template {path}: cannot be read (permission denied)") from None
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--chat-template {path}: not UTF-8 text (byte {e.start})") from None
+        check_chat_template(text, str(path))
+        if not text.strip():
+            raise UsageError(f"--chat-template {path}: the file is empty", "give a Jinja chat template")
+        try:
+            _environment().parse(text)
+        except TemplateSyntaxError as e:
+            raise UsageError(f"--chat-template {path}: not a Jinja template (line {e.lineno}: {_first_line(e)})",
+                             "see the chat_template.jinja of a model on the Hub for the form") from None
+        self.chat_template = text
+        self.template_source = f"the chat template {path}"
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template rendered for `messages` ({"role": ..., "content": ...} each, as
+        transformers' apply_chat_template takes them), ending with the assistant's header."""
+        from jinja2 import TemplateError
 
         def failed(why: str):
-            return RunError(f"the model's chat template failed: {why}", "use `raw` to feed the prompt as is")
+            return RunError(f"{self.template_source} failed: {why}", "use `raw` to feed the prompt as is")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        limit = len(prompt) + RENDER_MAX_CHARS
+        env = _environment()
+        limit = sum(len(m["content"]) for m in messages) + RENDER_MAX_CHARS
         pieces, size = [], 0
         try:
             with _time_limit(RENDER_SECONDS):
                 for piece in env.from_string(self.chat_template).generate(
-                    messages=[{"role": "user", "content": prompt}],
-                    add_generation_prompt=True,
+                    messages=messages,
+                    add_generation_prompt=add_generation_prompt,
                     bos_token=self.bos_token or "",
                     eos_token=self.eos_token or "",
                 ):
@@ -137,6 +165,25 @@ class StreamDecoder:
             self.text += piece
             return piece
         return ""
+
+
+def chat_messages(prompt: str, system: str | None = None) -> list[dict]:
+    """One user message, after a system message if there is one."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]
+
+
+def _environment():
+    """Jinja as transformers sets it up for chat templates: sandboxed, with its two helpers."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def _read_template(folder: Path) -> str | None:
