@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="then the kernels of one pagedcli prefill of each length")
+    ap.add_argument("--torch-prefill", action="store_true",
+                    help="also time pagedcli with its prefill attention as torch ops (gather + SDPA), the path before "
+                         "kernels/paged_prefill.cu")
     args = ap.parse_args()
     specs = [parse(s) for s in args.lens]
     longest = max(n for _, n in specs)
@@ -69,6 +72,11 @@ def main() -> None:
                 engine.step()
 
         line = f"{count} x {n} tokens: pagedcli {best_ms(ours, args.repeats):8.1f} ms"
+        backend = engine.runner.model.backend
+        if args.torch_prefill and getattr(backend, "prefill_kernel", False):
+            backend.prefill_kernel = False
+            line += f"   (torch prefill attention {best_ms(ours, args.repeats):8.1f} ms)"
+            backend.prefill_kernel = True
         if hf is not None:
             ids = torch.tensor(prompts, device=model.device)
 

@@ -255,7 +255,7 @@ def piped_lines() -> Iterator[str]:
 @friendly_errors
 @flag_group(RequestFlags, "requests", first=True,
             leave_out={"prompts": None, "prompt_file": None, "prompt_separator": "\\n", "chat": True, "samples": 1,
-                                    "logprobs": None})
+                       "logprobs": None})
 @flag_group(EngineFlags, "engine_flags", leave_out={"batch": 1})
 def chat(*, requests: RequestFlags, engine_flags: EngineFlags):
     """Chat with the model through its chat template (or --chat-template), answers streamed.
