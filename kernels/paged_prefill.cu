@@ -4,7 +4,8 @@
 // FlashAttention-2's scheme: a CTA takes PREFILL_BLOCK_M consecutive query rows of one sequence
 // and one query head, walks that sequence's keys in tiles of PREFILL_BLOCK_N from position 0 up
 // to its last row's position, and keeps the softmax online (a running max and sum per row), so no
-// score matrix is ever stored. Each of the PREFILL_WARPS warps owns 16 of the query rows:
+// score matrix is ever stored. Each of the PREFILL_WARPS warps owns PREFILL_M_TILES x 16 of the
+// query rows:
 //   S = Q K^T    mma.sync m16n8k16 (bf16 or fp16 in, fp32 accumulators), Q and K from shared memory
 //   P = exp2(S - running max), the causal mask applied in the tiles that cross the diagonal
 //   O += P V     P stays in registers (an accumulator fragment is the next mma's A fragment)
@@ -24,9 +25,9 @@
 
 #include "geometry.cuh"
 
-#if !defined(PREFILL_BLOCK_M) || !defined(PREFILL_BLOCK_N) || !defined(PREFILL_WARPS) || !defined(PREFILL_VEC_BYTES) || \
-    !defined(PREFILL_SHARED_BYTES)
-#error "paged_prefill.cu needs -DPREFILL_BLOCK_M -DPREFILL_BLOCK_N -DPREFILL_WARPS -DPREFILL_VEC_BYTES -DPREFILL_SHARED_BYTES (backends/cuda_build.py)"
+#if !defined(PREFILL_BLOCK_M) || !defined(PREFILL_BLOCK_N) || !defined(PREFILL_WARPS) || !defined(PREFILL_M_TILES) || \
+    !defined(PREFILL_VEC_BYTES) || !defined(PREFILL_SHARED_BYTES)
+#error "paged_prefill.cu needs -DPREFILL_BLOCK_M -DPREFILL_BLOCK_N -DPREFILL_WARPS -DPREFILL_M_TILES -DPREFILL_VEC_BYTES -DPREFILL_SHARED_BYTES (backends/cuda_build.py)"
 #endif
 #if defined(DTYPE_F32)
 #error "paged_prefill.cu runs on bf16/fp16 tensor cores; float32 prefill takes the torch path (backends/cuda_build.py)"
@@ -36,7 +37,11 @@ constexpr int BLOCK_M = PREFILL_BLOCK_M;  // query rows of a CTA
 constexpr int BLOCK_N = PREFILL_BLOCK_N;  // keys per tile
 constexpr int WARPS = PREFILL_WARPS;
 constexpr int THREADS = WARPS * WARP_SIZE;
-static_assert(BLOCK_M == 16 * WARPS, "each warp owns 16 query rows (one mma row tile)");
+// A warp owns M_TILES x 16 query rows: each K and V fragment it loads from shared memory feeds
+// M_TILES mma row tiles.
+constexpr int M_TILES = PREFILL_M_TILES;
+constexpr int WARP_ROWS = 16 * M_TILES;
+static_assert(BLOCK_M == WARP_ROWS * WARPS, "the CTA's rows are its warps' rows");
 static_assert(BLOCK_N % 16 == 0, "a key tile is whole k-steps of the P V product");
 constexpr int GQA = NUM_HEADS / NUM_KV_HEADS;
 
@@ -154,29 +159,38 @@ __device__ __forceinline__ void copy_q_tile(scalar_t* tile, const scalar_t* __re
     }
 }
 
-// S (this warp's 16 rows x BLOCK_N keys) = Q K^T, in log2 units.
-__device__ __forceinline__ void score_tile(float (&s)[S_TILES][4], const scalar_t* q_warp, const scalar_t* k_tile,
-                                           int lane) {
+// S (this warp's WARP_ROWS rows x BLOCK_N keys) = Q K^T.
+__device__ __forceinline__ void score_tile(float (&s)[M_TILES][S_TILES][4], const scalar_t* q_warp,
+                                           const scalar_t* k_tile, int lane) {
 #pragma unroll
-    for (int j = 0; j < S_TILES; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+        for (int j = 0; j < S_TILES; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.0f;
+    }
 #pragma unroll
     for (int ks = 0; ks < K_STEPS; ++ks) {
-        unsigned int a[4];  // rows lane % 16, columns 16 ks + 8 (lane / 16)
-        ldmatrix_x4(a, q_warp + (lane % 16) * ROW_STRIDE + ks * 16 + (lane / 16) * 8);
+        unsigned int a[M_TILES][4];  // rows 16 mt + lane % 16, columns 16 ks + 8 (lane / 16)
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+            ldmatrix_x4(a[mt], q_warp + (mt * 16 + lane % 16) * ROW_STRIDE + ks * 16 + (lane / 16) * 8);
+        }
 #pragma unroll
         for (int j = 0; j < S_TILES; j += 2) {  // two n-tiles of keys per ldmatrix
             unsigned int b[4];  // keys 8 j + 8 (lane / 16) + lane % 8, columns 16 ks + 8 ((lane / 8) % 2)
             ldmatrix_x4(b, k_tile + (j * 8 + (lane / 16) * 8 + lane % 8) * ROW_STRIDE + ks * 16 + ((lane / 8) % 2) * 8);
-            mma_16816(s[j], a, b[0], b[1]);
-            mma_16816(s[j + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                mma_16816(s[mt][j], a[mt], b[0], b[1]);
+                mma_16816(s[mt][j + 1], a[mt], b[2], b[3]);
+            }
         }
     }
 }
 
-// Online softmax over one tile: mask, new running max, rescale of the sums so far, P in place of S.
-// A thread holds rows g = lane / 4 and g + 8 of the warp, at positions q_pos[0] and q_pos[1];
+// Online softmax over one row tile: mask, new running max, rescale of the sums so far, P in place
+// of S. A thread holds rows g = lane / 4 and g + 8 of the tile, at positions q_pos[0] and q_pos[1];
 // key column 2 (lane % 4) + {0, 1} of each n-tile j.
-__device__ __forceinline__ void softmax_tile(float (&s)[S_TILES][4], float (&o)[O_TILES][4], float (&run_max)[2],
+__device__ __forceinline__ void softmax_rows(float (&s)[S_TILES][4], float (&o)[O_TILES][4], float (&run_max)[2],
                                              float (&run_sum)[2], const int (&q_pos)[2], int key0, bool diagonal,
                                              float scale_log2, int lane) {
 #pragma unroll
@@ -216,21 +230,31 @@ __device__ __forceinline__ void softmax_tile(float (&s)[S_TILES][4], float (&o)[
     }
 }
 
-// O (16 rows x D_PAD) += P V: P from the score registers (rounded to the element type), V by
-// transposing loads.
-__device__ __forceinline__ void accumulate_values(float (&o)[O_TILES][4], const float (&p)[S_TILES][4],
-                                                  const scalar_t* v_tile, int lane) {
+// O (WARP_ROWS rows x D_PAD) += P V: P from the score registers (rounded to the element type), V
+// by transposing loads.
+__device__ __forceinline__ void accumulate_values(float (&o)[M_TILES][O_TILES][4],
+                                                  const float (&p)[M_TILES][S_TILES][4], const scalar_t* v_tile,
+                                                  int lane) {
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {  // 16 keys: n-tiles 2 kk and 2 kk + 1 of S
-        const unsigned int a[4] = {pack2(p[2 * kk][0], p[2 * kk][1]), pack2(p[2 * kk][2], p[2 * kk][3]),
-                                   pack2(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack2(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        unsigned int a[M_TILES][4];
 #pragma unroll
-        for (int d = 0; d < O_TILES; d += 2) {  // two n-tiles of head dims per ldmatrix
+        for (int mt = 0; mt < M_TILES; ++mt) {
+            a[mt][0] = pack2(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+            a[mt][1] = pack2(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+            a[mt][2] = pack2(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+            a[mt][3] = pack2(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int d = 0; d < O_TILES; d += 2) {  // two n-tiles of head dims per ldmatrix (O_TILES is even)
             unsigned int b[4];  // keys 16 kk + 8 ((lane / 8) % 2) + lane % 8, columns 8 d + 8 (lane / 16)
             ldmatrix_x4_trans(b, v_tile + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * ROW_STRIDE + d * 8 +
                                      (lane / 16) * 8);
-            mma_16816(o[d], a, b[0], b[1]);
-            if (d + 1 < O_TILES) mma_16816(o[d + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                mma_16816(o[mt][d], a[mt], b[0], b[1]);
+                mma_16816(o[mt][d + 1], a[mt], b[2], b[3]);
+            }
         }
     }
 }
@@ -276,17 +300,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
     copy_kv_tile(v_tiles, v_base, seq_table, 0, keys, tid);
     copy_async_commit();
 
-    // This thread's two rows (g and g + 8 of its warp); rows past the new tokens copy the last
-    // real row's position, so that they compute something finite (never written).
-    int q_pos[2];
+    // This thread's rows: g and g + 8 of each of its warp's row tiles; rows past the new tokens
+    // copy the last real row's position, so that they compute something finite (never written).
+    const int warp_row0 = warp * WARP_ROWS;
+    int q_pos[M_TILES][2];
+    float o[M_TILES][O_TILES][4], run_max[M_TILES][2], run_sum[M_TILES][2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) q_pos[half] = first_pos + min(warp * 16 + lane / 4 + 8 * half, rows - 1);
-    const int warp_last = first_pos + min(warp * 16 + 15, rows - 1);  // this warp's latest position
-
-    float o[O_TILES][4], run_max[2] = {neg_infinity(), neg_infinity()}, run_sum[2] = {0.0f, 0.0f};
+    for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
-    for (int d = 0; d < O_TILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
-    const scalar_t* q_warp = q_tile + warp * 16 * ROW_STRIDE;
+        for (int half = 0; half < 2; ++half) {
+            q_pos[mt][half] = first_pos + min(warp_row0 + mt * 16 + lane / 4 + 8 * half, rows - 1);
+            run_max[mt][half] = neg_infinity();
+            run_sum[mt][half] = 0.0f;
+        }
+#pragma unroll
+        for (int d = 0; d < O_TILES; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.0f;
+    }
+    const int warp_last = first_pos + min(warp_row0 + WARP_ROWS - 1, rows - 1);  // this warp's latest position
+    const scalar_t* q_warp = q_tile + warp_row0 * ROW_STRIDE;
 
     for (int t = 0; t < num_tiles; ++t) {
         const int buf = t % 2, key0 = t * BLOCK_N;
@@ -298,10 +329,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
         copy_async_wait<1>();  // every group but the newest: tile t (and Q) have landed
         __syncthreads();
         if (key0 <= warp_last) {  // a warp whose rows all precede the tile has nothing to add
-            float s[S_TILES][4];
+            float s[M_TILES][S_TILES][4];
             score_tile(s, q_warp, k_tiles + buf * TILE_ELEMS_N, lane);
-            const bool diagonal = key0 + BLOCK_N - 1 > first_pos + warp * 16;  // some key after some row
-            softmax_tile(s, o, run_max, run_sum, q_pos, key0, diagonal, scale_log2, lane);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                const bool diagonal = key0 + BLOCK_N - 1 > first_pos + warp_row0 + mt * 16;  // a key after a row
+                softmax_rows(s[mt], o[mt], run_max[mt], run_sum[mt], q_pos[mt], key0, diagonal, scale_log2, lane);
+            }
             accumulate_values(o, s, v_tiles + buf * TILE_ELEMS_N, lane);
         }
         __syncthreads();  // everyone is done with buffer `buf` before tile t + 2 is copied into it
@@ -309,19 +343,23 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
 
     // Normalise: the row's sum over its 4 lanes, then write rows < rows, columns < HEAD_DIM.
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float sum = run_sum[half];
-        sum += __shfl_xor_sync(FULL_MASK, sum, 1);
-        sum += __shfl_xor_sync(FULL_MASK, sum, 2);
-        const float inv = 1.0f / sum;  // >= 1: the max term is 2^0
-        const int r = warp * 16 + lane / 4 + 8 * half;
-        if (r < rows) {
-            scalar_t* dst = out + ((size_t)(first_token + r) * NUM_HEADS + head) * HEAD_DIM;
+    for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
-            for (int d = 0; d < O_TILES; ++d) {
-                const int c = d * 8 + 2 * (lane % 4);
-                if (c < HEAD_DIM) {  // HEAD_DIM is even: the pair is whole
-                    *reinterpret_cast<unsigned int*>(dst + c) = pack2(o[d][2 * half] * inv, o[d][2 * half + 1] * inv);
+        for (int half = 0; half < 2; ++half) {
+            float sum = run_sum[mt][half];
+            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+            sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+            const float inv = 1.0f / sum;  // >= 1: the max term is 2^0
+            const int r = warp_row0 + mt * 16 + lane / 4 + 8 * half;
+            if (r < rows) {
+                scalar_t* dst = out + ((size_t)(first_token + r) * NUM_HEADS + head) * HEAD_DIM;
+#pragma unroll
+                for (int d = 0; d < O_TILES; ++d) {
+                    const int c = d * 8 + 2 * (lane % 4);
+                    if (c < HEAD_DIM) {  // HEAD_DIM is even: the pair is whole
+                        *reinterpret_cast<unsigned int*>(dst + c) =
+                            pack2(o[mt][d][2 * half] * inv, o[mt][d][2 * half + 1] * inv);
+                    }
                 }
             }
         }

@@ -77,7 +77,8 @@ class CudaBackend:
         self.fallbacks = dict(plan.fallbacks)
         self.heads_per_cta = plan.heads_per_cta
         self.attention_kernel = plan.attention_decode
-        self.prefill_kernel, self.prefill_shared = plan.attention_prefill, plan.prefill_shared
+        self.prefill_kernel, self.prefill_shared, self.prefill_rows = (plan.attention_prefill, plan.prefill_shared,
+                                                                       plan.prefill_rows)
         self._prefill_tiles: tuple | None = None  # this prefill step's work list (cuda_launch.prefill_tiles)
         self.shapes = LaunchShapes(cache, self.num_heads, self.heads_per_cta, self.vec, self.num_sms, self.cluster)
         d = self.device_index
@@ -107,7 +108,8 @@ class CudaBackend:
         torch_prefill = batch.is_prefill and not self.prefill_kernel
         self.reference.prepare_indices(batch, attention=torch_prefill, rope=not self.rope.static)
         if batch.is_prefill and self.prefill_kernel:
-            self._prefill_tiles = prefill_tiles(batch.num_new, batch.context_lens_host, self.cache.device)
+            self._prefill_tiles = prefill_tiles(batch.num_new, batch.context_lens_host, self.prefill_rows,
+                                                self.cache.device)
         elif not batch.is_prefill:
             self.shapes.scratch_for(batch.slots.shape[0])
 

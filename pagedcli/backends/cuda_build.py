@@ -40,10 +40,12 @@ MIN_SPAN = 128  # fewest context tokens a decode split takes (shorter ones cost 
 # memory (paged_attention.cu); cheap enough a merge that a split may take as few tokens as this.
 ATTN_CLUSTER = 8  # the largest portable cluster
 CLUSTER_MIN_SPAN = 64
-# The prefill kernel (paged_prefill.cu, FlashAttention-2's tiles on tensor cores): warps of 16
-# query rows each, keys per tile, and the largest head_dim its accumulators hold in registers.
+# The prefill kernel (paged_prefill.cu, FlashAttention-2's tiles on tensor cores): warps per CTA,
+# 16-row mma tiles per warp (two share each K/V fragment read from shared memory; at head_dim
+# over 64 their accumulators would not fit in registers), keys per tile, and the largest head_dim
+# the accumulators hold.
 PREFILL_WARPS = 4
-PREFILL_BLOCK_M = 16 * PREFILL_WARPS
+PREFILL_M_TILES_SMALL_D = 2  # head_dim <= 64
 PREFILL_BLOCK_N = 64
 PREFILL_MAX_HEAD_DIM = 256
 H100_MAX_SHARED = 227 * 1024  # shared memory a CTA may opt in to on sm_90 (the plan's default GPU)
@@ -171,11 +173,20 @@ def row_vec_bytes(row_bytes: int) -> int:
     return next((v for v in (VEC_BYTES, VEC_BYTES // 2) if row_bytes % v == 0), 0)
 
 
+def prefill_rows(head_dim: int) -> int:
+    """Query rows a prefill CTA takes (its PREFILL_BLOCK_M)."""
+    return 16 * PREFILL_WARPS * prefill_m_tiles(head_dim)
+
+
+def prefill_m_tiles(head_dim: int) -> int:
+    return PREFILL_M_TILES_SMALL_D if head_dim <= 64 else 1
+
+
 def prefill_shared_bytes(head_dim: int, itemsize: int) -> int:
     """paged_prefill.cu's dynamic shared memory: the Q tile and two K and two V tiles, rows of the
     head dim padded to the mma's 16 plus 8 elements (its SMEM_BYTES)."""
     row = (-(-head_dim // 16) * 16 + 8) * itemsize
-    return (PREFILL_BLOCK_M + 4 * PREFILL_BLOCK_N) * row
+    return (prefill_rows(head_dim) + 4 * PREFILL_BLOCK_N) * row
 
 
 def prefill_unsupported(geometry: CacheGeometry, tensor_cores: bool, max_shared: int) -> str | None:
@@ -205,6 +216,7 @@ class KernelPlan:
     heads_per_cta: int = 1
     attn_min_ctas: int = MIN_CTAS_SMALL_Q
     prefill_shared: int = 0  # dynamic shared memory of a prefill CTA
+    prefill_rows: int = 0  # query rows a prefill CTA takes
 
     @property
     def attention_decode(self) -> bool:
@@ -245,8 +257,9 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
     why = prefill_unsupported(geometry, tensor_cores, max_shared)
     if why is None:
         plan.prefill_shared = prefill_shared_bytes(geometry.head_dim, geometry.itemsize)
-        prefill = model + (("PREFILL_BLOCK_M", PREFILL_BLOCK_M), ("PREFILL_BLOCK_N", PREFILL_BLOCK_N),
-                           ("PREFILL_WARPS", PREFILL_WARPS),
+        plan.prefill_rows = prefill_rows(geometry.head_dim)
+        prefill = model + (("PREFILL_BLOCK_M", prefill_rows(geometry.head_dim)), ("PREFILL_BLOCK_N", PREFILL_BLOCK_N),
+                           ("PREFILL_WARPS", PREFILL_WARPS), ("PREFILL_M_TILES", prefill_m_tiles(geometry.head_dim)),
                            ("PREFILL_VEC_BYTES", row_vec_bytes(geometry.head_dim * geometry.itemsize)),
                            ("PREFILL_SHARED_BYTES", plan.prefill_shared))
         plan.files["paged_prefill.cu"] = (prefill, ("paged_prefill_attention",))

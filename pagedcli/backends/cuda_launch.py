@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pagedcli.backends.cuda_build import (GEMV_CTAS_PER_SM, GEMV_SPLITS, GEMV_THREADS, GEMV_UNROLL, PARTITION_SIZE,
-                                          PREFILL_BLOCK_M, SPLIT_CTAS_PER_SM, VEC_BYTES)
+                                          SPLIT_CTAS_PER_SM, VEC_BYTES)
 from pagedcli.engine.cache import KVCache
 
 
@@ -54,13 +54,13 @@ class Launcher:
             self.kernels[kernel](grid, block, args, shared_mem=shared_mem)
 
 
-def prefill_tiles(num_new: list[int], context_lens: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """paged_prefill.cu's work list for a step: a tile per PREFILL_BLOCK_M new tokens of a sequence,
+def prefill_tiles(num_new: list[int], context_lens: list[int], rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """paged_prefill.cu's work list for a step: a tile per `rows` new tokens of a sequence,
     as (sequence, first row), the tiles that read the most keys first (a causal tile's keys end at
     its last row: launched early, the long ones do not trail the rest); and each sequence's first
     token in the step. One host-to-device copy; int32 views of it."""
-    tiles = [(ctx - n + r + min(PREFILL_BLOCK_M, n - r), b, r)
-             for b, (n, ctx) in enumerate(zip(num_new, context_lens)) for r in range(0, n, PREFILL_BLOCK_M)]
+    tiles = [(ctx - n + r + min(rows, n - r), b, r)
+             for b, (n, ctx) in enumerate(zip(num_new, context_lens)) for r in range(0, n, rows)]
     tiles.sort(key=lambda t: -t[0])
     starts = [0]
     for n in num_new[:-1]:
