@@ -97,7 +97,7 @@ def test_random_interleavings_keep_every_block_accounted_for(operations, blocks_
             seqs.append(seq)
             sched.add(seq)
         elif op == "step":
-            batch, is_prefill = sched.schedule()
+            batch = sched.schedule().seqs
             for seq in batch:  # as after a forward pass: everything fed is cached, one token sampled
                 assert cache.num_blocks_of_slot[seq.slot] * block_size >= len(seq)
             sched.update(batch, [arg % 7 + 2] * len(batch))

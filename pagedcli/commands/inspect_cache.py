@@ -40,10 +40,10 @@ def capture(engine: Engine, slot: int, at_step: int | None = None) -> tuple[Cach
     first, last = None, None  # the slot's first request, and the last snapshot holding it
     while engine.has_unfinished:
         out = engine.step()
-        if not out.seqs:
+        if out.idle:
             break
         if first is None:
-            first = next((s for s in out.seqs if s.slot == slot), None)
+            first = next((s for s in out.seqs + out.prefilling if s.slot == slot), None)
         if first is None:
             continue
         if first.is_finished:
@@ -64,7 +64,7 @@ def _at_step(engine: Engine, slot: int, at_step: int) -> tuple[CacheSnapshot, Sl
     if at_step < 1:
         raise UsageError(f"--at-step {at_step}: must be 1 or more", "step 1 is the first prefill")
     while engine.num_steps < at_step and engine.has_unfinished:
-        if not engine.step().seqs:
+        if engine.step().idle:
             break
     if engine.num_steps < at_step:
         raise UsageError(f"--at-step {at_step}: the run ended after step {engine.num_steps}",

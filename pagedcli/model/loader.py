@@ -16,12 +16,18 @@ from pagedcli.errors import UsageError
 from pagedcli.model.network import Llama
 from pagedcli.model.source import ModelSource, resolve_model
 from pagedcli.engine.runner import ModelRunner
+from pagedcli.engine.scheduler import UNCHUNKED_MAX_BATCHED_TOKENS
 from pagedcli.model.tokenizer import Tokenizer
 from pagedcli.model.weights import Weights, load_weights, random_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMALL_MODEL_BYTES = 64 << 20
 DEFAULT_CACHE = {"cuda": "2GiB", "cpu": "256MiB"}  # 2 GiB on a GPU, as tiny-vllm
+# New tokens a chunked step feeds at most (docs/performance.md, "Chunked prefill"): on a GPU vLLM's
+# choice for one GPU, where a 1B model's step is GEMM-bound well before 8192 tokens, so larger
+# chunks gain little and lengthen the decode stall; on a CPU a chunk short enough that a decoding
+# stream waits a fraction of a second for it.
+DEFAULT_MAX_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}
 
 
 @dataclass
@@ -38,6 +44,8 @@ class EngineOptions:
     overlap: bool = True  # on a GPU, queue the next decode step before this one's tokens reach the host
     shuffle_blocks: int | None = None  # hand blocks out in a shuffled order (tests, demos)
     prefix_caching: bool = True
+    chunked_prefill: bool = True  # steps carry decode tokens and prompt chunks up to max_num_batched_tokens
+    max_num_batched_tokens: int | None = None  # new tokens a step feeds at most; default by device
     seed: int = 0  # random weights
 
     def __post_init__(self):  # checked here, so before anything slow is loaded
@@ -46,6 +54,21 @@ class EngineOptions:
         if self.batch > MAX_ID:
             raise UsageError(f"`batch` {self.batch}: more slots than the {MAX_ID:,} a block table can number",
                              "use a smaller `batch`")
+        n = self.max_num_batched_tokens
+        if n is not None and n < 1:
+            raise UsageError(f"`max_num_batched_tokens` {n}: must be at least 1", "leave it out for the device's default")
+        if n is not None and self.chunked_prefill and n < self.batch:
+            raise UsageError(f"`max_num_batched_tokens` {n} is below `batch` {self.batch}: a step must hold a token "
+                             "for every running sequence", f"use `max_num_batched_tokens` {self.batch} or more")
+
+    def batched_tokens(self, device: torch.device) -> int:
+        """The step's token budget: as given, or the device's default (with chunked prefill at
+        least a token per slot; without, the scheduler's own)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if not self.chunked_prefill:
+            return UNCHUNKED_MAX_BATCHED_TOKENS
+        return max(DEFAULT_MAX_BATCHED_TOKENS[device.type], self.batch)
 
 
 def pick_device(requested: str) -> torch.device:
@@ -124,7 +147,8 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
         backend = TorchBackend(cache, config)
     llama = Llama(config, model.weights, backend)
     runner = ModelRunner(llama, cache, use_graphs=device.type == "cuda" and not opts.eager)
-    return Engine(runner, cache, model.source.stop_ids, overlap=opts.overlap and device.type == "cuda")
+    return Engine(runner, cache, model.source.stop_ids, overlap=opts.overlap and device.type == "cuda",
+                  chunked_prefill=opts.chunked_prefill, max_num_batched_tokens=opts.batched_tokens(device))
 
 
 @dataclass
