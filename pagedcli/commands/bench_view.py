@@ -45,17 +45,26 @@ def _bytes(n) -> str:
     return "-" if n is None else human_bytes(n)  # None: not measured (no GPU)
 
 
+def _chunking(r: dict) -> str:
+    if r["chunked_prefill"]:
+        return f"chunked prefill, {r['max_num_batched_tokens']:,} tokens a step"
+    return f"no chunked prefill (prompts up to {r['max_num_batched_tokens']:,} tokens a step)"
+
+
 def results_table(results: list[dict]) -> Group:
     """Two tables: speed against the roofline, and what the paged cache held."""
     r0 = results[0]
     speed = Table(title=f"{r0['model']} on {r0['device']} ({r0['dtype']})", title_justify="left",
-                  caption=f"prompts {r0['input_len']} tokens, {r0['output_len']} new; roofline: weight + KV bytes "
-                          f"a step at {r0['bandwidth_gb_per_s']:,.0f} GB/s",
+                  caption=f"prompts {r0['input_len']} tokens, {r0['output_len']} new; {_chunking(r0)}; roofline: "
+                          f"weight + KV bytes a step at {r0['bandwidth_gb_per_s']:,.0f} GB/s",
                   caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ["batch", "tokens/s", "decode\ntok/s", "step\nms", "roofline\nms", "of\nroofline", "GB/s",
                 "TTFT\np50 ms", "ITL\np50 ms"]:
         speed.add_column(col, justify="right", min_width=_widest(col))
-    memory = Table(title="KV cache", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    sized = ("" if r0["gpu_memory_utilization"] is None
+             else f" (the process at {r0['gpu_memory_utilization']:.0%} of the GPU's memory)")
+    memory = Table(title=f"KV cache: pool {human_bytes(r0['kv_pool_bytes'])}{sized}", title_justify="left",
+                   box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("batch", "blocks peak\n/ total", "KV peak", "contiguous\nwould hold", "saved", "preemptions",
                 "GPU memory\npeak"):
         memory.add_column(col, justify="right", min_width=_widest(col))

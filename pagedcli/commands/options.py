@@ -30,6 +30,9 @@ class EngineFlags:
     num_blocks: Annotated[Optional[int], typer.Option(help="Physical blocks in the pool (overrides --cache-size).")] = None
     cache_size: Annotated[Optional[str], typer.Option(
         help="Pool size, e.g. 2GiB. Default: 2GiB on CUDA, 256MiB on CPU.")] = None
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(
+        help="Size the pool so the process uses this share of the GPU's memory (e.g. 0.9): what is left after "
+        "the weights and the largest step's activations, measured by a profiling pass. Instead of --cache-size.")] = None
     max_model_len: Annotated[Optional[int], typer.Option(
         help="Longest sequence, prompt included. Default: the model's, capped by what the pool holds.")] = None
     eager: Annotated[bool, typer.Option(help="No CUDA graphs (slower; for debugging).")] = False
