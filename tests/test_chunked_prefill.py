@@ -58,18 +58,20 @@ def test_chunks_match_transformers(tiny, make_engine):
     assert_matches_hf(loaded, tiny, prompts([1, 7, 16, 17, 45], seed=2, vocab=211), steps=6)
 
 
-def test_stories_chunked_equals_unchunked(stories, make_engine):
-    """The trained model, with a shared prefix (prefix caching hits) under a budget of 13."""
-    loaded = make_engine(stories, batch=3, chunked_prefill=False)
+@pytest.mark.parametrize("model", ["stories", "demo"])
+def test_trained_models_chunked_equal_unchunked(stories, make_engine, model):
+    """stories260K and the demo model, with a shared prefix (prefix caching hits), budgets 3 and 13."""
+    model = stories if model == "stories" else "demo"
+    loaded = make_engine(model, batch=3, chunked_prefill=False)
     tok = loaded.tokenizer
     texts = ["Once upon a time, there was a little girl named Lily. She loved to play outside",
              "Once upon a time, there was a little girl named Lily. She had a red ball",
              "Tom and his dog went to the park to play with a big ball"]
     ps = [tok.encode(t) for t in texts] * 2
-    params = SamplingParams(max_tokens=20)
+    params = SamplingParams(max_tokens=16)
     unchunked = run(loaded.engine, ps, params)[0]
     for budget in (3, 13):
-        engine = make_engine(stories, batch=3, max_num_batched_tokens=budget).engine
+        engine = make_engine(model, batch=3, max_num_batched_tokens=budget).engine
         assert run(engine, ps, params)[0] == unchunked
         assert engine.scheduler.cached_prompt_tokens > 0
 

@@ -25,7 +25,7 @@ from pagedcli.model.weights import Weights, load_weights, random_weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMALL_MODEL_BYTES = 64 << 20
 DEFAULT_CACHE = {"cuda": "2GiB", "cpu": "256MiB"}  # 2 GiB on a GPU, as tiny-vllm
-# New tokens a chunked step feeds at most (docs/performance.md, "Chunked prefill"): on a GPU vLLM's
+# New tokens a chunked step feeds at most (docs/architecture.md, "A step with chunks"): on a GPU vLLM's
 # choice for one GPU, where a 1B model's step is GEMM-bound well before 8192 tokens, so larger
 # chunks gain little and lengthen the decode stall; on a CPU a chunk short enough that a decoding
 # stream waits a fraction of a second for it.
