@@ -55,7 +55,7 @@ class ModelRunner:
         slots = [s.slot for s in seqs]
         if is_prefill:
             num_new = num_new or [len(s) - s.num_cached for s in seqs]
-            batch = StepBatch.build(True, slots, [s.token_ids[s.num_cached:s.num_cached + n] for s, n in zip(seqs, num_new)],
+            batch = StepBatch.build(True, slots, [s.tokens_between(s.num_cached, s.num_cached + n) for s, n in zip(seqs, num_new)],
                                     [s.num_cached for s in seqs], self.device,
                                     [s.num_cached + n == len(s) for s, n in zip(seqs, num_new)])
         else:  # the new token's position is the count of tokens cached (with `feed`, one more)

@@ -62,6 +62,16 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def tokens_between(self, start: int, stop: int) -> list[int]:
+        """token_ids[start:stop], without joining the prompt and the output (a step's new tokens
+        are a few at the end of a long sequence)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:stop - p]
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+
     @property
     def last_token(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]

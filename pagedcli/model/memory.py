@@ -9,6 +9,7 @@ are the only calls into torch.cuda.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +54,10 @@ def pool_bytes_for(fraction: float, m: MemoryProfile) -> int:
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes of the GPU now, after torch hands back what it caches unused."""
+    """(free, total) bytes of the GPU now, after torch hands back what it caches unused (the
+    profiling engine's pool among it)."""
     torch.cuda.synchronize(device)
+    gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return free, total
