@@ -159,8 +159,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens - sum(1 for s in running if not s.is_prefilling)
         seqs, num_new = [], []
         for seq in running:
-            n = min(len(seq) - seq.num_cached, budget) if seq.is_prefilling else 1
-            budget -= n if seq.is_prefilling else 0
+            if seq.is_prefilling:  # its blocks are all held since admission: only the budget limits it
+                n = min(len(seq) - seq.num_cached, budget)
+                budget -= n
+            else:
+                n = 1  # (counted above)
             if n:  # (a second prompt part-way, behind one that took the budget, waits a step)
                 seqs.append(seq)
                 num_new.append(n)
