@@ -189,3 +189,13 @@ def test_live_view_draws_prefill_progress(tiny, make_engine):
     console = Console(width=160, record=True)
     console.print(render(engine.snapshot(), width=160))
     assert "prefill 10/35" in console.export_text()
+
+
+def test_a_steps_new_tokens_are_sliced_across_prompt_and_output():
+    from pagedcli.engine.sequence import Sequence
+
+    seq = Sequence(0, [1, 2, 3, 4], SamplingParams())
+    seq.output_token_ids = [5, 6, 7]
+    for start in range(8):
+        for stop in range(start, 8):
+            assert seq.tokens_between(start, stop) == seq.token_ids[start:stop]
