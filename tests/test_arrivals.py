@@ -68,6 +68,9 @@ def test_bench_under_arrivals(stories):
     assert code == 0, err
     row = json.loads(stdout)
     assert row["request_rate"] == 8 and row["chunked_prefill"] and row["max_num_batched_tokens"] == 16
+    code, stdout, _ = invoke("bench", "--model", str(stories), "--json", "--batch", "2", "--output-len", "2",
+                             "--bandwidth", "10")
+    assert code == 0 and json.loads(stdout, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))["request_rate"] is None
     assert row["elapsed_s"] > arrival_times(8, 8.0, seed=0)[-1], "the run lasts until the last arrival at least"
     assert row["ttft_ms"]["p99"] < 1e3 * row["elapsed_s"] / 2
 

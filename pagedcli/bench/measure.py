@@ -261,7 +261,7 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
         "output_tokens_per_s": output_tokens / elapsed,
         "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else None,
         "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
-        "request_rate": w.request_rate,
+        "request_rate": None if math.isinf(w.request_rate) else w.request_rate,  # None: all at the start (JSON has no inf)
         "ttft_ms": summarize(ttft),
         "itl_ms": summarize(itl),
         "decode_step_ms": step_ms,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from rich import box
 from rich import progress as rp
 from rich.console import Group
@@ -49,7 +47,7 @@ def _bytes(n) -> str:
 
 def _arrivals(r: dict) -> str:
     rate = r["request_rate"]
-    return "all at the start" if math.isinf(rate) else f"arriving at {rate:g} a second (Poisson)"
+    return "all at the start" if rate is None else f"arriving at {rate:g} a second (Poisson)"
 
 
 def _chunking(r: dict) -> str:
@@ -97,7 +95,7 @@ def results_table(results: list[dict]) -> Group:
             prefix.add_row(str(r["batch"]), f"{100 * r['prefix_cache_hit_rate']:.0f}%",
                            _f(r["ttft_ms"]["p50"], "{:.2f}"), _f(without.get("p50"), "{:.2f}"))
         tables.append(prefix)
-    if any(not math.isinf(r["request_rate"]) for r in results):  # requests arriving among decoding ones
+    if any(r["request_rate"] is not None for r in results):  # requests arriving among decoding ones
         latency = Table(title=f"latency under arrivals, ms; {_chunking(r0)}", title_justify="left",
                         box=box.SIMPLE_HEAD, pad_edge=False)
         for col in ("batch", "TTFT mean", "p50", "p99", "ITL mean", "p50", "p99"):
