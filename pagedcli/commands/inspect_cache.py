@@ -186,8 +186,8 @@ def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0) -> Group
     head.add_row("tokens", f"{len(view.token_ids):,} ({view.num_prompt_tokens:,} prompt + {num_output:,} output), "
                            f"{view.num_cached:,} in the cache, in {view.num_blocks:,} blocks a layer")
     if view.is_prefilling:
-        head.add_row("prefill", Text(f"part-way: {prefill_progress(view)} tokens computed, chunk by chunk; the rest "
-                                     "of its blocks wait empty", style="yellow"))
+        head.add_row("prefill", Text(f"part-way: {prefill_progress(view)} tokens computed; chunked prefill computes "
+                                     "the rest in later steps, into the blocks it holds", style="yellow"))
     head.add_row("geometry", f"{geo.block_size} tokens a block x {geo.num_kv_heads} kv heads x {geo.head_dim} dims, "
                              f"{str(geo.dtype).removeprefix('torch.')}: {geo.block_bytes:,} bytes a block, "
                              f"K at +0x0, V at +{geo.v_offset:#x}")
