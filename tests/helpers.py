@@ -44,8 +44,10 @@ def record_logits(engine):
     seen: dict[int, list[torch.Tensor]] = {}
     run = engine.runner.execute
 
-    def recording(seqs, is_prefill, feed=None):
-        logits, greedy = run(seqs, is_prefill, feed)
+    def recording(seqs, is_prefill, feed=None, num_new=None):
+        logits, greedy = run(seqs, is_prefill, feed, num_new)
+        if num_new is not None:  # rows whose prompt chunk stops short sample nothing: no logits
+            seqs = [s for s, n in zip(seqs, num_new) if s.num_cached + n == len(s)]
         for seq, row in zip(seqs, logits):
             seen.setdefault(seq.id, []).append(row.clone())
         return logits, greedy

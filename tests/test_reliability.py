@@ -79,11 +79,13 @@ ops = st.lists(st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops, st.integers(3, 12), st.sampled_from([4, 8, 16]), st.integers(1, 4))
-def test_random_interleavings_keep_every_block_accounted_for(operations, blocks_per_layer, block_size, slots):
+@given(ops, st.integers(3, 12), st.sampled_from([4, 8, 16]), st.integers(1, 4), st.one_of(st.none(), st.integers(0, 9)))
+def test_random_interleavings_keep_every_block_accounted_for(operations, blocks_per_layer, block_size, slots, chunk):
+    """`chunk`: None, no chunked prefill; else a budget of that many tokens beyond one a slot."""
     geometry = CacheGeometry(block_size, 1, 4, CONFIG.num_layers, blocks_per_layer * CONFIG.num_layers, torch.float32)
     cache = KVCache(geometry, slots, max_model_len=64, shuffle_seed=0)
-    sched = Scheduler(cache, stop_ids=set())
+    sched = Scheduler(cache, stop_ids=set(), max_num_batched_tokens=None if chunk is None else slots + chunk,
+                      chunked_prefill=chunk is not None)
     seqs = []
 
     class Engine:  # what check_block_accounting reads
@@ -97,9 +99,14 @@ def test_random_interleavings_keep_every_block_accounted_for(operations, blocks_
             seqs.append(seq)
             sched.add(seq)
         elif op == "step":
-            batch, is_prefill = sched.schedule()
-            for seq in batch:  # as after a forward pass: everything fed is cached, one token sampled
+            plan = sched.schedule()
+            assert sum(plan.num_new) <= sched.max_num_batched_tokens or not sched.chunked_prefill
+            for seq in plan.seqs:  # as after a forward pass: everything fed is cached, one token sampled
                 assert cache.num_blocks_of_slot[seq.slot] * block_size >= len(seq)
+            samples = plan.samples  # (a prompt chunk short of the prompt's end samples nothing)
+            sched.advance([s for s, ok in zip(plan.seqs, samples) if not ok],
+                          [n for n, ok in zip(plan.num_new, samples) if not ok])
+            batch = [s for s, ok in zip(plan.seqs, samples) if ok]
             sched.update(batch, [arg % 7 + 2] * len(batch))
         elif op == "finish" and sched.running:
             sched.finish(sched.running[arg % len(sched.running)])

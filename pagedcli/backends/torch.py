@@ -8,7 +8,8 @@ Key positions a sequence does not own (padding past its context: unassigned tabl
 read some other block, and the unwritten rest of its own last block, which may hold what a former
 owner left) are zeroed after the gather, not only masked: a masked score weighs 0, but 0 x inf and
 0 x NaN are NaN, so one request's overflow would reach its neighbours. Long prefills run in chunks
-of query rows, so the mask and the scores stay within ATTENTION_CHUNK_ELEMENTS, not [Lq, Lk].
+of query rows, so the mask and the scores stay within ATTENTION_CHUNK_ELEMENTS, not [Lq, Lk]; a
+chunked-prefill step runs its decode rows apart from its prompt chunks, unpadded.
 """
 
 from __future__ import annotations
@@ -109,10 +110,34 @@ class TorchBackend:
         }
 
     def _attention_indices(self, batch: StepBatch) -> dict:
-        """What attend needs: the keys each sequence gathers through its blocks, which of them it
-        owns, the causal mask (whole, or built per chunk of query rows when it would be large),
-        and the way from packed tokens to padded rows and back. No host sync: shapes come from the
-        batch's host lists."""
+        """What attend needs. A step of decode tokens beside prompt chunks (chunked prefill) runs as
+        two groups, the one-token rows and the others, so that the decode rows are not padded to
+        the length of a chunk."""
+        one = [b for b, n in enumerate(batch.num_new) if n == 1]
+        if not one or len(one) == len(batch.num_new):
+            return self._group_indices(batch)
+        more = [b for b, n in enumerate(batch.num_new) if n > 1]
+        return {"groups": [self._subgroup(batch, rows) for rows in (one, more)]}
+
+    def _subgroup(self, batch: StepBatch, rows: list[int]) -> tuple[torch.Tensor, dict]:
+        """The packed tokens of `rows`, and their attention indices as a batch of their own."""
+        dev = batch.token_ids.device
+        starts = [0]
+        for n in batch.num_new[:-1]:
+            starts.append(starts[-1] + n)
+        tokens = torch.tensor([t for b in rows for t in range(starts[b], starts[b] + batch.num_new[b])])
+        token_seq = torch.tensor([i for i, b in enumerate(rows) for _ in range(batch.num_new[b])])
+        tokens, token_seq, index = (t.to(dev, non_blocking=True) for t in (tokens, token_seq, torch.tensor(rows)))
+        sub = StepBatch(True, batch.token_ids[tokens], batch.positions[tokens], token_seq, batch.slots[index],
+                        batch.context_lens[index], batch.last_index[:0], [batch.num_new[b] for b in rows],
+                        [batch.context_lens_host[b] for b in rows])  # (nothing samples from a group)
+        return tokens, self._group_indices(sub)
+
+    def _group_indices(self, batch: StepBatch) -> dict:
+        """What attend needs for the sequences of `batch`: the keys each sequence gathers through
+        its blocks, which of them it owns, the causal mask (whole, or built per chunk of query rows
+        when it would be large), and the way from packed tokens to padded rows and back. No host
+        sync: shapes come from the batch's host lists."""
         dev = batch.token_ids.device
         Lq, Lk, B = max(batch.num_new), max(batch.context_lens_host), len(batch.num_new)
         key_pos = torch.arange(Lk, device=dev)
@@ -133,6 +158,7 @@ class TorchBackend:
             "chunk": chunk,
             "pad_index": (starts[:, None] + row[None, :]).clamp(max=batch.token_ids.numel() - 1),
             "token_row": torch.arange(batch.token_ids.numel(), device=dev) - starts[batch.token_seq],
+            "token_seq": batch.token_seq,
         }
         if chunk >= Lq:  # the common case: one mask for every layer
             s["mask"] = self._mask(s, 0, Lq)
@@ -160,7 +186,14 @@ class TorchBackend:
         return q
 
     def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        s = self._step
+        if "groups" not in self._step:
+            return self._attend(layer, q, self._step)
+        out = torch.empty_like(q)
+        for tokens, s in self._step["groups"]:
+            out[tokens] = self._attend(layer, q[tokens], s)
+        return out
+
+    def _attend(self, layer: int, q: torch.Tensor, s: dict) -> torch.Tensor:
         table = self.cache.device_table[:, layer]
         physical = table[s["slots"][:, None], s["key_block"][None, :]].long().clamp(min=0)  # [B, Lk]
         k = self.cache.pool[physical, 0, s["key_offset"][None, :]]  # [B, Lk, kv_heads, head_dim]
@@ -178,4 +211,4 @@ class TorchBackend:
                                                attn_mask=self._mask(s, i, min(i + s["chunk"], Lq)))
                 for i in range(0, Lq, s["chunk"])
             ], dim=2)  # [B, heads, Lq, head_dim]
-        return out.transpose(1, 2)[batch.token_seq, s["token_row"]]  # [T, heads, head_dim]
+        return out.transpose(1, 2)[s["token_seq"], s["token_row"]]  # [T, heads, head_dim]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pagedcli.bench.arrivals import Arrivals, arrival_times
 from pagedcli.engine.engine import Engine
 from pagedcli.errors import RunError, UsageError
 from pagedcli.model.loader import EngineOptions, Model, build_engine
@@ -35,6 +36,7 @@ class Workload:
     ignore_eos: bool = True
     prompt_file: Path | None = None
     prefix_len: int = 0  # the first prefix_len prompt tokens are the same in every prompt
+    request_rate: float = math.inf  # requests a second, Poisson arrivals (arrivals.py); inf: all at the start
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,14 @@ def summarize(values_s: list[float]) -> dict:
     ms = sorted(v * 1e3 for v in values_s)
     p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
     return {"mean": statistics.fmean(ms), "p50": statistics.median(ms), "p99": p99}
+
+
+def latencies(seqs) -> tuple[list[float], list[float]]:
+    """Seconds from each request's arrival to its first token (TTFT), and between the tokens of
+    each (inter-token latency, ITL), as vLLM's serving benchmark counts them."""
+    ttft = [s.first_token_time - s.arrival_time for s in seqs if s.first_token_time is not None]
+    itl = [b - a for s in seqs for a, b in zip(s.token_times, s.token_times[1:])]
+    return ttft, itl
 
 
 def measure_bandwidth(device: torch.device) -> float:
@@ -185,17 +195,32 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
     kv_per_token = engine.cache.geometry.kv_bytes_per_token
 
     _sync(device)
-    start = time.perf_counter()
-    seqs = [engine.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=w.ignore_eos))
-            for r in requests]
-    for s in seqs:
-        s.arrival_time = start
+    arrivals = Arrivals(arrival_times(n, w.request_rate, w.seed))
+    start = arrivals.begin()
+    seqs = []
+
+    def admit() -> None:
+        """Hand the engine the requests that have arrived, each timed from its arrival."""
+        for i in arrivals.due():
+            r = requests[i]
+            seqs.append(engine.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens,
+                                                                              ignore_eos=w.ignore_eos)))
+            seqs[-1].arrival_time = start + arrivals.times[i]
+
     prefill_s = decode_s = 0.0
     prefill_tokens = decode_tokens = 0
     decode_steps, decode_bytes, peak_blocks, peak_running = 0, 0, 0, 0
-    num_finished = sum(s.is_finished for s in seqs)  # a request that can never run ends at once
+    num_finished = 0
     last = start
-    while engine.has_unfinished:
+    while engine.has_unfinished or arrivals.pending:
+        before = len(seqs)
+        admit()
+        num_finished += sum(s.is_finished for s in seqs[before:])  # a request that can never run ends at once
+        if not engine.has_unfinished:  # nothing runs until the next arrival: not a step's time
+            if arrivals.pending:
+                arrivals.wait()
+            last = time.perf_counter()
+            continue
         out = engine.step()
         # a step's time is the wall clock since the last one returned: with the engine's overlap the
         # GPU goes on computing while this loop does its own work, so step() alone would leave that out
@@ -223,7 +248,7 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
 
     geo = engine.cache.geometry
     output_tokens = sum(len(s.output_token_ids) for s in seqs)
-    itl = [b - a for s in seqs for a, b in zip(s.token_times, s.token_times[1:])]
+    ttft, itl = latencies(seqs)
     step_ms = decode_s / decode_steps * 1e3 if decode_steps else None
     roofline_ms = decode_bytes / decode_steps / (bandwidth_gbps * 1e9) * 1e3 if decode_steps else None
     return {
@@ -236,7 +261,8 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
         "output_tokens_per_s": output_tokens / elapsed,
         "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else None,
         "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
-        "ttft_ms": summarize([s.first_token_time - s.arrival_time for s in seqs if s.first_token_time]),
+        "request_rate": None if math.isinf(w.request_rate) else w.request_rate,  # None: all at the start (JSON has no inf)
+        "ttft_ms": summarize(ttft),
         "itl_ms": summarize(itl),
         "decode_step_ms": step_ms,
         "roofline_step_ms": roofline_ms,
@@ -244,6 +270,10 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
         "roofline_fraction": roofline_ms / step_ms if step_ms else None,
         "bandwidth_gb_per_s": bandwidth_gbps,
         "kv_blocks_total": geo.num_blocks,
+        "kv_pool_bytes": geo.pool_bytes,
+        "gpu_memory_utilization": opts.gpu_memory_utilization,
+        "chunked_prefill": engine.scheduler.chunked_prefill,
+        "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
         "kv_blocks_peak": peak_blocks,
         "kv_bytes_peak": peak_blocks * geo.block_bytes,
         "kv_bytes_contiguous": peak_running * engine.cache.max_model_len * geo.kv_bytes_per_token,

@@ -34,6 +34,8 @@ def bench(
     prefix_len: Annotated[int, typer.Option(help="Make the first P prompt tokens the same in every prompt, and time "
                                             "the first token with and without the prefix cache (hits need more "
                                             "prompts than slots: --num-prompts).")] = 0,
+    request_rate: Annotated[float, typer.Option(help="Requests a second, arriving as a Poisson process seeded by --seed "
+                                                "(vLLM's serving benchmark); inf: all at the start.")] = math.inf,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per batch size on stdout.")] = False,
     *, engine_flags: EngineFlags,
 ):
@@ -52,11 +54,14 @@ def bench(
                          "leave one of them out (a file's prompts share what they share)")
     if num_prompts is not None and num_prompts < 1:
         raise UsageError(f"--num-prompts {num_prompts}: must be at least 1", "leave it out for one per slot")
+    if not request_rate > 0:  # (NaN fails it too)
+        raise UsageError(f"--request-rate {request_rate}: must be a positive number of requests a second",
+                         "leave it out to send every request at the start")
     if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):
         raise UsageError(f"--bandwidth {bandwidth}: must be a positive number of GB/s", "leave it out to measure it")
     if plot_file is not None:
         plot_file = bench_plot.plot_path(plot_file)
-    workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file, prefix_len)
+    workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file, prefix_len, request_rate)
     b.parse_len(input_len, "--input-len"), b.parse_len(output_len, "--output-len")
     opts = engine_flags.options(batch=max(batches))
     loaded = load_model(opts, notice)

@@ -45,17 +45,32 @@ def _bytes(n) -> str:
     return "-" if n is None else human_bytes(n)  # None: not measured (no GPU)
 
 
+def _arrivals(r: dict) -> str:
+    rate = r["request_rate"]
+    return "all at the start" if rate is None else f"arriving at {rate:g} a second (Poisson)"
+
+
+def _chunking(r: dict) -> str:
+    if r["chunked_prefill"]:
+        return f"chunked prefill, {r['max_num_batched_tokens']:,} tokens a step"
+    return f"no chunked prefill (prompts up to {r['max_num_batched_tokens']:,} tokens a step)"
+
+
 def results_table(results: list[dict]) -> Group:
     """Two tables: speed against the roofline, and what the paged cache held."""
     r0 = results[0]
     speed = Table(title=f"{r0['model']} on {r0['device']} ({r0['dtype']})", title_justify="left",
-                  caption=f"prompts {r0['input_len']} tokens, {r0['output_len']} new; roofline: weight + KV bytes "
-                          f"a step at {r0['bandwidth_gb_per_s']:,.0f} GB/s",
+                  caption=f"prompts {r0['input_len']} tokens, {r0['output_len']} new, {_arrivals(r0)}; {_chunking(r0)}; "
+                          "roofline: "
+                          f"weight + KV bytes a step at {r0['bandwidth_gb_per_s']:,.0f} GB/s",
                   caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ["batch", "tokens/s", "decode\ntok/s", "step\nms", "roofline\nms", "of\nroofline", "GB/s",
                 "TTFT\np50 ms", "ITL\np50 ms"]:
         speed.add_column(col, justify="right", min_width=_widest(col))
-    memory = Table(title="KV cache", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    sized = ("" if r0["gpu_memory_utilization"] is None
+             else f" (the process at {r0['gpu_memory_utilization']:.0%} of the GPU's memory)")
+    memory = Table(title=f"KV cache: pool {human_bytes(r0['kv_pool_bytes'])}{sized}", title_justify="left",
+                   box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("batch", "blocks peak\n/ total", "KV peak", "contiguous\nwould hold", "saved", "preemptions",
                 "GPU memory\npeak"):
         memory.add_column(col, justify="right", min_width=_widest(col))
@@ -80,6 +95,16 @@ def results_table(results: list[dict]) -> Group:
             prefix.add_row(str(r["batch"]), f"{100 * r['prefix_cache_hit_rate']:.0f}%",
                            _f(r["ttft_ms"]["p50"], "{:.2f}"), _f(without.get("p50"), "{:.2f}"))
         tables.append(prefix)
+    if any(r["request_rate"] is not None for r in results):  # requests arriving among decoding ones
+        latency = Table(title=f"latency under arrivals, ms; {_chunking(r0)}", title_justify="left",
+                        box=box.SIMPLE_HEAD, pad_edge=False)
+        for col in ("batch", "TTFT mean", "p50", "p99", "ITL mean", "p50", "p99"):
+            latency.add_column(col, justify="right")
+        for r in results:
+            t, i = r["ttft_ms"], r["itl_ms"]
+            latency.add_row(str(r["batch"]), *(_f(t[k], "{:.2f}") for k in ("mean", "p50", "p99")),
+                            *(_f(i[k], "{:.3f}") for k in ("mean", "p50", "p99")))
+        tables.append(latency)
     if any("hf_output_tokens_per_s" in r for r in results):
         hf = Table(title="against transformers' generate, same prompts", title_justify="left",
                    box=box.SIMPLE_HEAD, pad_edge=False)

@@ -228,7 +228,8 @@ def slot_rows(snap: CacheSnapshot, decode: Decode | None, max_rows: int, width: 
             "blocks held": f"{s.num_blocks:,} x {geo.num_layers} = {s.num_blocks * geo.num_layers:,}",
             "layer 0 -> physical": " ".join(map(str, s.table[0][:4])) + (" …" if s.num_blocks > 4 else ""),
             "tok/s": f"{s.tokens_per_s:,.0f}",
-            "answer so far": Text(answer_tail(s, decode, widths.get("answer so far", 0)), style="cyan"),
+            "answer so far": (Text(prefill_progress(s), style="yellow") if s.is_prefilling
+                              else Text(answer_tail(s, decode, widths.get("answer so far", 0)), style="cyan")),
         }))
     if owners is not None:
         lines.append(line(("      cells: ", "dim"), ("█", "green"), (" full  ", "dim"), ("▄", "yellow"),
@@ -240,6 +241,11 @@ def slot_rows(snap: CacheSnapshot, decode: Decode | None, max_rows: int, width: 
     if not snap.slots:
         lines.append(Text("      no running sequences", style="dim"))
     return lines
+
+
+def prefill_progress(slot: SlotView) -> str:
+    """A prompt part-way through its chunked prefill: how much of it is computed."""
+    return f"prefill {slot.num_cached:,}/{slot.prefill_len:,}"
 
 
 def answer_tail(slot: SlotView, decode: Decode | None, width: int) -> str:

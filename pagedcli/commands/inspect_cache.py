@@ -20,7 +20,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from pagedcli.commands.drawing import human_bytes, request_label
+from pagedcli.commands.drawing import human_bytes, prefill_progress, request_label
 from pagedcli.commands.exits import exit_for_failures, friendly_errors, report_failures
 from pagedcli.commands.generate import start_requests
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
@@ -40,10 +40,10 @@ def capture(engine: Engine, slot: int, at_step: int | None = None) -> tuple[Cach
     first, last = None, None  # the slot's first request, and the last snapshot holding it
     while engine.has_unfinished:
         out = engine.step()
-        if not out.seqs:
+        if out.idle:
             break
         if first is None:
-            first = next((s for s in out.seqs if s.slot == slot), None)
+            first = next((s for s in out.seqs + out.prefilling if s.slot == slot), None)
         if first is None:
             continue
         if first.is_finished:
@@ -64,7 +64,7 @@ def _at_step(engine: Engine, slot: int, at_step: int) -> tuple[CacheSnapshot, Sl
     if at_step < 1:
         raise UsageError(f"--at-step {at_step}: must be 1 or more", "step 1 is the first prefill")
     while engine.num_steps < at_step and engine.has_unfinished:
-        if not engine.step().seqs:
+        if engine.step().idle:
             break
     if engine.num_steps < at_step:
         raise UsageError(f"--at-step {at_step}: the run ended after step {engine.num_steps}",
@@ -156,6 +156,7 @@ def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
         "prompt_token_ids": list(view.token_ids[: view.num_prompt_tokens]),
         "output_token_ids": list(view.token_ids[view.num_prompt_tokens:]),
         "num_cached": view.num_cached,
+        "prefill": {"computed": view.num_cached, "of": view.prefill_len} if view.is_prefilling else None,
         "layers": [
             {"layer": layer, "blocks": [
                 {"logical": i, "physical": p, "k_offset": p * geo.block_bytes,
@@ -185,6 +186,9 @@ def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0, other_la
     head.add_row("slot", f"{view.slot} after step {snap.step:,}: request {request_label(view.seq_id, view.prompt, 40)}")
     head.add_row("tokens", f"{len(view.token_ids):,} ({view.num_prompt_tokens:,} prompt + {num_output:,} output), "
                            f"{view.num_cached:,} in the cache, in {view.num_blocks:,} blocks a layer")
+    if view.is_prefilling:
+        head.add_row("prefill", Text(f"part-way: {prefill_progress(view)} tokens computed; chunked prefill computes "
+                                     "the rest in later steps, into the blocks it holds", style="yellow"))
     head.add_row("geometry", f"{geo.block_size} tokens a block x {geo.num_kv_heads} kv heads x {geo.head_dim} dims, "
                              f"{str(geo.dtype).removeprefix('torch.')}: {geo.block_bytes:,} bytes a block, "
                              f"K at +0x0, V at +{geo.v_offset:#x}")

@@ -30,10 +30,18 @@ class EngineFlags:
     num_blocks: Annotated[Optional[int], typer.Option(help="Physical blocks in the pool (overrides --cache-size).")] = None
     cache_size: Annotated[Optional[str], typer.Option(
         help="Pool size, e.g. 2GiB. Default: 2GiB on CUDA, 256MiB on CPU.")] = None
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(
+        help="Size the pool so the process uses this share of the GPU's memory (e.g. 0.9): what is left after "
+        "the weights and the largest step's activations, measured by a profiling pass. Instead of --cache-size.")] = None
     max_model_len: Annotated[Optional[int], typer.Option(
         help="Longest sequence, prompt included. Default: the model's, capped by what the pool holds.")] = None
     eager: Annotated[bool, typer.Option(help="No CUDA graphs (slower; for debugging).")] = False
     prefix_caching: Annotated[bool, typer.Option(help="Reuse the cached blocks of prompt prefixes seen before.")] = True
+    chunked_prefill: Annotated[bool, typer.Option(
+        help="Steps carry every running sequence's next token plus chunks of prompts, up to "
+        "--max-num-batched-tokens, so decoding never waits for a long prompt's prefill.")] = True
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option(
+        help="New tokens one step feeds at most (the chunk budget). Default: 8192 on CUDA, 256 on CPU.")] = None
     overlap: Annotated[bool, typer.Option(help="On a GPU, queue the next decode step before this one's tokens reach "
                                           "the host, so Python's work per step hides behind the GPU's.")] = True
 

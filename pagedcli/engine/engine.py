@@ -1,9 +1,11 @@
 """The engine: requests in, tokens out, one step at a time.
 
-    step():  scheduler.schedule()  -> which sequences run, prefill or decode
+    step():  scheduler.schedule()  -> which sequences run, the tokens each feeds, prefill or decode
              runner.execute()      -> the forward pass over the paged cache: logits, greedy tokens
-             sampler.sample()      -> penalties, temperature, min-p/top-k/top-p: one token per sequence
-             scheduler.update()    -> append, finish, give blocks back (stop strings: stop_strings.py)
+             sampler.sample()      -> penalties, temperature, min-p/top-k/top-p: one token per
+                                      sequence that samples
+             scheduler.update()    -> append, finish, give blocks back (advance(): prompt chunks;
+                                      stop strings: stop_strings.py)
 
 Each step returns a StepOutput saying what happened, which the CLI streams, the live view
 draws and the benchmark times.
@@ -14,9 +16,10 @@ decode step, which takes those tokens straight from device memory, and plans it 
 sequence goes on (its blocks are taken one token early). So the host's bookkeeping for step n
 runs while the GPU computes step n + 1, and in steady decoding the GPU does not wait for Python. A
 sequence that a stop token ends at step n has computed one token in vain at step n + 1, which is
-dropped (vLLM's async scheduling does the same). Prefills, admissions and preemptions are never
-planned ahead: the step before them is waited for. Stop strings end a sequence as stop tokens do,
-once its tokens are on the host; penalties count the token a step feeds on the device (sampler.py).
+dropped (vLLM's async scheduling does the same). Prefills, prompt chunks, admissions and
+preemptions are never planned ahead: the step before them is waited for. Stop strings end a
+sequence as stop tokens do, once its tokens are on the host; penalties count the token a step
+feeds on the device (sampler.py).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from pagedcli.engine.cache import KVCache
 from pagedcli.engine.runner import ModelRunner
 from pagedcli.engine.sampler import Sampler, StepLogprobs
-from pagedcli.engine.scheduler import Scheduler
+from pagedcli.engine.scheduler import Schedule, Scheduler
 from pagedcli.engine.sequence import SamplingParams, Sequence
 from pagedcli.engine.snapshot import CacheSnapshot, take_snapshot
 from pagedcli.engine.stop_strings import MakeDetokenizer, StopStrings
@@ -39,12 +42,18 @@ from pagedcli.errors import UsageError
 @dataclass
 class StepOutput:
     is_prefill: bool
-    seqs: list[Sequence]  # the sequences that ran
+    seqs: list[Sequence]  # the sequences that ran and sampled
     tokens: list[int]  # the token each sampled (a stop token is sampled but not appended)
     finished: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0  # tokens fed through the network
     used_blocks: int = 0  # blocks in use during the step (before finished sequences give theirs back)
     num_running: int = 0  # sequences holding a slot during the step
+    prefilling: list[Sequence] = field(default_factory=list)  # ran a prompt chunk short of the prompt's end
+
+    @property
+    def idle(self) -> bool:
+        """Nothing ran (nothing could be scheduled)."""
+        return not self.seqs and not self.prefilling
 
 
 @dataclass
@@ -52,13 +61,14 @@ class QueuedStep:
     """A step queued on the device: its sampled tokens exist there, and are on their way to the host."""
 
     is_prefill: bool
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # the rows that sample
     tokens: torch.Tensor  # [len(seqs)] int64 on the device: what the next step feeds without a round trip
     host_tokens: torch.Tensor  # the same on the host (pinned memory on a GPU), once `ready` has passed
     ready: torch.cuda.Event | None  # None on the CPU: the tokens are there already
     num_tokens: int
     used_blocks: int
     num_running: int
+    chunks: tuple[list[Sequence], list[int]] = ([], [])  # rows that fed a prompt chunk and sample nothing
     logprobs: StepLogprobs | None = None  # on their way to the host with the tokens
 
     def tokens_on_host(self) -> list[int]:
@@ -69,11 +79,13 @@ class QueuedStep:
 
 class Engine:
     def __init__(self, runner: ModelRunner, cache: KVCache, stop_ids, overlap: bool = False,
+                 chunked_prefill: bool = False, max_num_batched_tokens: int | None = None,
                  detokenizer: MakeDetokenizer | None = None):
         self.runner = runner
         self.cache = cache  # its max_slots and max_model_len are the engine's
         vocab_size = runner.model.config.vocab_size
-        self.scheduler = Scheduler(cache, set(stop_ids), vocab_size=vocab_size)
+        self.scheduler = Scheduler(cache, set(stop_ids), max_num_batched_tokens, vocab_size=vocab_size,
+                                   chunked_prefill=chunked_prefill)
         self.sampler = Sampler(cache.max_slots, vocab_size, cache.device)
         self.detokenizer = detokenizer  # for stop strings: the engine does not know the tokenizer
         self.sequences: list[Sequence] = []
@@ -111,21 +123,26 @@ class Engine:
     def step(self) -> StepOutput:
         step, self.in_flight = self.in_flight, None
         if step is None:
-            seqs, is_prefill = self.scheduler.schedule()
-            if not seqs:
-                return StepOutput(is_prefill, [], [])
-            step = self._queue_step(seqs, is_prefill)
+            plan = self.scheduler.schedule()
+            if not plan.seqs:
+                return StepOutput(plan.is_prefill, [], [])
+            step = self._queue_step(plan)
         if self.overlap and not step.is_prefill:
             ahead = self.scheduler.schedule_ahead(step.seqs)
             if ahead:
-                self.in_flight = self._queue_step(ahead, False, after=step)
+                self.in_flight = self._queue_step(Schedule(ahead, [1] * len(ahead), False), after=step)
                 self.num_launched_ahead += 1
         return self._finish(step)
 
-    def _queue_step(self, seqs: list[Sequence], is_prefill: bool, after: QueuedStep | None = None) -> QueuedStep:
+    def _queue_step(self, plan: Schedule, after: QueuedStep | None = None) -> QueuedStep:
         """Queue the forward pass and the sampling of one step. `after`: the decode step still in
         flight whose tokens this (decode) step feeds, taken from the device."""
-        num_tokens = sum(len(s) - s.num_cached for s in seqs) if is_prefill else len(seqs)
+        seqs, is_prefill = plan.seqs, plan.is_prefill
+        num_tokens = sum(plan.num_new)
+        chunks: tuple[list[Sequence], list[int]] = ([], [])
+        if is_prefill:  # rows whose chunk stops short of their prompt's end get no logits
+            samples = plan.samples
+            chunks = ([s for s, ok in zip(seqs, samples) if not ok], [n for n, ok in zip(plan.num_new, samples) if not ok])
         used_blocks = self.cache.geometry.num_blocks - self.cache.num_free_blocks
         num_running = len(self.scheduler.running)
         feed = None
@@ -135,7 +152,9 @@ class Engine:
             else:
                 row = {s.id: i for i, s in enumerate(after.seqs)}
                 feed = after.tokens[torch.tensor([row[s.id] for s in seqs]).to(after.tokens.device, non_blocking=True)]
-        logits, greedy = self.runner.execute(seqs, is_prefill, feed)
+        logits, greedy = self.runner.execute(seqs, is_prefill, feed, plan.num_new if is_prefill else None)
+        if chunks[0]:
+            seqs = [s for s, ok in zip(seqs, samples) if ok]
         if is_prefill:  # parallel samples join their prompt's parent, and sample from its row
             seqs, rows = self.scheduler.fork(seqs)
             if rows is not None:
@@ -150,7 +169,8 @@ class Engine:
             ready.record()
         else:
             host, ready = tokens, None
-        return QueuedStep(is_prefill, seqs, tokens, host, ready, num_tokens, used_blocks, num_running, logprobs)
+        return QueuedStep(is_prefill, seqs, tokens, host, ready, num_tokens, used_blocks, num_running, chunks,
+                          logprobs)
 
     def _finish(self, step: QueuedStep) -> StepOutput:
         """Wait for a step's tokens; append them, finish sequences, give blocks back."""
@@ -159,6 +179,7 @@ class Engine:
         if any(s.is_finished for s in seqs):  # ended by a stop token while this step was queued
             kept = [i for i, s in enumerate(seqs) if not s.is_finished]
             seqs, tokens = [seqs[i] for i in kept], [tokens[i] for i in kept]
+        self.scheduler.advance(*step.chunks)
         now = time.perf_counter()
         for seq in seqs:
             if seq.first_token_time is None:
@@ -171,7 +192,8 @@ class Engine:
         if self.in_flight is not None and all(s.is_finished for s in self.in_flight.seqs):
             self.in_flight = None  # every row of the step ahead is void: nobody waits for it
         self.num_steps += 1
-        return StepOutput(step.is_prefill, seqs, tokens, finished, step.num_tokens, step.used_blocks, step.num_running)
+        return StepOutput(step.is_prefill, seqs, tokens, finished, step.num_tokens, step.used_blocks, step.num_running,
+                          step.chunks[0])
 
     def _stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
         """End the sequences whose text now holds a stop string, as a stop token would: those that

@@ -36,11 +36,16 @@ class ModelRunner:
             for n in self.graphs.buckets:
                 self.graphs.graph(n)
 
-    def execute(self, seqs: list[Sequence], is_prefill: bool,
-                feed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """What sampling needs for each sequence's next token: its logits, [len(seqs), vocab] float32,
-        and its greedy token, [len(seqs)] int64 (a decode graph computes them with the logits; else
-        the backend's argmax, a kernel of ours on a GPU).
+    def execute(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None,
+                num_new: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What sampling needs for the next token of each sequence that samples: its logits,
+        [S, vocab] float32, and its greedy token, [S] int64 (a decode graph computes them with the
+        logits; else the backend's argmax, a kernel of ours on a GPU), in the order of `seqs`.
+
+        num_new (prefill only): the tokens each sequence feeds from `num_cached` on (default: all it
+        has not cached: whole prompts). A sequence samples when they reach its end; one whose chunk
+        stops short of its prompt's end does not, and has no row in the result. At decode every
+        sequence feeds one token and samples (S = len(seqs)).
 
         feed (decode only): the tokens to feed, [len(seqs)] on the device, sampled by a step the
         host has not seen the end of (the engine's overlap); each sequence is then one token longer
@@ -49,8 +54,10 @@ class ModelRunner:
         self.cache.copy_pending_blocks()  # copy-on-write, before this step writes K/V
         slots = [s.slot for s in seqs]
         if is_prefill:
-            batch = StepBatch.build(True, slots, [s.token_ids[s.num_cached:] for s in seqs],
-                                    [s.num_cached for s in seqs], self.device)
+            num_new = num_new or [len(s) - s.num_cached for s in seqs]
+            batch = StepBatch.build(True, slots, [s.tokens_between(s.num_cached, s.num_cached + n) for s, n in zip(seqs, num_new)],
+                                    [s.num_cached for s in seqs], self.device,
+                                    [s.num_cached + n == len(s) for s, n in zip(seqs, num_new)])
         else:  # the new token's position is the count of tokens cached (with `feed`, one more)
             if feed is None:
                 tokens, num_cached = [s.last_token for s in seqs], [len(s) - 1 for s in seqs]

@@ -1,32 +1,69 @@
 """Which sequences run this step: admission into slots, block growth, preemption, finishing.
 
-A step is either a prefill (newly admitted prompts) or a decode (one token for every running
-sequence), as in nano-vllm. Continuous batching: a slot freed by a finished sequence is refilled
-from the waiting queue at the next step.
+Chunked prefill (vLLM v1's scheduler, the default): a step has a budget of
+`max_num_batched_tokens` new tokens. The running sequences come first, in order of admission:
+each decoding one feeds its one token, then a prompt part-way through its prefill feeds a chunk of
+what is left; the waiting queue gets the rest of the budget, the last prompt admitted feeding a
+chunk of its prompt only. So a long prompt is prefilled over several steps, and the decoding
+sequences advance by a token in every one of them. A row whose chunk stops short of its prompt's
+end samples nothing: the engine grows its `num_cached` by the chunk (`advance`). A step with a
+prompt in it is prefill-kind (the attention reads the cached keys through the block table from
+each row's offset); a step of decode tokens alone is decode-kind (CUDA graphs, the overlap).
 
-Blocks: a prompt is admitted only when its blocks, in every layer, fit in the free list. At decode
-a sequence takes new blocks only when it crosses a block boundary; when none are free, the most
-recently admitted running sequence is preempted: its blocks go back and it waits at the head of
-the queue to be recomputed (vLLM's recompute preemption), so nothing is lost and nothing crashes.
+Without chunked prefill a step is either a prefill (newly admitted prompts, whole, up to the budget
+unless the first is longer) or a decode (one token for every running sequence), as in nano-vllm.
+Continuous batching either way: a slot freed by a finished sequence is refilled from the waiting
+queue at the next step.
+
+Blocks: a prompt is admitted only when its blocks, in every layer, fit in the free list; it takes
+them all at admission and fills them chunk by chunk. At decode a sequence takes new blocks only
+when it crosses a block boundary; when none are free, the most recently admitted running sequence
+is preempted: its blocks go back and it waits at the head of the queue to be recomputed (vLLM's
+recompute preemption; a prompt part-way through its prefill starts it again), so nothing is lost
+and nothing crashes.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from pagedcli.engine.cache import KVCache
 from pagedcli.backends import NOT_FINITE
 from pagedcli.engine.sequence import Sequence, Status
 
 
+@dataclass
+class Schedule:
+    """One step: the sequences that run, how many new tokens each feeds, and the step's kind."""
+
+    seqs: list[Sequence]
+    num_new: list[int]
+    is_prefill: bool  # prompt tokens in it (prefill-kind); else one decode token per sequence
+
+    @property
+    def samples(self) -> list[bool]:
+        """Whether each row samples a token: its new tokens reach its end (a prompt chunk that stops
+        short of the prompt's end does not)."""
+        return [s.num_cached + n == len(s) for s, n in zip(self.seqs, self.num_new)]
+
+
+# Prompt tokens one step prefills without chunked prefill (the first prompt admitted goes whole).
+UNCHUNKED_MAX_BATCHED_TOKENS = 8192
+
+
 class Scheduler:
-    def __init__(self, cache: KVCache, stop_ids: set[int], max_prefill_tokens: int = 8192,
-                 vocab_size: int | None = None):
+    def __init__(self, cache: KVCache, stop_ids: set[int], max_num_batched_tokens: int | None = None,
+                 vocab_size: int | None = None, chunked_prefill: bool = False):
         self.cache = cache
         self.max_model_len = cache.max_model_len
         self.stop_ids = stop_ids
         self.vocab_size = vocab_size  # prompts with other token ids are refused (None: not checked)
-        self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill = chunked_prefill
+        # new tokens a step feeds at most; chunked, at least one per slot, so that no decoding sequence waits
+        self.max_num_batched_tokens = max_num_batched_tokens or UNCHUNKED_MAX_BATCHED_TOKENS
+        if chunked_prefill and self.max_num_batched_tokens < cache.max_slots:
+            raise ValueError(f"a budget of {self.max_num_batched_tokens} tokens for {cache.max_slots} slots")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of admission
         self.free_slots = list(range(cache.max_slots))
@@ -105,34 +142,61 @@ class Scheduler:
         return bool(self.waiting or self.running or self.forks)
 
     # --- one step -----------------------------------------------------------------------------
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences to run and whether this step is a prefill."""
-        admitted = self._admit()
+    def schedule(self) -> Schedule:
+        """The sequences to run this step, the tokens each feeds, and the step's kind."""
+        if self.chunked_prefill:
+            return self._schedule_chunked()
+        admitted, num_new = self._admit(self.max_num_batched_tokens)
         if admitted:
-            return admitted, True
-        return self._grow_running(), False
+            return Schedule(admitted, num_new, True)
+        running = self._grow_running()
+        return Schedule(running, [1] * len(running), False)
 
-    def _admit(self) -> list[Sequence]:
-        admitted, tokens = [], 0
-        while self.waiting and self.free_slots:
+    def _schedule_chunked(self) -> Schedule:
+        """The token budget, running sequences first: a token for each decoding one, then a chunk
+        for a prompt part-way through its prefill, then the waiting queue with what is left."""
+        running = self._grow_running()  # room for each one's next token, preempting from the back
+        budget = self.max_num_batched_tokens - sum(1 for s in running if not s.is_prefilling)
+        seqs, num_new = [], []
+        for seq in running:
+            if seq.is_prefilling:  # its blocks are all held since admission: only the budget limits it
+                n = min(len(seq) - seq.num_cached, budget)
+                budget -= n
+            else:
+                n = 1  # (counted above)
+            if n:  # (a second prompt part-way, behind one that took the budget, waits a step)
+                seqs.append(seq)
+                num_new.append(n)
+        admitted, chunks = self._admit(budget)
+        seqs, num_new = seqs + admitted, num_new + chunks
+        return Schedule(seqs, num_new, any(s.is_prefilling for s in seqs))
+
+    def _admit(self, budget: int) -> tuple[list[Sequence], list[int]]:
+        """Admit from the head of the queue while slots, blocks and `budget` tokens last; returns
+        the admitted and the tokens each feeds now: all it has to compute, or when chunked the
+        part that fits in the budget."""
+        admitted, num_new = [], []
+        while self.waiting and self.free_slots and budget > 0:
             seq = self.waiting[0]
-            n = len(seq)  # a preempted sequence is recomputed: prompt and output so far
-            if admitted and tokens + n > self.max_prefill_tokens:
-                break
             prefix = self.cache.cached_prefix(seq)
+            todo = len(seq) - len(prefix) * self.cache.geometry.block_size  # a preempted one recomputes its output too
+            if admitted and todo > budget and not self.chunked_prefill:
+                break
             if not self._fits(seq, prefix):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             slot = self.free_slots.pop(0)
-            self.cache.admit(slot, n, prefix)
+            self.cache.admit(slot, len(seq), prefix)  # every block of the prompt, filled as it is computed
             seq.slot, seq.status = slot, Status.RUNNING
-            seq.num_cached = len(prefix) * self.cache.geometry.block_size  # computed already
-            self.prompt_tokens += n
+            seq.num_cached = len(seq) - todo  # computed already
+            seq.prefill_len = len(seq)
+            self.prompt_tokens += len(seq)
             self.cached_prompt_tokens += seq.num_cached
             self.running.append(seq)
             admitted.append(seq)
-            tokens += n
-        return admitted
+            num_new.append(min(todo, budget) if self.chunked_prefill else todo)
+            budget -= num_new[-1]
+        return admitted, num_new
 
     def _fits(self, seq: Sequence, prefix: list[tuple[int, ...]]) -> bool:
         return self.cache.blocks_to_admit(len(seq), prefix) <= self.cache.num_free_blocks
@@ -170,13 +234,13 @@ class Scheduler:
         now: the sequences that go on whatever token they get, each with room for one token more
         than it holds now (the engine's overlap). Empty, and no block taken, when the next step
         is not a plain decode of them: a waiting request can be admitted now or once this step ends
-        a sequence by its length, or they need more free blocks than there are (schedule() then
-        preempts). A stop token is only seen when the step's tokens land: the slot it frees is
+        a sequence by its length, a prompt is part-way through its prefill, or they need more free
+        blocks than there are (schedule() then preempts). A stop token is only seen when the step's tokens land: the slot it frees is
         refilled a step later than without the overlap. `seqs` may hold sequences that a stop token
         has ended since they were queued: they are left out here, and their row of `seqs`' own
         step is dropped by the engine."""
-        if self._can_admit():
-            return []
+        if self._can_admit() or any(s.is_prefilling for s in self.running):
+            return []  # the next step admits a prompt, or goes on with a prompt's chunks
         live = [s for s in seqs if not s.is_finished]
         going_on = [s for s in live if not self._at_length_limit(s, pending=1)]
         if self.waiting and len(going_on) < len(live):
@@ -210,6 +274,13 @@ class Scheduler:
         seq.slot = None
 
     # --- after the forward pass ---------------------------------------------------------------
+    def advance(self, seqs: list[Sequence], num_new: list[int]) -> None:
+        """Rows whose prompt chunk stopped short of the prompt's end: their chunk is in the cache
+        now, and nothing was sampled; the blocks it completed are offered to the prefix cache."""
+        for seq, n in zip(seqs, num_new):
+            seq.num_cached += n
+            self.cache.register(seq.slot, seq, seq.num_cached)
+
     def update(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
         """Append each sampled token; finish the sequences that are done. Returns those."""
         finished = []

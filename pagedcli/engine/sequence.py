@@ -89,6 +89,7 @@ class Sequence:
         self.status = Status.WAITING
         self.slot: int | None = None
         self.num_cached = 0  # tokens whose K/V are in the cache (all layers)
+        self.prefill_len = 0  # the tokens its prefill computes before it samples: len() when (re)admitted
         self.finish_reason: str | None = None  # "stop", "length" or "error"
         self.error: str | None = None
         self.num_preemptions = 0
@@ -108,9 +109,25 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def tokens_between(self, start: int, stop: int) -> list[int]:
+        """token_ids[start:stop], without joining the prompt and the output (a step's new tokens
+        are a few at the end of a long sequence)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:stop - p]
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+
     @property
     def last_token(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Admitted, and its prefill not done: it samples only once all `prefill_len` tokens are in
+        the cache (chunked prefill feeds them over several steps)."""
+        return self.num_cached < self.prefill_len
 
     @property
     def is_finished(self) -> bool:

@@ -23,6 +23,12 @@ class SlotView:
     num_output_tokens: int
     tokens_per_s: float
     num_preemptions: int
+    prefill_len: int = 0  # part-way through its prefill: the tokens it computes before it samples; else 0
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Its prefill is part-way (chunked prefill): `num_cached` of `prefill_len` computed."""
+        return self.num_cached < self.prefill_len
 
     @property
     def num_blocks(self) -> int:
@@ -79,7 +85,8 @@ def take_snapshot(engine) -> CacheSnapshot:
         elapsed = (seq.token_times[-1] - seq.token_times[0]) if len(seq.token_times) > 1 else 0.0
         rate = (len(seq.token_times) - 1) / elapsed if elapsed > 0 else 0.0
         slots.append(SlotView(seq.slot, seq.id, seq.prompt, len(seq.prompt_token_ids), tuple(seq.token_ids),
-                              seq.num_cached, table, len(seq.output_token_ids), rate, seq.num_preemptions))
+                              seq.num_cached, table, len(seq.output_token_ids), rate, seq.num_preemptions,
+                              seq.prefill_len if seq.is_prefilling else 0))
     waiting = tuple(WaitingView(s.id, s.prompt, len(s), s.num_preemptions) for s in sched.waiting)
     finished = sum(1 for s in engine.sequences if s.is_finished)
     return CacheSnapshot(engine.num_steps, cache.geometry, cache.num_free_blocks, tuple(slots), waiting,

@@ -3,7 +3,7 @@ the pool, choose the backend. The CLI, the benchmark and the tests all build eng
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -13,15 +13,23 @@ from pagedcli.engine.cache import MAX_ID, KVCache
 from pagedcli.model.config import DEFAULT_BLOCK_SIZE, CacheGeometry, parse_size
 from pagedcli.engine.engine import Engine
 from pagedcli.errors import UsageError
+from pagedcli.model.memory import MemoryProfile, check_fraction, device_memory, pool_bytes_for
 from pagedcli.model.network import Llama
 from pagedcli.model.source import ModelSource, resolve_model
 from pagedcli.engine.runner import ModelRunner
+from pagedcli.engine.sequence import SamplingParams
+from pagedcli.engine.scheduler import UNCHUNKED_MAX_BATCHED_TOKENS
 from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
 from pagedcli.model.weights import Weights, load_weights, random_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMALL_MODEL_BYTES = 64 << 20
 DEFAULT_CACHE = {"cuda": "2GiB", "cpu": "256MiB"}  # 2 GiB on a GPU, as tiny-vllm
+# New tokens a chunked step feeds at most (docs/architecture.md, "A step with chunks"): on a GPU vLLM's
+# choice for one GPU, where a 1B model's step is GEMM-bound well before 8192 tokens, so larger
+# chunks gain little and lengthen the decode stall; on a CPU a chunk short enough that a decoding
+# stream waits a fraction of a second for it.
+DEFAULT_MAX_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}
 
 
 @dataclass
@@ -38,6 +46,9 @@ class EngineOptions:
     overlap: bool = True  # on a GPU, queue the next decode step before this one's tokens reach the host
     shuffle_blocks: int | None = None  # hand blocks out in a shuffled order (tests, demos)
     prefix_caching: bool = True
+    chunked_prefill: bool = True  # steps carry decode tokens and prompt chunks up to max_num_batched_tokens
+    max_num_batched_tokens: int | None = None  # new tokens a step feeds at most; default by device
+    gpu_memory_utilization: float | None = None  # size the pool to this share of the GPU (memory.py)
     seed: int = 0  # random weights
 
     def __post_init__(self):  # checked here, so before anything slow is loaded
@@ -46,6 +57,26 @@ class EngineOptions:
         if self.batch > MAX_ID:
             raise UsageError(f"`batch` {self.batch}: more slots than the {MAX_ID:,} a block table can number",
                              "use a smaller `batch`")
+        if self.gpu_memory_utilization is not None:
+            check_fraction(self.gpu_memory_utilization)
+            given = [f"`{name}`" for name in ("cache_size", "num_blocks") if getattr(self, name) is not None]
+            if given:
+                raise UsageError(f"`gpu_memory_utilization` and {given[0]} both size the pool", "give one of them")
+        n = self.max_num_batched_tokens
+        if n is not None and n < 1:
+            raise UsageError(f"`max_num_batched_tokens` {n}: must be at least 1", "leave it out for the device's default")
+        if n is not None and self.chunked_prefill and n < self.batch:
+            raise UsageError(f"`max_num_batched_tokens` {n} is below `batch` {self.batch}: a step must hold a token "
+                             "for every running sequence", f"use `max_num_batched_tokens` {self.batch} or more")
+
+    def batched_tokens(self, device: torch.device) -> int:
+        """The step's token budget: as given, or the device's default (with chunked prefill at
+        least a token per slot; without, the scheduler's own)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if not self.chunked_prefill:
+            return UNCHUNKED_MAX_BATCHED_TOKENS
+        return max(DEFAULT_MAX_BATCHED_TOKENS[device.type], self.batch)
 
 
 def pick_device(requested: str) -> torch.device:
@@ -59,6 +90,14 @@ def pick_device(requested: str) -> torch.device:
     if requested == "cuda" and not ok:
         raise UsageError(f"`device` cuda: {why}", "use `device` cpu, or install pagedcli[cuda] on a machine with an NVIDIA GPU")
     return torch.device("cuda") if ok else torch.device("cpu")
+
+
+def check_device_options(opts: EngineOptions, device: torch.device) -> None:
+    # A share of the CPU's RAM would be a poor rule (the OS and other programs share it, and swap
+    # hides the limit): on a CPU the pool is sized in bytes or blocks.
+    if opts.gpu_memory_utilization is not None and device.type != "cuda":
+        raise UsageError("`gpu_memory_utilization` sizes the pool to a share of a GPU, and this run is on the CPU",
+                         "size it with `cache_size` or `num_blocks` instead")
 
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
@@ -84,6 +123,7 @@ def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: No
                check: Callable[[ModelSource, Tokenizer | None], None] = lambda *_: None) -> Model:
     """`check(source, tokenizer)` may refuse the model before its weights are read."""
     device = pick_device(opts.device)
+    check_device_options(opts, device)
     dtype = pick_dtype(opts.dtype, device)
     source = resolve_model(opts.model, notice)
     tokenizer = Tokenizer(source.folder) if source.has_tokenizer else None
@@ -105,7 +145,13 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
     """A fresh cache, backend and engine around already loaded weights. `notice` hears of each op
     the CUDA kernels cannot serve for this model (it runs as torch ops instead)."""
     config, device = model.source.config, model.device
-    cache_bytes = parse_size(opts.cache_size or DEFAULT_CACHE[device.type])
+    check_device_options(opts, device)
+    if opts.gpu_memory_utilization is not None:
+        free, total = device_memory(device)
+        usage = MemoryProfile(total, free, model.weights.nbytes, profile_activations(model, opts))
+        cache_bytes = pool_bytes_for(opts.gpu_memory_utilization, usage)
+    else:
+        cache_bytes = parse_size(opts.cache_size or DEFAULT_CACHE[device.type])
     geometry = CacheGeometry.build(config, model.dtype, opts.block_size, opts.num_blocks, cache_bytes)
     if geometry.num_blocks > MAX_ID:
         option = f"`num_blocks` {opts.num_blocks}" if opts.num_blocks is not None else f"`cache_size` {opts.cache_size}"
@@ -127,7 +173,44 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
     tokenizer = model.tokenizer
     detokenizer = (lambda prompt_ids: StreamDecoder(tokenizer, prompt_ids)) if tokenizer is not None else None
     return Engine(runner, cache, model.source.stop_ids, overlap=opts.overlap and device.type == "cuda",
+                  chunked_prefill=opts.chunked_prefill, max_num_batched_tokens=opts.batched_tokens(device),
                   detokenizer=detokenizer)
+
+
+def largest_step(opts: EngineOptions, device: torch.device, context_length: int) -> list[int]:
+    """The prompt lengths of the largest step the engine may run, as a profiling pass feeds it:
+    one long prompt (the attention's widest) and a token for each other slot (their rows of
+    logits). Chunked, the step's budget; unchunked, a whole prompt of the longest length too."""
+    tokens = opts.batched_tokens(device)
+    if not opts.chunked_prefill:
+        tokens = max(tokens, opts.max_model_len or context_length)
+    rows = min(opts.batch, tokens)
+    longest = min(tokens - (rows - 1), context_length - 1)  # room for the token it samples
+    return [longest] + [1] * (rows - 1)
+
+
+def profile_activations(model: Model, opts: EngineOptions) -> int:
+    """Peak bytes the largest step allocates beyond the weights and the pool, measured: one forward
+    pass of it in an engine of its own whose pool holds just that step (vLLM's profiling run).
+    CUDA only: torch's allocator counts the bytes."""
+    config, device = model.source.config, model.device
+    lengths = largest_step(opts, device, config.context_length)
+    block_size = opts.block_size
+    blocks = sum(-(-(n + 1) // block_size) for n in lengths) * config.num_layers
+    probe = replace(opts, batch=len(lengths), num_blocks=blocks, cache_size=None, gpu_memory_utilization=None,
+                    eager=True, overlap=False, prefix_caching=False, chunked_prefill=False,
+                    max_num_batched_tokens=sum(lengths), max_model_len=None)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    engine = build_engine(model, probe)
+    for n in lengths:  # one step: every prompt admitted, prefilled, and done after its one token
+        engine.add_request([i % config.vocab_size for i in range(n)], SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before - engine.cache.geometry.pool_bytes
+    del engine
+    return max(peak, 0)
 
 
 @dataclass

@@ -25,7 +25,8 @@ class Llama:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Returns the logits of each sequence's last new token: [B, vocab], float32."""
+        """Returns the logits of the last new token of each sequence that samples (`batch.last_index`):
+        [S, vocab], float32."""
         c, w, be = self.config, self.w, self.backend
         be.prepare(batch)  # the index tensors every layer shares
         T = batch.token_ids.shape[0]
@@ -35,7 +36,7 @@ class Llama:
             residual = be.linear_add(be.attend(layer, q, batch).reshape(T, c.q_dim), lw.o, residual, bias=lw.o_bias)
             act = be.norm_linear_silu(residual, lw.post_norm, lw.gate_up, c.rms_norm_eps, bias=lw.gate_up_bias)
             residual = be.linear_add(act, lw.down, residual, bias=lw.down_bias)
-        if batch.is_prefill:  # decode has one token per sequence: every row is a last one
+        if batch.is_prefill:  # decode has one token per sequence: every row is a last one, and samples
             residual = residual[batch.last_index]
         return be.logits(residual, w.norm, w.lm_head, c.rms_norm_eps)
 

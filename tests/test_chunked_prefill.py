@@ -1,0 +1,201 @@
+"""Chunked prefill: a step's token budget, decode tokens first, prompts in chunks. Whatever the
+budget, greedy output is the unchunked output (and transformers'), block accounting holds at
+every step, and a decoding sequence advances in every step that carries a prompt chunk."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from helpers import check_block_accounting, invoke
+from pagedcli.engine.sequence import SamplingParams
+from pagedcli.errors import UsageError
+from test_oracle import assert_matches_hf
+
+LENGTHS = [3, 40, 17, 75, 9, 33]  # several prompts longer than the small budgets, across block boundaries
+BUDGETS = [2, 16, 37, 4096]  # 2: the least a batch of 2 allows; 4096: no prompt is ever split
+
+
+def prompts(lengths, seed=0, vocab=200):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def run(engine, prompt_list, params, check=True):
+    """Outputs in input order, checking the blocks after every step; also the steps' shapes."""
+    seqs = [engine.add_request(p, params) for p in prompt_list]
+    steps = []
+    while engine.has_unfinished:
+        out = engine.step()
+        steps.append(out)
+        if check:
+            check_block_accounting(engine)
+    return [s.output_token_ids for s in seqs], steps
+
+
+def outputs(make_engine, model, prompt_list, params, **opts):
+    return run(make_engine(model, **opts).engine, prompt_list, params)[0]
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_any_budget_gives_the_unchunked_output(tiny, make_engine, budget):
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ps = prompts(LENGTHS)
+    unchunked = outputs(make_engine, tiny, ps, params, batch=2, chunked_prefill=False)
+    engine = make_engine(tiny, batch=2, max_num_batched_tokens=budget).engine
+    chunked, steps = run(engine, ps, params)
+    assert chunked == unchunked
+    assert all(out.num_tokens <= budget for out in steps)
+    if budget < max(LENGTHS):
+        assert any(out.prefilling for out in steps), "a prompt longer than the budget is split"
+    assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+
+
+def test_chunks_match_transformers(tiny, make_engine):
+    loaded = make_engine(tiny, batch=3, max_num_batched_tokens=5)
+    assert_matches_hf(loaded, tiny, prompts([1, 7, 16, 17, 45], seed=2, vocab=211), steps=6)
+
+
+@pytest.mark.parametrize("model", ["stories", "demo"])
+def test_trained_models_chunked_equal_unchunked(stories, make_engine, model):
+    """stories260K and the demo model, with a shared prefix (prefix caching hits), budgets 3 and 13."""
+    model = stories if model == "stories" else "demo"
+    loaded = make_engine(model, batch=3, chunked_prefill=False)
+    tok = loaded.tokenizer
+    texts = ["Once upon a time, there was a little girl named Lily. She loved to play outside",
+             "Once upon a time, there was a little girl named Lily. She had a red ball",
+             "Tom and his dog went to the park to play with a big ball"]
+    ps = [tok.encode(t) for t in texts] * 2
+    params = SamplingParams(max_tokens=16)
+    unchunked = run(loaded.engine, ps, params)[0]
+    for budget in (3, 13):
+        engine = make_engine(model, batch=3, max_num_batched_tokens=budget).engine
+        assert run(engine, ps, params)[0] == unchunked
+        assert engine.scheduler.cached_prompt_tokens > 0
+
+
+def test_parallel_samples_under_chunks(tiny, make_engine):
+    """--n: the children fork once their parent's last chunk is in, and draw what they draw unchunked."""
+    params = [SamplingParams(temperature=0.9, seed=7 + i, max_tokens=10, ignore_eos=True) for i in range(3)]
+    prompt = prompts([45])[0]
+    runs = []
+    for opts in (dict(chunked_prefill=False), dict(max_num_batched_tokens=4)):
+        engine = make_engine(tiny, batch=4, **opts).engine
+        engine.add_request(prompts([20], seed=5)[0], SamplingParams(max_tokens=12, ignore_eos=True))
+        seqs = engine.add_parallel(prompt, params)
+        while engine.has_unfinished:
+            engine.step()
+            check_block_accounting(engine)
+        runs.append([s.output_token_ids for s in seqs])
+    assert runs[0] == runs[1]
+    assert len({tuple(r) for r in runs[1]}) > 1, "the samples differ from each other"
+
+
+def test_preemption_under_a_tiny_pool(tiny, make_engine):
+    """A pool too small for every sequence at once: preemptions (part-way prompts among them)
+    recompute, and the output is what a large pool gives."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ps = prompts([20, 35, 12, 50], seed=4)
+    roomy = outputs(make_engine, tiny, ps, params, batch=3, chunked_prefill=False)
+    engine = make_engine(tiny, batch=3, num_blocks=2 * 8, max_num_batched_tokens=7).engine  # 8 blocks a layer
+    tight, _ = run(engine, ps, params)
+    assert tight == roomy
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_a_preempted_part_way_prompt_starts_again(tiny, make_engine):
+    """A decoding sequence needs a block while a prompt behind it is part-way through its prefill:
+    the prompt is preempted (it came last), gives its blocks back, and is prefilled again later."""
+    params = SamplingParams(max_tokens=18, ignore_eos=True)  # 60 + 18 tokens: within the small pool's 80
+    ps = [prompts([14])[0], prompts([60], seed=6)[0]]
+    roomy = outputs(make_engine, tiny, ps, params, batch=2, chunked_prefill=False)
+    engine = make_engine(tiny, batch=2, num_blocks=2 * 5, max_num_batched_tokens=4).engine  # 5 blocks a layer
+    victims = []
+    preempt = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (victims.append((seq.id, seq.is_prefilling, seq.num_cached)), preempt(seq))
+    assert run(engine, ps, params)[0] == roomy
+    assert victims and victims[0][:2] == (1, True) and victims[0][2] > 0, victims
+
+
+def test_decoding_never_waits_for_a_long_prompt(tiny, make_engine):
+    """While a 90-token prompt is prefilled 6 tokens a step, the sequence already decoding gets a
+    token in every one of those steps; the prompt's blocks are all held from admission and fill
+    chunk by chunk."""
+    engine = make_engine(tiny, batch=2, max_num_batched_tokens=7).engine
+    short = engine.add_request(prompts([5])[0], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.step()
+    long = engine.add_request(prompts([90], seed=1)[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    cached, chunk_steps = [], 0
+    while not long.output_token_ids:
+        before = len(short.output_token_ids)
+        out = engine.step()
+        chunk_steps += 1
+        assert len(short.output_token_ids) == before + 1, "the decoding sequence advanced"
+        assert out.is_prefill and out.num_tokens <= 7
+        held = engine.cache.num_blocks_of_slot[long.slot]
+        assert held == engine.cache.geometry.blocks_for(90), "every block of the prompt from admission on"
+        cached.append(long.num_cached)
+        check_block_accounting(engine)
+    assert chunk_steps == 15  # ceil(90 / 6): 6 prompt tokens beside the one decode token
+    assert cached[:-1] == list(range(6, 90, 6)), "each step computes one more chunk, nothing sampled"
+    out = engine.step()
+    assert not out.is_prefill, "once no prompt is part-way, steps are plain decodes again"
+
+
+def test_no_decode_is_planned_ahead_of_a_chunk(tiny, make_engine):
+    """The overlap's step ahead is for plain decodes only: refused while a prompt is part-way."""
+    engine = make_engine(tiny, batch=2, max_num_batched_tokens=4).engine
+    a = engine.add_request(prompts([3])[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    engine.add_request(prompts([30], seed=3)[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    out = engine.step()  # a decodes, b's first chunk
+    assert out.prefilling and a in out.seqs
+    assert engine.scheduler.schedule_ahead([a]) == []
+    assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks - (
+        engine.cache.num_blocks_of_slot[a.slot] + engine.cache.num_blocks_of_slot[out.prefilling[0].slot]
+    ) * engine.cache.geometry.num_layers, "no block taken for a step ahead"
+
+
+def test_the_budget_must_hold_a_token_per_slot(tiny, make_engine):
+    with pytest.raises(UsageError, match="below `batch` 4"):
+        make_engine(tiny, batch=4, max_num_batched_tokens=3)
+    make_engine(tiny, batch=4, max_num_batched_tokens=3, chunked_prefill=False)  # unchunked: any budget
+
+
+def test_cli_views_a_prompt_part_way(stories):
+    """inspect-cache --at-step stops in the middle of a prefill and says how far it got."""
+    args = ["inspect-cache", "--model", str(stories), "--batch", "1", "--max-num-batched-tokens", "4", "--max-tokens",
+            "3", "--at-step", "2", "Once upon a time, there was a little girl named Lily"]
+    code, stdout, stderr = invoke(*args, "--json")
+    assert code == 0, stderr
+    view = json.loads(stdout)
+    assert view["prefill"] == {"computed": 8, "of": len(view["prompt_token_ids"])}
+    assert view["num_cached"] == 8 and not view["output_token_ids"]
+    code, stdout, _ = invoke(*args)
+    assert code == 0 and f"prefill 8/{len(view['prompt_token_ids'])}" in stdout
+
+
+def test_live_view_draws_prefill_progress(tiny, make_engine):
+    from rich.console import Console
+
+    from pagedcli.commands.drawing import render
+
+    engine = make_engine(tiny, batch=1, max_num_batched_tokens=10).engine
+    engine.add_request(prompts([35])[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    console = Console(width=160, record=True)
+    console.print(render(engine.snapshot(), width=160))
+    assert "prefill 10/35" in console.export_text()
+
+
+def test_a_steps_new_tokens_are_sliced_across_prompt_and_output():
+    from pagedcli.engine.sequence import Sequence
+
+    seq = Sequence(0, [1, 2, 3, 4], SamplingParams())
+    seq.output_token_ids = [5, 6, 7]
+    for start in range(8):
+        for stop in range(start, 8):
+            assert seq.tokens_between(start, stop) == seq.token_ids[start:stop]
