@@ -43,11 +43,40 @@ def test_json_is_one_object_per_prompt_in_input_order(stories, tmp_path):
 
 
 def test_several_prompts_are_labelled_and_not_interleaved(stories):
-    code, stdout, _ = run("--model", str(stories), "--max-tokens", "8", "Once upon a time", "Tom and his dog")
+    long = "Tom and his dog went to the park to play with a big red ball"
+    code, stdout, stderr = run("--model", str(stories), "--max-tokens", "8", "Once upon a time", long)
     assert code == 0
-    first, second = stdout.index("[1] 'Once upon a time'"), stdout.index("[2] 'Tom and his dog'")
+    first, second = stdout.index("[1] Once upon a time, there was"), stdout.index(f"[2] {long}")
     assert first < second
-    assert "Once upon a time, there was" in stdout[first:second]
+    assert stdout.count(long) == 1, "the prompt is printed once: echoed after its label, not in it too"
+    assert "2 prompts" in stderr and "answers" not in stderr
+
+
+def test_answers_of_one_prompt_are_counted_as_answers(stories):
+    code, stdout, stderr = run("--model", str(stories), "--max-tokens", "3", "--n", "4", "--temperature", "1",
+                               "--seed", "1", "Once upon a time")
+    assert code == 0 and stdout.count("Once upon a time") == 4 and "[1.4] Once upon a time" in stdout
+    assert "1 prompt, 4 answers" in stderr and "4 prompts" not in stderr
+
+
+def test_counts_are_in_the_right_number(stories):
+    code, _, stderr = run("--model", str(stories), "--max-tokens", "1", "--ignore-eos", "Once upon a time")
+    assert code == 0 and "1 token in" in stderr and "1 tokens" not in stderr and "1 prompt" in stderr
+    from pagedcli.errors import plural
+
+    assert (plural(1, "token"), plural(0, "block"), plural(2048, "token")) == ("1 token", "0 blocks", "2,048 tokens")
+
+
+def test_quiet_prints_only_the_answers(stories):
+    args = ("--model", str(stories), "--raw", "--max-tokens", "6", "--ignore-eos", "Once upon a time", "Tom and his dog")
+    code, stdout, stderr = run("--quiet", *args)
+    assert code == 0 and stderr == ""
+    _, loud, _ = run(*args)
+    answers = stdout.splitlines()
+    assert len(answers) == 2 and "[" not in stdout and "Once upon a time" not in stdout
+    assert f"Once upon a time{answers[0]}" in loud and f"Tom and his dog{answers[1]}" in loud
+    code, stdout, stderr = run("-q", "--model", str(stories), "--max-tokens", "0", "x")  # errors still say why
+    assert code == 2 and stdout == "" and stderr.startswith("error: --max-tokens 0")
 
 
 @pytest.mark.parametrize("args, message", [

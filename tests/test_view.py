@@ -117,7 +117,7 @@ def test_live_view_redraws_on_a_wall_clock_budget_and_ends_with_the_pool_free(st
     final = view.frame.current
     assert "free 100   total 100" in draw(final, width=160)
     output = console.file.getvalue()
-    assert "[3] 'The sun'" in output and "Once upon a time, there was" in output  # the answers, above the frame
+    assert "[3] The sun" in output and "Once upon a time, there was" in output  # the answers, above the frame
 
 
 def generate(*args):
@@ -163,4 +163,4 @@ def test_live_view_in_a_real_terminal(stories, tmp_path):
     assert re.search(r"blocks +used [1-9][\d,]* +free [\d,]+ +total 400", frame)
     assert re.search(r"│ +\d +\[\d\] '.*' +[█▁▂▃▄▅▆▇]+ +\d+/16", frame), frame  # a slot row: cells, fill
     assert "used 0   free 400   total 400" in final and "finished 6" in final  # the last frame stays
-    assert "[6] 'Ben had a red ball'" in final and "tokens/s" in final  # answers above it, summary below
+    assert "[6] Ben had a red ball" in final and "tokens/s" in final  # answers above it, summary below

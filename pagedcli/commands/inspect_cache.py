@@ -24,7 +24,7 @@ from pagedcli.commands.drawing import human_bytes, request_label
 from pagedcli.commands.exits import exit_for_failures, friendly_errors, report_failures
 from pagedcli.commands.generate import start_requests
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
-from pagedcli.errors import UsageError
+from pagedcli.errors import UsageError, plural
 
 if TYPE_CHECKING:  # the engine and torch load once the command runs, not for --help
     from pagedcli.engine.engine import Engine
@@ -52,8 +52,8 @@ def capture(engine: Engine, slot: int, at_step: int | None = None) -> tuple[Cach
             last = engine.snapshot()
     if last is None and first is None:
         n = len(engine.sequences)
-        raise UsageError(f"--slot {slot}: no request ran in it ({n} request{'s' * (n != 1)} for slots from 0)",
-                         f"run at least {slot + 1} prompts, or choose a lower --slot")
+        raise UsageError(f"--slot {slot}: no request ran in it ({plural(n, 'request')} for slots from 0)",
+                         f"run at least {plural(slot + 1, 'prompt')}, or choose a lower --slot")
     if last is None:
         raise UsageError(f"--slot {slot}: its request finished in the step that started it, so no step left it in "
                          "the cache", "use --max-tokens 2 or more, or --at-step 1")
@@ -183,8 +183,8 @@ def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0) -> Group
     head.add_column()
     head.add_row("slot", f"{view.slot} after step {snap.step:,}: request {request_label(view.seq_id, view.prompt, 40)}")
     head.add_row("tokens", f"{len(view.token_ids):,} ({view.num_prompt_tokens:,} prompt + {num_output:,} output), "
-                           f"{view.num_cached:,} in the cache, in {view.num_blocks:,} blocks a layer")
-    head.add_row("geometry", f"{geo.block_size} tokens a block x {geo.num_kv_heads} kv heads x {geo.head_dim} dims, "
+                           f"{view.num_cached:,} in the cache, in {plural(view.num_blocks, 'block')} a layer")
+    head.add_row("geometry", f"{plural(geo.block_size, 'token')} a block x {geo.num_kv_heads} kv heads x {geo.head_dim} dims, "
                              f"{str(geo.dtype).removeprefix('torch.')}: {geo.block_bytes:,} bytes a block, "
                              f"K at +0x0, V at +{geo.v_offset:#x}")
     head.add_row("pool", f"{geo.num_blocks:,} blocks = {geo.pool_bytes:,} bytes ({human_bytes(geo.pool_bytes)}); "
