@@ -120,3 +120,61 @@ def test_cuda_without_a_gpu_is_one_line():
     code, _, stderr = run("--device", "cuda", "--model", "demo", "hi")
     assert code == 2 and "--device cuda" in stderr and "pagedcli[cuda]" in stderr
     assert len(stderr.strip().splitlines()) == 1
+
+
+COMMANDS = ["generate", "inspect-cache", "bench"]
+
+
+@pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
+def test_help_shows_flags_as_flags_and_h_is_help(command):
+    code, stdout, _ = invoke(*command, "-h")
+    _, long_help, _ = invoke(*command, "--help")
+    assert code == 0 and stdout == long_help and "Usage:" in stdout
+    assert "<bool>" not in stdout, "a flag is shown as taking a value"
+    if command:
+        assert "--json" in stdout
+
+
+def test_version():
+    from pagedcli import __version__
+
+    for flag in ("--version", "-V"):
+        code, stdout, _ = invoke(flag)
+        assert code == 0 and stdout == f"pagedcli {__version__}\n"
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["generate", "--halt-at", "x"], ["no such option --halt-at", "generate --help` lists the options"]),
+    (["generate", "--max-token", "3", "x"], ["no such option --max-token", "did you mean --max-tokens?"]),
+    (["generate", "--temprature", "1", "x"], ["did you mean --temperature?"]),
+    (["bench", "--plott", "x"], ["did you mean --plot?"]),
+    (["generate", "--max-tokens"], ["--max-tokens", "requires an argument"]),
+    (["generate", "--max-tokens", "many", "x"], ["invalid value for '--max-tokens'"]),
+    (["--bogus"], ["no such option --bogus"]),
+    (["nonesuch"], ["no such command 'nonesuch'", "lists the commands"]),
+])
+def test_clicks_own_usage_errors_are_one_line(args, fragments):
+    code, stdout, stderr = invoke(*args)
+    assert code == 2 and stdout == ""
+    assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("error: "), stderr
+    assert "╭" not in stderr and "Possible options" not in stderr
+    for f in fragments:
+        assert f in stderr, stderr
+
+
+def test_only_really_close_options_are_suggested():
+    """Click offers --json, --top-k and --top-p for --stop; a close spelling, or a name begun, is a
+    suggestion, a shared letter or two is not."""
+    from pagedcli.commands.usage import close_options
+
+    from types import SimpleNamespace
+
+    def Ctx(options):  # a context's command, as much of it as close_options reads
+        params = [SimpleNamespace(param_type_name="option", hidden=False, opts=(o,), secondary_opts=()) for o in options]
+        return SimpleNamespace(command=SimpleNamespace(get_params=lambda _ctx: params))
+
+    ctx = Ctx(["--json", "--top-k", "--top-p", "--max-tokens", "--max-model-len", "--seed"])
+    assert close_options("--stop", ctx) == []
+    assert close_options("--max-token", ctx) == ["--max-tokens"]
+    assert close_options("--max", ctx) == ["--max-tokens", "--max-model-len"]
+    assert close_options("--seeds", ctx) == ["--seed"]
