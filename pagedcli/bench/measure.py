@@ -146,6 +146,53 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# --- how long it may take ------------------------------------------------------------------------
+ANNOUNCE_S = 30.0  # a run estimated to take longer than this is announced before it starts
+PROBE_TOKENS = 32  # the prompt timed for the estimate: long enough that its arithmetic shows
+
+
+def time_steps(model: Model, opts: EngineOptions, notice=lambda _: None) -> tuple[float, float]:
+    """What a step of this model costs here, timed on the model itself: seconds for a step of one
+    token (a decode step: every weight read once), and for each further token a step feeds (its
+    arithmetic), from a prefill of PROBE_TOKENS tokens and two decode steps, after a step that
+    warms up (first calls, the allocator)."""
+    engine = build_engine(model, replace(opts, batch=1, prefix_caching=False), notice)
+    n = max(2, min(PROBE_TOKENS, engine.cache.max_model_len - 3))
+    request = requests_for(model, replace(Workload(), input_len=str(n), output_len="3"), 1)[0]
+    engine.run_to_completion([request.prompt_token_ids[:2]], SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request(request.prompt_token_ids, SamplingParams(max_tokens=3, ignore_eos=True))
+    times = []
+    while engine.has_unfinished:
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    step_s = min(times[1:])
+    return step_s, max(0.0, times[0] - step_s) / (n - 1)
+
+
+def estimate_seconds(model: Model, w: Workload, batches: list[int], step_s: float, token_s: float,
+                     runs: int = 1) -> tuple[float, int, int]:
+    """How long the sweep may take, from what a step costs (time_steps): step_s a step, and token_s
+    for each token a step feeds beyond its first. A run feeds every prompt once, then a token per
+    decode step, its requests in waves of `batch`, each as long as its longest; the warm-up counts
+    too. `runs`: the workload's runs per batch size (a second without the prefix cache,
+    transformers' generate). Returns seconds, tokens fed and steps."""
+    seconds = tokens = steps = 0
+    for batch in batches:
+        requests = requests_for(model, w, batch)
+        waves = [requests[i:i + batch] for i in range(0, len(requests), batch)]
+        fed = sum(len(r.prompt_token_ids) for r in requests + waves[0]) + 3 * len(waves[0])  # + the warm-up
+        taken = 4 + len(waves)  # the warm-up's four steps, a prefill a wave
+        for wave in waves:
+            decode = max(r.max_tokens for r in wave) - 1
+            taken += decode
+            fed += decode * len(wave)
+        seconds += runs * (taken * step_s + (fed - taken) * token_s)
+        tokens += runs * fed
+        steps += runs * taken
+    return seconds, tokens, steps
+
+
 # --- one run -------------------------------------------------------------------------------------
 def requests_for(model: Model, w: Workload, batch: int) -> list[Request]:
     config = model.source.config
@@ -172,11 +219,15 @@ def run_point(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
 
 def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwidth_gbps: float,
               progress=None, notice=lambda _: None) -> dict:
-    """Build an engine with `batch` slots, warm it up, run the workload, return the figures."""
+    """Build an engine with `batch` slots, warm it up, run the workload, return the figures.
+    `progress(done, total, step)`: after each step, the tokens generated of the most asked for."""
     engine = build_engine(model, replace(opts, batch=batch), notice)
     requests = requests_for(model, w, batch)
     check_lengths(requests, engine.cache.max_model_len, w)
     n = len(requests)
+    asked = sum(r.max_tokens for r in requests)
+    if progress is not None:
+        progress(0, asked, 0)  # before the warm-up, which can take long too
     _warm_up(engine, requests[:batch])
     device = model.device
     if device.type == "cuda":
@@ -193,7 +244,7 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
     prefill_s = decode_s = 0.0
     prefill_tokens = decode_tokens = 0
     decode_steps, decode_bytes, peak_blocks, peak_running = 0, 0, 0, 0
-    num_finished = sum(s.is_finished for s in seqs)  # a request that can never run ends at once
+    generated, steps = 0, 0
     last = start
     while engine.has_unfinished:
         out = engine.step()
@@ -211,9 +262,12 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
             decode_tokens += len(out.seqs)
             decode_steps += 1
             decode_bytes += decode_step_bytes(weight_bytes, kv_per_token, [s.num_cached for s in out.seqs])
-        num_finished += len(out.finished)
+        generated += len(out.tokens)
+        steps += 1
         if progress is not None:
-            progress(num_finished, n)
+            progress(generated, asked, steps)
+    if progress is not None:  # done, though stop tokens may have ended answers before their --output-len
+        progress(generated, generated, steps)
     _sync(device)
     elapsed = time.perf_counter() - start
     failed = [s for s in seqs if s.error]

@@ -64,6 +64,10 @@ def _at_step(engine: Engine, slot: int, at_step: int) -> tuple[CacheSnapshot, Sl
     if at_step < 1:
         raise UsageError(f"--at-step {at_step}: must be 1 or more", "step 1 is the first prefill")
     while engine.num_steps < at_step and engine.has_unfinished:
+        last = last_step_at_most(engine)
+        if last is not None and last < at_step:  # said now, not after running all that is left
+            raise UsageError(f"--at-step {at_step}: the run ends by step {last:,} at the latest",
+                             f"choose a step from 1 to {last:,}, or ask for more --max-tokens")
         if not engine.step().seqs:
             break
     if engine.num_steps < at_step:
@@ -74,6 +78,25 @@ def _at_step(engine: Engine, slot: int, at_step: int) -> tuple[CacheSnapshot, Sl
     if view is None:
         raise UsageError(f"--slot {slot} is empty after step {at_step}", "choose another step or slot")
     return snap, view
+
+
+def last_step_at_most(engine: Engine) -> int | None:
+    """The last step the run can reach, at most, or None when preemption could add steps. Every
+    step feeds at least one token that is still to be fed: a prefill at least one prompt token
+    (chunked or not), a decode one token of each running request. So what is left takes no more
+    steps than the tokens left to feed, unless a preempted request must feed its tokens again,
+    which cannot happen when the pool holds every unfinished request at its longest at once."""
+    cache, geo = engine.cache, engine.cache.geometry
+    running = set(map(id, engine.scheduler.running))
+    steps = blocks = 0
+    for seq in engine.sequences:
+        if seq.is_finished:
+            continue
+        left = seq.params.max_tokens - len(seq.output_token_ids)  # new tokens still to come, at most
+        steps += left if id(seq) in running else len(seq.token_ids) - seq.num_cached + left - 1
+        longest = min(len(seq.prompt_token_ids) + seq.params.max_tokens, cache.max_model_len)
+        blocks += geo.blocks_for(longest) * geo.num_layers
+    return engine.num_steps + steps if blocks <= geo.num_blocks else None
 
 
 # --- what a block holds -------------------------------------------------------------------------
