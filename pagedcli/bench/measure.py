@@ -151,12 +151,15 @@ ANNOUNCE_S = 30.0  # a run estimated to take longer than this is announced befor
 PROBE_TOKENS = 32  # the prompt timed for the estimate: long enough that its arithmetic shows
 
 
-def time_steps(model: Model, opts: EngineOptions, notice=lambda _: None) -> tuple[float, float]:
+def time_steps(model: Model, opts: EngineOptions, w: Workload, batches: list[int],
+               notice=lambda _: None) -> tuple[float, float]:
     """What a step of this model costs here, timed on the model itself: seconds for a step of one
     token (a decode step: every weight read once), and for each further token a step feeds (its
     arithmetic), from a prefill of PROBE_TOKENS tokens and two decode steps, after a step that
-    warms up (first calls, the allocator)."""
+    warms up (first calls, the allocator). The workload's lengths are checked first: a run that
+    would be refused is refused before anything is timed."""
     engine = build_engine(model, replace(opts, batch=1, prefix_caching=False), notice)
+    check_lengths(requests_for(model, w, max(batches)), engine.cache.max_model_len, w)
     n = max(2, min(PROBE_TOKENS, engine.cache.max_model_len - 3))
     request = requests_for(model, replace(Workload(), input_len=str(n), output_len="3"), 1)[0]
     engine.run_to_completion([request.prompt_token_ids[:2]], SamplingParams(max_tokens=1, ignore_eos=True))

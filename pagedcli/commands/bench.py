@@ -99,7 +99,7 @@ def bench(
 def _announce(b, loaded, opts, workload, batches: list[int], runs: int, say) -> None:
     """A run long enough to wonder about (on a CPU) says first how long it may take, from what the
     model's own steps cost here (measure.time_steps)."""
-    step_s, token_s = b.time_steps(loaded, opts, say)
+    step_s, token_s = b.time_steps(loaded, opts, workload, batches, say)
     seconds, tokens, steps = b.estimate_seconds(loaded, workload, batches, step_s, token_s, runs)
     if seconds > b.ANNOUNCE_S:
         notice(f"this may take {duration(seconds)} here: a step of {loaded.source.name} took {1e3 * step_s:,.0f} ms, "
