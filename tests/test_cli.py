@@ -135,6 +135,11 @@ def test_help_shows_flags_as_flags_and_h_is_help(command):
         assert "--json" in stdout
 
 
+def test_the_app_alone_shows_its_help():
+    code, stdout, stderr = invoke()
+    assert code == 2 and "Usage:" in stdout and "generate" in stdout and "error" not in stderr
+
+
 def test_version():
     from pagedcli import __version__
 

@@ -239,7 +239,8 @@ def slot_rows(snap: CacheSnapshot, decode: Decode | None, max_rows: int, width: 
     hidden = snap.slots[max_rows:]
     if hidden:
         blocks = sum(s.num_blocks for s in hidden) * geo.num_layers
-        lines.append(Text(f"   …  +{len(hidden):,} more running {'slot' if len(hidden) == 1 else 'slots'} holding {plural(blocks, 'block')}", style="dim"))
+        lines.append(Text(f"   …  +{plural(len(hidden), 'more running slot')} holding {plural(blocks, 'block')}",
+                          style="dim"))
     if not snap.slots:
         lines.append(Text("      no running sequences", style="dim"))
     return lines

@@ -11,11 +11,14 @@ from pagedcli.commands.exits import fail
 from pagedcli.errors import RunError, UsageError
 
 try:  # newer Typer carries its own copy of Click
-    from typer._click.exceptions import ClickException, NoSuchOption
-    from typer._click.exceptions import UsageError as ClickUsageError
+    from typer._click import exceptions as click_errors
 except ImportError:
-    from click.exceptions import ClickException, NoSuchOption
-    from click.exceptions import UsageError as ClickUsageError
+    from click import exceptions as click_errors
+
+ClickException, ClickUsageError = click_errors.ClickException, click_errors.UsageError
+NoSuchOption = click_errors.NoSuchOption
+# `pagedcli` alone shows the help (Click raises it as a usage error, exit code 2): left as it is
+HELP_ERRORS = tuple(filter(None, [getattr(click_errors, "NoArgsIsHelpError", None)]))
 
 CLOSE = 0.75  # difflib's ratio for a close match, on names without their dashes ("max-token" ~ "max-tokens")
 
@@ -32,6 +35,8 @@ def flags_as_flags(command, *more) -> None:
 def one_line_usage_errors():
     try:
         yield
+    except HELP_ERRORS:
+        raise
     except ClickException as e:
         error = UsageError if isinstance(e, ClickUsageError) else RunError
         fail(error(*explain(e)))
