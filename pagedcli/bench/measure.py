@@ -69,7 +69,8 @@ def make_requests(w: Workload, n: int, vocab_size: int, avoid: set[int], tokeniz
     else:
         in_lo, in_hi = parse_len(w.input_len, "--input-len")
         if w.prefix_len > in_lo:
-            raise UsageError(f"--prefix-len {w.prefix_len} is longer than the shortest prompt ({plural(in_lo, 'token')})")
+            raise UsageError(f"--prefix-len {w.prefix_len} is longer than the shortest prompt "
+                             f"({plural(in_lo, 'token')})")
         allowed = [t for t in range(vocab_size) if t not in avoid]
         prefix = [rng.choice(allowed) for _ in range(w.prefix_len)]
         prompts = [prefix + [rng.choice(allowed) for _ in range(rng.randint(in_lo, in_hi) - w.prefix_len)]
@@ -322,8 +323,8 @@ def check_lengths(requests: list[Request], max_model_len: int, w: Workload) -> N
     total = len(longest.prompt_token_ids) + longest.max_tokens
     if total > max_model_len:
         prompt = "a --prompt-file prompt" if w.prompt_file is not None else f"--input-len {w.input_len}"
-        raise UsageError(f"{prompt} and --output-len {w.output_len} make requests of up to {plural(total, 'token')}, more than "
-                         f"the maximum length of {max_model_len}",
+        raise UsageError(f"{prompt} and --output-len {w.output_len} make requests of up to {plural(total, 'token')}, "
+                         f"more than the maximum length of {max_model_len}",
                          "shorten them, or raise --max-model-len or --cache-size where the model allows")
 
 

@@ -83,17 +83,18 @@ def _at_step(engine: Engine, slot: int, at_step: int) -> tuple[CacheSnapshot, Sl
 def last_step_at_most(engine: Engine) -> int | None:
     """The last step the run can reach, at most, or None when preemption could add steps. Every
     step feeds at least one token that is still to be fed: a prefill at least one prompt token
-    (chunked or not), a decode one token of each running request. So what is left takes no more
-    steps than the tokens left to feed, unless a preempted request must feed its tokens again,
-    which cannot happen when the pool holds every unfinished request at its longest at once."""
+    (chunked or not), a decode one token of each running request. A request still has to feed the
+    tokens not in the cache (a decoding one: its last token), and one more for each new token after
+    the next, so what is left takes no more steps than those add up to, unless a preempted request
+    must feed its tokens again, which cannot happen when the pool holds every unfinished request at
+    its longest at once."""
     cache, geo = engine.cache, engine.cache.geometry
-    running = set(map(id, engine.scheduler.running))
     steps = blocks = 0
     for seq in engine.sequences:
         if seq.is_finished:
             continue
         left = seq.params.max_tokens - len(seq.output_token_ids)  # new tokens still to come, at most
-        steps += left if id(seq) in running else len(seq.token_ids) - seq.num_cached + left - 1
+        steps += len(seq.token_ids) - seq.num_cached + left - 1
         longest = min(len(seq.prompt_token_ids) + seq.params.max_tokens, cache.max_model_len)
         blocks += geo.blocks_for(longest) * geo.num_layers
     return engine.num_steps + steps if blocks <= geo.num_blocks else None
@@ -207,7 +208,8 @@ def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0) -> Group
     head.add_row("slot", f"{view.slot} after step {snap.step:,}: request {request_label(view.seq_id, view.prompt, 40)}")
     head.add_row("tokens", f"{len(view.token_ids):,} ({view.num_prompt_tokens:,} prompt + {num_output:,} output), "
                            f"{view.num_cached:,} in the cache, in {plural(view.num_blocks, 'block')} a layer")
-    head.add_row("geometry", f"{plural(geo.block_size, 'token')} a block x {geo.num_kv_heads} kv heads x {geo.head_dim} dims, "
+    head.add_row("geometry", f"{plural(geo.block_size, 'token')} a block x {geo.num_kv_heads} kv heads x "
+                             f"{geo.head_dim} dims, "
                              f"{str(geo.dtype).removeprefix('torch.')}: {geo.block_bytes:,} bytes a block, "
                              f"K at +0x0, V at +{geo.v_offset:#x}")
     head.add_row("pool", f"{geo.num_blocks:,} blocks = {geo.pool_bytes:,} bytes ({human_bytes(geo.pool_bytes)}); "
