@@ -241,3 +241,21 @@ def test_plot_without_matplotlib_is_refused_before_the_benchmark(stories, monkey
     r = bench("--model", str(stories), "--plot", str(tmp_path / "b.png"))
     assert r.exit_code == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
     assert "--plot needs matplotlib" in r.stderr and 'pip install "pagedcli[plot]"' in r.stderr
+
+
+def test_the_progress_bar_on_a_terminal_counts_tokens_and_steps():
+    import io
+
+    from rich.console import Console
+
+    from pagedcli.commands.bench_view import Progress, StepsColumn
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    with Progress(console) as progress:
+        update = progress.task("batch 64")
+        task = progress.bar.tasks[0]
+        assert str(StepsColumn().render(task)) == "building the engine"
+        update(0, 16_384, 0)
+        update(1_280, 16_384, 21)
+        assert str(StepsColumn().render(task)) == "1,280/16,384 tokens, step 21"
+    assert "tokens, step" in console.file.getvalue()

@@ -58,9 +58,12 @@ class Progress:
 
 
 class StepsColumn(rp.ProgressColumn):
+    """Tokens generated of those asked for, and the step; before the run knows them, that it starts."""
+
     def render(self, task) -> Text:
-        total = "?" if task.total is None else f"{task.total:,.0f}"
-        return Text(f"{task.completed:,.0f}/{total} tokens, step {task.fields.get('step', 0):,}")
+        if task.total is None:
+            return Text("building the engine")
+        return Text(f"{task.completed:,.0f}/{task.total:,.0f} tokens, step {task.fields.get('step', 0):,}")
 
 
 def print_tables(tables: RenderableType, console: Console | None = None) -> None:
