@@ -26,6 +26,11 @@ class PagedCliError(Exception):
         return self.message if not self.hint else f"{self.message} ({self.hint})"
 
 
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """`n` and its noun in the right number: "1 token", "2,048 tokens" (`nouns`: an irregular plural)."""
+    return f"{n:,} {noun if n == 1 else nouns or noun + 's'}"
+
+
 SETTING = re.compile(r"`([a-z_]+)`")
 
 

@@ -43,11 +43,40 @@ def test_json_is_one_object_per_prompt_in_input_order(stories, tmp_path):
 
 
 def test_several_prompts_are_labelled_and_not_interleaved(stories):
-    code, stdout, _ = run("--model", str(stories), "--max-tokens", "8", "Once upon a time", "Tom and his dog")
+    long = "Tom and his dog went to the park to play with a big red ball"
+    code, stdout, stderr = run("--model", str(stories), "--max-tokens", "8", "Once upon a time", long)
     assert code == 0
-    first, second = stdout.index("[1] 'Once upon a time'"), stdout.index("[2] 'Tom and his dog'")
+    first, second = stdout.index("[1] Once upon a time, there was"), stdout.index(f"[2] {long}")
     assert first < second
-    assert "Once upon a time, there was" in stdout[first:second]
+    assert stdout.count(long) == 1, "the prompt is printed once: echoed after its label, not in it too"
+    assert "2 prompts" in stderr and "answers" not in stderr
+
+
+def test_answers_of_one_prompt_are_counted_as_answers(stories):
+    code, stdout, stderr = run("--model", str(stories), "--max-tokens", "3", "--n", "4", "--temperature", "1",
+                               "--seed", "1", "Once upon a time")
+    assert code == 0 and stdout.count("Once upon a time") == 4 and "[1.4] Once upon a time" in stdout
+    assert "1 prompt, 4 answers" in stderr and "4 prompts" not in stderr
+
+
+def test_counts_are_in_the_right_number(stories):
+    code, _, stderr = run("--model", str(stories), "--max-tokens", "1", "--ignore-eos", "Once upon a time")
+    assert code == 0 and "1 token in" in stderr and "1 tokens" not in stderr and "1 prompt" in stderr
+    from pagedcli.errors import plural
+
+    assert (plural(1, "token"), plural(0, "block"), plural(2048, "token")) == ("1 token", "0 blocks", "2,048 tokens")
+
+
+def test_quiet_prints_only_the_answers(stories):
+    args = ("--model", str(stories), "--raw", "--max-tokens", "6", "--ignore-eos", "Once upon a time", "Tom and his dog")
+    code, stdout, stderr = run("--quiet", *args)
+    assert code == 0 and stderr == ""
+    _, loud, _ = run(*args)
+    answers = stdout.splitlines()
+    assert len(answers) == 2 and "[" not in stdout and "Once upon a time" not in stdout
+    assert f"Once upon a time{answers[0]}" in loud and f"Tom and his dog{answers[1]}" in loud
+    code, stdout, stderr = run("-q", "--model", str(stories), "--max-tokens", "0", "x")  # errors still say why
+    assert code == 2 and stdout == "" and stderr.startswith("error: --max-tokens 0")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -91,3 +120,75 @@ def test_cuda_without_a_gpu_is_one_line():
     code, _, stderr = run("--device", "cuda", "--model", "demo", "hi")
     assert code == 2 and "--device cuda" in stderr and "pagedcli[cuda]" in stderr
     assert len(stderr.strip().splitlines()) == 1
+
+
+def commands() -> list[str]:
+    """Every command the app has, whoever added it."""
+    import typer.main
+
+    from pagedcli.commands.app import app
+
+    return sorted(typer.main.get_command(app).commands)
+
+
+COMMANDS = commands()
+
+
+@pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
+def test_help_shows_flags_as_flags_and_h_is_help(command):
+    code, stdout, _ = invoke(*command, "-h")
+    _, long_help, _ = invoke(*command, "--help")
+    assert code == 0 and stdout == long_help and "Usage:" in stdout
+    assert "<bool>" not in stdout, "a flag is shown as taking a value"
+    if command in (["generate"], ["inspect-cache"], ["bench"]):
+        assert "--json" in stdout
+
+
+def test_the_app_alone_shows_its_help():
+    code, stdout, stderr = invoke()
+    assert code == 2 and "Usage:" in stdout and "generate" in stdout and "error" not in stderr
+
+
+def test_version():
+    from pagedcli import __version__
+
+    for flag in ("--version", "-V"):
+        code, stdout, _ = invoke(flag)
+        assert code == 0 and stdout == f"pagedcli {__version__}\n"
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["generate", "--halt-at", "x"], ["no such option --halt-at", "generate --help` lists the options"]),
+    (["generate", "--max-token", "3", "x"], ["no such option --max-token", "did you mean --max-tokens?"]),
+    (["generate", "--temprature", "1", "x"], ["did you mean --temperature?"]),
+    (["bench", "--plott", "x"], ["did you mean --plot?"]),
+    (["generate", "--max-tokens"], ["--max-tokens", "requires an argument"]),
+    (["generate", "--max-tokens", "many", "x"], ["invalid value for '--max-tokens'"]),
+    (["--bogus"], ["no such option --bogus"]),
+    (["nonesuch"], ["no such command 'nonesuch'", "lists the commands"]),
+])
+def test_clicks_own_usage_errors_are_one_line(args, fragments):
+    code, stdout, stderr = invoke(*args)
+    assert code == 2 and stdout == ""
+    assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("error: "), stderr
+    assert "╭" not in stderr and "Possible options" not in stderr
+    for f in fragments:
+        assert f in stderr, stderr
+
+
+def test_only_really_close_options_are_suggested():
+    """Click offers --json, --top-k and --top-p for --stop; a close spelling, or a name begun, is a
+    suggestion, a shared letter or two is not."""
+    from pagedcli.commands.usage import close_options
+
+    from types import SimpleNamespace
+
+    def Ctx(options):  # a context's command, as much of it as close_options reads
+        params = [SimpleNamespace(param_type_name="option", hidden=False, opts=(o,), secondary_opts=()) for o in options]
+        return SimpleNamespace(command=SimpleNamespace(get_params=lambda _ctx: params))
+
+    ctx = Ctx(["--json", "--top-k", "--top-p", "--max-tokens", "--max-model-len", "--seed"])
+    assert close_options("--stop", ctx) == []
+    assert close_options("--max-token", ctx) == ["--max-tokens"]
+    assert close_options("--max", ctx) == ["--max-tokens", "--max-model-len"]
+    assert close_options("--seeds", ctx) == ["--seed"]

@@ -135,6 +135,6 @@ def test_sigterm_and_sighup_end_a_run_as_ctrl_c_does(stories, signum, code, word
     rest, err = proc.communicate(timeout=60)
     out, err = (first + rest).decode(), err.decode()
     assert proc.returncode == code, err
-    assert out.startswith("[1] 'Once upon a time'\nOnce upon a time, there was") and out.endswith("\n")
+    assert out.startswith("[1] Once upon a time, there was") and out.endswith("\n")
     assert "[2]" not in out, "a prompt that never ran was printed"
     assert "Traceback" not in err and err.strip() == word

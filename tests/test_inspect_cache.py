@@ -81,7 +81,7 @@ def test_at_step_shows_whoever_holds_the_slot_after_that_step(stories):
     (["--slot", "-1"], "--slot -1 is out of range"),
     (["--at-step", "0"], "--at-step 0: must be 1 or more"),
     (["--batch", "3", "--slot", "2"], "--slot 2: no request ran in it (2 requests for slots from 0)"),
-    (["--at-step", "99"], "--at-step 99: the run ended after step"),
+    (["--at-step", "99"], "--at-step 99: the run ends by step"),
     (["--batch", "3", "--slot", "2", "--at-step", "3"], "--slot 2 is empty after step 3"),
     (["--layer", "5"], "--layer 5 is out of range"),
 ])
@@ -146,3 +146,29 @@ def test_a_refused_prompt_still_shows_the_slot_but_exits_2(stories):
                                    "Once upon a time", "a " * 60)
     assert code == 2 and "prompt 2:" in stderr and "Traceback" not in stderr
     assert "K address" in stdout
+
+
+def test_a_step_past_the_end_is_refused_before_running(stories, make_engine):
+    """With nothing that could add steps (the pool holds every request at its longest), the last
+    step the run can reach is known before it runs; a pool too small to promise that, and the
+    run goes to its end first."""
+    from pagedcli.commands import inspect_cache as ic
+    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.errors import UsageError
+
+    loaded = make_engine(stories, batch=2, num_blocks=100)
+    seqs = [loaded.engine.add_request(loaded.tokenizer.encode(p), SamplingParams(max_tokens=10, ignore_eos=True), p)
+            for p in PROMPTS]
+    bound = ic.last_step_at_most(loaded.engine)
+    assert bound == sum(len(s.prompt_token_ids) + 9 for s in seqs)
+    with pytest.raises(UsageError, match=f"--at-step 1000: the run ends by step {bound} at the latest"):
+        ic.capture(loaded.engine, slot=0, at_step=1000)
+    assert loaded.engine.num_steps == 0
+    while loaded.engine.has_unfinished:  # the bound holds all along, and tightens as the run goes
+        loaded.engine.step()
+        assert loaded.engine.num_steps <= ic.last_step_at_most(loaded.engine) <= bound
+    assert ic.last_step_at_most(make_engine(stories, batch=2, num_blocks=5).engine) is not None  # nothing left
+    small = make_engine(stories, batch=2, num_blocks=8)
+    for p in PROMPTS:
+        small.engine.add_request(small.tokenizer.encode(p), SamplingParams(max_tokens=10, ignore_eos=True), p)
+    assert ic.last_step_at_most(small.engine) is None  # preemption could add steps: no promise

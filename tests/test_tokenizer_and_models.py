@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +114,29 @@ def test_wrong_tensor_shape_is_named(tmp_path):
     config = ModelConfig.from_file(folder / "config.json")
     with pytest.raises(RunError, match=r"mlp\.(gate|up|down)_proj\.weight has shape"):
         load_weights(folder, config, torch.float32, "cpu")
+
+
+def test_a_hub_id_without_a_namespace_is_a_hub_id(tmp_path, monkeypatch, tiny):
+    """`gpt2` is a folder when there is one of that name, else a Hub id (the cache first); offline
+    and not cached, the message says that no folder has the name either."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from pagedcli.model import source
+
+    asked = []
+    monkeypatch.setattr(source, "_cached_snapshot", lambda repo: asked.append(repo) or (tiny if repo == "gpt2" else None))
+    monkeypatch.chdir(tmp_path)
+    src = resolve_model("gpt2")
+    assert asked == ["gpt2"] and src.name == "gpt2" and src.folder == tiny
+
+    def offline(*_args, **_kwargs):
+        raise LocalEntryNotFoundError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(RunError, match="`model` distilgpt2: no such folder here, not in the local Hugging Face cache"):
+        resolve_model("distilgpt2")
+    shutil.copytree(tiny, tmp_path / "gpt2")  # a folder of that name wins
+    assert resolve_model("gpt2").folder == Path("gpt2") and asked == ["gpt2", "distilgpt2"]
+    with pytest.raises(UsageError, match="no such folder"):
+        resolve_model("not a/hub id")

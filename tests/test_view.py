@@ -118,7 +118,7 @@ def test_live_view_redraws_on_a_wall_clock_budget_and_ends_with_the_pool_free(st
     final = view.frame.current
     assert "free 100   total 100" in draw(final, width=160)
     output = console.file.getvalue()
-    assert "[3] 'The sun'" in output and "Once upon a time, there was" in output  # the answers, above the frame
+    assert "[3] The sun" in output and "Once upon a time, there was" in output  # the answers, above the frame
 
 
 def generate(*args):
@@ -164,4 +164,51 @@ def test_live_view_in_a_real_terminal(stories, tmp_path):
     assert re.search(r"blocks +used [1-9][\d,]* +free [\d,]+ +total 400", frame)
     assert re.search(r"│ +\d +\[\d\] '.*' +[█▁▂▃▄▅▆▇]+ +\d+/16", frame), frame  # a slot row: cells, fill
     assert "used 0   free 400   total 400" in final and "finished 6" in final  # the last frame stays
-    assert "[6] 'Ben had a red ball'" in final and "tokens/s" in final  # answers above it, summary below
+    assert "[6] Ben had a red ball" in final and "tokens/s" in final  # answers above it, summary below
+
+
+def test_after_ctrl_c_the_frame_counts_what_was_aborted(stories, make_engine):
+    """Two requests finished, two cut short and four never run: "finished 2   aborted 6", not
+    "finished 8"."""
+    from pagedcli.engine.sequence import SamplingParams
+
+    engine = make_engine(stories, batch=2, num_blocks=100).engine
+    tokenizer = make_engine(stories, batch=1, num_blocks=20).tokenizer
+    short, long = SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=200, ignore_eos=True)
+    seqs = [engine.add_request(tokenizer.encode(p), short if i < 2 else long, p) for i, p in enumerate(PROMPTS + PROMPTS[:2])]
+    while sum(s.is_finished for s in seqs) < 2 or not engine.scheduler.running:
+        engine.step()
+    engine.abort_all()
+    snap = engine.snapshot()
+    assert (snap.num_finished, snap.num_aborted, len(snap.waiting), len(snap.slots)) == (2, 6, 0, 0)
+    assert "waiting 0   finished 2   aborted 6   preemptions 0" in draw(render(snap))
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_ctrl_c_in_the_live_view_leaves_one_true_frame(stories, tmp_path):
+    """Ctrl-C in a real terminal while prompts wait: the last frame counts them as aborted, and
+    the scrollback holds that one frame, no stray border of an earlier one (nor an echoed ^C)."""
+    tmux = ["tmux", "-L", f"pagedcli-test-{tmp_path.name}", "-f", "/dev/null"]
+    command = (f"unset COLUMNS LINES; cd {shlex.quote(str(REPO))} && OMP_NUM_THREADS=1 {shlex.quote(sys.executable)} "
+               f"-m pagedcli generate --live --model {shlex.quote(str(stories))} --raw --max-tokens 400 --ignore-eos "
+               f"--batch 2 --num-blocks 400 {' '.join(map(shlex.quote, PROMPTS))} 2>/dev/null; echo __EXIT\"\"=$?")
+    subprocess.run([*tmux, "new-session", "-d", "-x", "160", "-y", "40"], check=True)
+
+    def scrollback() -> str:
+        return subprocess.run([*tmux, "capture-pane", "-p", "-S", "-"], capture_output=True, text=True).stdout
+
+    try:
+        subprocess.run([*tmux, "send-keys", command, "Enter"], check=True)
+        deadline = time.monotonic() + 60
+        while "running 2 of 2 slots" not in scrollback() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        subprocess.run([*tmux, "send-keys", "C-c"], check=True)
+        while "__EXIT=" not in (screen := scrollback()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+    assert "__EXIT=130" in screen, screen
+    assert screen.count("╭─ pagedcli") == 1 and screen.count("╰─") == 1, screen
+    assert "^C" not in screen
+    counts = re.search(r"waiting 0   finished (\d+)   aborted (\d+)", screen)
+    assert counts and int(counts[1]) + int(counts[2]) == len(PROMPTS) and int(counts[2]) >= 4, screen

@@ -19,7 +19,7 @@ import torch
 
 from pagedcli.bench.arrivals import Arrivals, arrival_times
 from pagedcli.engine.engine import Engine
-from pagedcli.errors import RunError, UsageError
+from pagedcli.errors import RunError, UsageError, plural
 from pagedcli.model.loader import EngineOptions, Model, build_engine
 from pagedcli.engine.sequence import SamplingParams
 
@@ -71,7 +71,8 @@ def make_requests(w: Workload, n: int, vocab_size: int, avoid: set[int], tokeniz
     else:
         in_lo, in_hi = parse_len(w.input_len, "--input-len")
         if w.prefix_len > in_lo:
-            raise UsageError(f"--prefix-len {w.prefix_len} is longer than the shortest prompt ({in_lo} tokens)")
+            raise UsageError(f"--prefix-len {w.prefix_len} is longer than the shortest prompt "
+                             f"({plural(in_lo, 'token')})")
         allowed = [t for t in range(vocab_size) if t not in avoid]
         prefix = [rng.choice(allowed) for _ in range(w.prefix_len)]
         prompts = [prefix + [rng.choice(allowed) for _ in range(rng.randint(in_lo, in_hi) - w.prefix_len)]
@@ -156,6 +157,56 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# --- how long it may take ------------------------------------------------------------------------
+ANNOUNCE_S = 30.0  # a run estimated to take longer than this is announced before it starts
+PROBE_TOKENS = 32  # the prompt timed for the estimate: long enough that its arithmetic shows
+
+
+def time_steps(model: Model, opts: EngineOptions, w: Workload, batches: list[int],
+               notice=lambda _: None) -> tuple[float, float]:
+    """What a step of this model costs here, timed on the model itself: seconds for a step of one
+    token (a decode step: every weight read once), and for each further token a step feeds (its
+    arithmetic), from a prefill of PROBE_TOKENS tokens and two decode steps, after a step that
+    warms up (first calls, the allocator). The workload's lengths are checked first: a run that
+    would be refused is refused before anything is timed."""
+    engine = build_engine(model, replace(opts, batch=1, prefix_caching=False), notice)
+    check_lengths(requests_for(model, w, max(batches)), engine.cache.max_model_len, w)
+    n = max(2, min(PROBE_TOKENS, engine.cache.max_model_len - 3))
+    request = requests_for(model, replace(Workload(), input_len=str(n), output_len="3"), 1)[0]
+    engine.run_to_completion([request.prompt_token_ids[:2]], SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request(request.prompt_token_ids, SamplingParams(max_tokens=3, ignore_eos=True))
+    times = []
+    while engine.has_unfinished:
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    step_s = min(times[1:])
+    return step_s, max(0.0, times[0] - step_s) / (n - 1)
+
+
+def estimate_seconds(model: Model, w: Workload, batches: list[int], step_s: float, token_s: float,
+                     runs: int = 1) -> tuple[float, int, int]:
+    """How long the sweep may take, from what a step costs (time_steps): step_s a step, and token_s
+    for each token a step feeds beyond its first. A run feeds every prompt once, then a token per
+    decode step, its requests in waves of `batch`, each as long as its longest; the warm-up counts
+    too. `runs`: the workload's runs per batch size (a second without the prefix cache,
+    transformers' generate). Returns seconds, tokens fed and steps."""
+    seconds = tokens = steps = 0
+    for batch in batches:
+        requests = requests_for(model, w, batch)
+        waves = [requests[i:i + batch] for i in range(0, len(requests), batch)]
+        fed = sum(len(r.prompt_token_ids) for r in requests + waves[0]) + 3 * len(waves[0])  # + the warm-up
+        taken = 4 + len(waves)  # the warm-up's four steps, a prefill a wave
+        for wave in waves:
+            decode = max(r.max_tokens for r in wave) - 1
+            taken += decode
+            fed += decode * len(wave)
+        seconds += runs * (taken * step_s + (fed - taken) * token_s)
+        tokens += runs * fed
+        steps += runs * taken
+    return seconds, tokens, steps
+
+
 # --- one run -------------------------------------------------------------------------------------
 def requests_for(model: Model, w: Workload, batch: int) -> list[Request]:
     config = model.source.config
@@ -182,11 +233,15 @@ def run_point(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
 
 def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwidth_gbps: float,
               progress=None, notice=lambda _: None) -> dict:
-    """Build an engine with `batch` slots, warm it up, run the workload, return the figures."""
+    """Build an engine with `batch` slots, warm it up, run the workload, return the figures.
+    `progress(done, total, step)`: after each step, the tokens generated of the most asked for."""
     engine = build_engine(model, replace(opts, batch=batch), notice)
     requests = requests_for(model, w, batch)
     check_lengths(requests, engine.cache.max_model_len, w)
     n = len(requests)
+    asked = sum(r.max_tokens for r in requests)
+    if progress is not None:
+        progress(0, asked, 0)  # before the warm-up, which can take long too
     _warm_up(engine, requests[:batch])
     device = model.device
     if device.type == "cuda":
@@ -210,7 +265,7 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
     prefill_s = decode_s = 0.0
     prefill_tokens = decode_tokens = 0
     decode_steps, decode_bytes, peak_blocks, peak_running = 0, 0, 0, 0
-    num_finished = 0
+    num_finished, generated, steps = 0, 0, 0
     last = start
     while engine.has_unfinished or arrivals.pending:
         before = len(seqs)
@@ -236,9 +291,12 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
             decode_tokens += len(out.seqs)
             decode_steps += 1
             decode_bytes += decode_step_bytes(weight_bytes, kv_per_token, [s.num_cached for s in out.seqs])
-        num_finished += len(out.finished)
+        generated += len(out.tokens)
+        steps += 1
         if progress is not None:
-            progress(num_finished, n)
+            progress(generated, asked, steps)
+    if progress is not None:  # done, though stop tokens may have ended answers before their --output-len
+        progress(generated, generated, steps)
     _sync(device)
     elapsed = time.perf_counter() - start
     failed = [s for s in seqs if s.error]
@@ -295,8 +353,8 @@ def check_lengths(requests: list[Request], max_model_len: int, w: Workload) -> N
     total = len(longest.prompt_token_ids) + longest.max_tokens
     if total > max_model_len:
         prompt = "a --prompt-file prompt" if w.prompt_file is not None else f"--input-len {w.input_len}"
-        raise UsageError(f"{prompt} and --output-len {w.output_len} make requests of up to {total} tokens, more than "
-                         f"the maximum length of {max_model_len}",
+        raise UsageError(f"{prompt} and --output-len {w.output_len} make requests of up to {plural(total, 'token')}, "
+                         f"more than the maximum length of {max_model_len}",
                          "shorten them, or raise --max-model-len or --cache-size where the model allows")
 
 

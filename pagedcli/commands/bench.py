@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
 from pagedcli.commands import bench_plot
 from pagedcli.commands.exits import err, friendly_errors, notice
 from pagedcli.commands.options import EngineFlags, flag_group
-from pagedcli.errors import UsageError
+from pagedcli.errors import UsageError, plural
 
 
 @friendly_errors
@@ -41,7 +40,7 @@ def bench(
 ):
     """Measure speed, memory and bandwidth against the hardware's roofline."""
     from pagedcli.bench import measure as b
-    from pagedcli.commands.bench_view import Progress, results_table
+    from pagedcli.commands.bench_view import Progress, print_tables, results_table
     from pagedcli.model.loader import load_model
 
     batches = _int_list(batch, "--batch")
@@ -68,12 +67,6 @@ def bench(
     if kernel:
         _kernel_bench(loaded, json_output, bandwidth)
         return
-    gbps = bandwidth or b.measure_bandwidth(loaded.device)
-    hf = None
-    if compare == "hf":
-        from pagedcli.bench.hf import hf_model
-
-        hf = hf_model(loaded)
     results, told = [], set()
 
     def notice_once(text: str) -> None:  # each batch size builds an engine: say a fallback once
@@ -81,24 +74,59 @@ def bench(
             told.add(text)
             notice(text)
 
-    with Progress(enabled=not json_output and err.is_terminal, console=err) as progress:
-        for n in batches:
-            results.append(b.run_point(loaded, opts, n, workload, gbps, progress.task(f"batch {n}"), hf,
-                                       notice_once))
-            if json_output:
-                print(json.dumps(results[-1]), flush=True)
+    if loaded.device.type == "cpu":
+        runs = 1 + bool(prefix_len and opts.prefix_caching) + (compare == "hf")
+        _announce(b, loaded, opts, workload, batches, runs, notice_once)
+    gbps = bandwidth or b.measure_bandwidth(loaded.device)
+    hf = None
+    if compare == "hf":
+        from pagedcli.bench.hf import hf_model
+
+        hf = hf_model(loaded)
+    try:
+        with Progress(err) as progress:
+            for n in batches:
+                results.append(b.run_point(loaded, opts, n, workload, gbps, progress.task(f"batch {n}"), hf,
+                                           notice_once))
+                if json_output:
+                    print(json.dumps(results[-1]), flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: the batch sizes that finished are kept (JSON: printed already)
+        if results and not json_output:
+            print_tables(results_table(results))
+        raise
     if not json_output:
-        Console().print(results_table(results))
+        print_tables(results_table(results))
     if plot_file is not None:
         bench_plot.plot(results, plot_file)
         notice(f"plot saved to {plot_file}")
+
+
+def _announce(b, loaded, opts, workload, batches: list[int], runs: int, say) -> None:
+    """A run long enough to wonder about (on a CPU) says first how long it may take, from what the
+    model's own steps cost here (measure.time_steps)."""
+    step_s, token_s = b.time_steps(loaded, opts, workload, batches, say)
+    seconds, tokens, steps = b.estimate_seconds(loaded, workload, batches, step_s, token_s, runs)
+    if seconds > b.ANNOUNCE_S:
+        notice(f"this may take {duration(seconds)} here: a step of {loaded.source.name} took {1e3 * step_s:,.0f} ms, "
+               f"and {1e3 * token_s:,.1f} ms more for each further token it feeds; the run feeds "
+               f"{plural(tokens, 'token')} in {plural(steps, 'step')} (a smaller --batch list, --num-prompts, "
+               f"--output-len or model is quicker; Ctrl-C keeps the batch sizes that finished)")
+
+
+def duration(seconds: float) -> str:
+    """'about 40 s', 'about 25 min', 'about 3.5 h'."""
+    if seconds < 90:
+        return f"about {seconds:.0f} s"
+    if seconds < 5400:
+        return f"about {seconds / 60:.0f} min"
+    return f"about {seconds / 3600:.1f} h"
 
 
 def _kernel_bench(loaded, json_output: bool, bandwidth: float | None) -> None:
     if loaded.device.type != "cuda":
         raise UsageError("--kernel times our CUDA kernel", "run it on a machine with an NVIDIA GPU and CuPy")
     from pagedcli.bench.measure import measure_bandwidth
-    from pagedcli.commands.bench_view import kernel_table
+    from pagedcli.commands.bench_view import kernel_table, print_tables
     from pagedcli.bench.kernel import bench_decode_kernel
 
     c = loaded.source.config
@@ -108,7 +136,7 @@ def _kernel_bench(loaded, json_output: bool, bandwidth: float | None) -> None:
         for r in rows:
             print(json.dumps(r), flush=True)
     else:
-        Console().print(kernel_table(rows, bandwidth or measure_bandwidth(loaded.device)))
+        print_tables(kernel_table(rows, bandwidth or measure_bandwidth(loaded.device)))
 
 
 def _int_list(text: str, name: str) -> list[int]:

@@ -1,21 +1,33 @@
-"""How `bench` looks on a terminal: a progress bar while it runs, a table at the end."""
+"""How `bench` looks: progress while it runs (a bar on a terminal, plain lines elsewhere), tables
+at the end."""
 
 from __future__ import annotations
 
+import time
+
 from rich import box
 from rich import progress as rp
-from rich.console import Group
+from rich.console import Console, Group, RenderableType
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from pagedcli.commands.drawing import human_bytes
 
+PLAIN_EVERY_S = 10.0  # without a terminal, a progress line at most this often (and one as each batch size ends)
+
 
 class Progress:
-    """A Rich progress bar per batch size (on stderr, only on a terminal)."""
+    """Progress per batch size, step by step: tokens generated of those asked for, and the step.
+    On a terminal (`console`: stderr) a Rich bar; else plain lines there, so a piped run shows it."""
 
-    def __init__(self, enabled: bool, console):
-        self.bar = rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn(),
-                               rp.TimeElapsedColumn(), console=console, transient=True) if enabled else None
+    def __init__(self, console: Console, clock=time.monotonic):
+        self.console = console
+        self.clock = clock
+        self.bar = rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(),
+                               StepsColumn(),
+                               rp.TimeElapsedColumn(), rp.TextColumn("eta"), rp.TimeRemainingColumn(),
+                               console=console, transient=True) if console.is_terminal else None
 
     def __enter__(self):
         if self.bar:
@@ -27,10 +39,41 @@ class Progress:
             self.bar.__exit__(*exc)
 
     def task(self, description: str):
-        if not self.bar:
-            return None
-        task = self.bar.add_task(description, total=None)
-        return lambda done, total: self.bar.update(task, completed=done, total=total)
+        """The callback for one batch size: (tokens done, tokens asked for, steps)."""
+        if self.bar:
+            task = self.bar.add_task(description, total=None, step=0)
+            return lambda done, total, step: self.bar.update(task, completed=done, total=total, step=step)
+        start = last = self.clock()
+        said = None
+
+        def line(done: int, total: int, step: int) -> None:
+            nonlocal last, said
+            now = self.clock()
+            if (now - last >= PLAIN_EVERY_S or (done == total and step)) and said != (done, total, step):
+                last, said = now, (done, total, step)
+                self.console.print(f"{description}: {done:,}/{total:,} tokens, step {step:,}, {now - start:,.0f} s",
+                                   highlight=False, soft_wrap=True)
+
+        return line
+
+
+class StepsColumn(rp.ProgressColumn):
+    """Tokens generated of those asked for, and the step; before the run knows them, that it starts."""
+
+    def render(self, task) -> Text:
+        if task.total is None:
+            return Text("building the engine")
+        return Text(f"{task.completed:,.0f}/{task.total:,.0f} tokens, step {task.fields.get('step', 0):,}")
+
+
+def print_tables(tables: RenderableType, console: Console | None = None) -> None:
+    """On a terminal, as wide as the screen; else (a pipe, a file) as wide as the tables want: Rich
+    would cut them at 80 columns, which is nobody's screen."""
+    console = console or Console()
+    if not console.is_terminal:
+        wide = Console(width=10_000)
+        console = Console(file=console.file, width=max(80, Measurement.get(wide, wide.options, tables).maximum))
+    console.print(tables)
 
 
 def _f(value, fmt="{:,.1f}"):

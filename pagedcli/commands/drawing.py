@@ -19,6 +19,8 @@ from rich.console import Group
 from rich.panel import Panel
 from rich.text import Text
 
+from pagedcli.errors import plural
+
 if TYPE_CHECKING:
     from pagedcli.engine.snapshot import CacheSnapshot, SlotView
 
@@ -118,7 +120,7 @@ def pool_lines(snap: CacheSnapshot) -> list[Text]:
         line(("bytes     ", "bold"),
              f"used {human_bytes(used * geo.block_bytes)}   free {human_bytes(free * geo.block_bytes)}   "
              f"total {human_bytes(geo.pool_bytes)}",
-             (f"   {human_bytes(geo.block_bytes)} a block: {geo.block_size} tokens of one layer, "
+             (f"   {human_bytes(geo.block_bytes)} a block: {plural(geo.block_size, 'token')} of one layer, "
               f"K then V at +{geo.v_offset:#x}", "dim")),
     ]
 
@@ -141,7 +143,7 @@ def waste_lines(snap: CacheSnapshot) -> list[Text]:
     unused = sum(bs - fill for fill in last_fill.values())
     contiguous = snap.contiguous_tokens
     held = sum(s.num_blocks for s in snap.slots) * bs
-    shared = f", {held - paged:,} tokens held once for several sequences" if held > paged else ""
+    shared = f", {plural(held - paged, 'token')} held once for several sequences" if held > paged else ""
 
     def waste(label: str, reserved: int, unused: int, how: str, style: str = "") -> Text:
         share = f"{100 * unused / reserved:.1f}%" if reserved else "-"
@@ -156,7 +158,8 @@ def waste_lines(snap: CacheSnapshot) -> list[Text]:
 
 def requests_line(snap: CacheSnapshot, max_prompts: int = 3) -> Text:
     text = line(("requests  ", "bold"), f"running {len(snap.slots)} of {snap.max_slots} slots   "
-                f"waiting {len(snap.waiting)}   finished {snap.num_finished}   preemptions ",
+                f"waiting {len(snap.waiting)}   finished {snap.num_finished}   ",
+                (f"aborted {snap.num_aborted}   ", "bold yellow") if snap.num_aborted else "", "preemptions ",
                 (f"{snap.num_preemptions}", "bold red" if snap.num_preemptions else ""))
     if snap.waiting:
         names = [request_label(w.seq_id, w.prompt, 12) for w in snap.waiting[:max_prompts]]
@@ -167,7 +170,7 @@ def requests_line(snap: CacheSnapshot, max_prompts: int = 3) -> Text:
 
 def sharing_line(snap: CacheSnapshot) -> Text:
     return line(("sharing   ", "bold"), f"prefix cache served {100 * snap.prefix_hit_rate:.0f}% of prompt tokens   "
-                f"copy-on-write copies {snap.num_copied_blocks:,} blocks")
+                f"copy-on-write copies {plural(snap.num_copied_blocks, 'block')}")
 
 
 @dataclass(frozen=True)
@@ -237,7 +240,8 @@ def slot_rows(snap: CacheSnapshot, decode: Decode | None, max_rows: int, width: 
     hidden = snap.slots[max_rows:]
     if hidden:
         blocks = sum(s.num_blocks for s in hidden) * geo.num_layers
-        lines.append(Text(f"   …  +{len(hidden):,} more running slots holding {blocks:,} blocks", style="dim"))
+        lines.append(Text(f"   …  +{plural(len(hidden), 'more running slot')} holding {plural(blocks, 'block')}",
+                          style="dim"))
     if not snap.slots:
         lines.append(Text("      no running sequences", style="dim"))
     return lines

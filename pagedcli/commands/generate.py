@@ -14,7 +14,7 @@ import typer
 
 from pagedcli.commands.exits import exit_for_failures, friendly_errors, notice, report_failures
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
-from pagedcli.errors import RunError, UsageError
+from pagedcli.errors import RunError, UsageError, plural
 
 if TYPE_CHECKING:  # the engine and torch load once a command runs, not for --help
     from pagedcli.commands.output import JsonPrinter, TextPrinter
@@ -193,19 +193,20 @@ def stream_answers(engine: Engine, printer: TextPrinter | JsonPrinter, seqs: lis
     printer.flush()
 
 
-def summary(seqs: list[Sequence], elapsed: float, engine: Engine) -> str:
+def summary(seqs: list[Sequence], elapsed: float, engine: Engine, samples: int = 1) -> str:
     n = sum(len(s.output_token_ids) for s in seqs)
     rate = n / elapsed if elapsed > 0 else 0.0
-    parts = [f"{n} tokens in {elapsed:.2f} s ({rate:.1f} tokens/s)", f"{len(seqs)} prompt{'s' * (len(seqs) != 1)}"]
+    parts = [f"{plural(n, 'token')} in {elapsed:.2f} s ({rate:.1f} tokens/s)", plural(len(seqs) // samples, "prompt")]
+    if samples > 1:
+        parts[-1] += f", {plural(len(seqs), 'answer')}"
     if engine.scheduler.num_preemptions:
-        n = engine.scheduler.num_preemptions
-        parts.append(f"{n} preemption{'s' * (n != 1)}")
+        parts.append(plural(engine.scheduler.num_preemptions, "preemption"))
     cut = sum(s.finish_reason == "length" and len(s.output_token_ids) < s.params.max_tokens for s in seqs)
     if cut:  # stopped by the length limit, not by --max-tokens: say which limit, and how to lift it
         limit = engine.cache.max_model_len
         why = "what the pool holds: use a larger --cache-size" if limit == engine.cache.geometry.pool_tokens \
             else "the model's maximum length, or --max-model-len"
-        parts.append(f"{cut} answer{'s' * (cut != 1)} stopped at {limit} tokens, prompt included ({why})")
+        parts.append(f"{plural(cut, 'answer')} stopped at {plural(limit, 'token')}, prompt included ({why})")
     return ", ".join(parts)
 
 
@@ -220,9 +221,11 @@ def request_params(requests: RequestFlags) -> tuple[SamplingParams, set[str]]:
     return params, given
 
 
-def load_for_text(engine_flags: EngineFlags, requests: RequestFlags, command: str, chat: bool | None, **overrides):
+def load_for_text(engine_flags: EngineFlags, requests: RequestFlags, command: str, chat: bool | None, say=notice,
+                  **overrides):
     """Load the model for a command that needs its tokenizer (and, `chat` True, a chat template:
-    --chat-template's, else the folder's), refusing one that lacks them before its weights are read."""
+    --chat-template's, else the folder's), refusing one that lacks them before its weights are read.
+    `say`: where the loader's notices go (nowhere with --quiet)."""
     from pagedcli.model.loader import load
 
     opts = engine_flags.options(**overrides)
@@ -243,12 +246,13 @@ def load_for_text(engine_flags: EngineFlags, requests: RequestFlags, command: st
             raise UsageError(f"--system: model {source.name} has no chat template to put it in",
                              "give one with --chat-template FILE")
 
-    return load(opts, notice, check)
+    return load(opts, say, check)
 
 
-def start_requests(engine_flags: EngineFlags, requests: RequestFlags, command: str, **overrides):
+def start_requests(engine_flags: EngineFlags, requests: RequestFlags, command: str, say=notice, **overrides):
     """Everything generate and inspect-cache share: check the input, load the model, queue the
-    requests. Returns the loaded model, the sequences and whether the chat template is used."""
+    requests. Returns the loaded model, the sequences and whether the chat template is used.
+    `say`: where the loader's notices go (nowhere with --quiet)."""
     params, given = request_params(requests)
     if requests.samples < 1:
         raise UsageError(f"--n {requests.samples}: needs at least one answer per prompt")
@@ -256,7 +260,7 @@ def start_requests(engine_flags: EngineFlags, requests: RequestFlags, command: s
     if chat is False and requests.system is not None:
         raise UsageError("--system goes in the chat template, which --raw leaves out", "leave out one of them")
     texts = read_prompts(requests.prompts or [], requests.prompt_file, prompt_separator(requests.prompt_separator))
-    loaded = load_for_text(engine_flags, requests, command, chat, **overrides)
+    loaded = load_for_text(engine_flags, requests, command, chat, say, **overrides)
     use_chat = loaded.tokenizer.has_chat_template if chat is None else chat
     params = sampling_defaults(params, loaded.source.generation_config, given,
                                f"{loaded.source.name}'s generation_config.json")
@@ -271,14 +275,17 @@ def start_requests(engine_flags: EngineFlags, requests: RequestFlags, command: s
 def generate(
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per answer on stdout, nothing else.")] = False,
     live: Annotated[bool, typer.Option("--live", help="Watch the KV cache while it runs (on a terminal only).")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the answers on stdout: no prompts, labels, "
+                                        "notices or statistics (errors still go to stderr).")] = False,
     *, requests: RequestFlags, engine_flags: EngineFlags,
 ):
     """Generate text for one or more prompts, streamed as it comes."""
     from pagedcli.commands.output import JsonPrinter, TextPrinter
 
-    loaded, seqs, use_chat = start_requests(engine_flags, requests, "generate")
+    say = (lambda _: None) if quiet else notice
+    loaded, seqs, use_chat = start_requests(engine_flags, requests, "generate", say)
     if requests.logprobs is not None and not json_output:
-        notice("--logprobs: the log-probabilities are in the --json output only")
+        say("--logprobs: the log-probabilities are in the --json output only")
     engine, samples = loaded.engine, requests.samples
     view = None
     if live:
@@ -286,15 +293,16 @@ def generate(
 
         view = open_live_view(engine, loaded.tokenizer.decode, json_output)
         if view is None and not json_output:
-            notice("--live: stdout is not a terminal, so no live view")
+            say("--live: stdout is not a terminal, so no live view")
     out = view.out if view else None
     printer = (JsonPrinter(loaded.tokenizer, seqs, samples, out) if json_output
-               else TextPrinter(loaded.tokenizer, seqs, samples, echo_prompt=not use_chat, out=out))
+               else TextPrinter(loaded.tokenizer, seqs, samples, echo_prompt=not (use_chat or quiet), out=out,
+                                labelled=not quiet))
     refused = {s.id for s in seqs if s.error}
     start = time.perf_counter()
     with view or contextlib.nullcontext():
         stream_answers(engine, printer, seqs, on_step=view.on_step if view else None)
     report_failures(seqs, samples, refused)
     if not json_output:
-        notice(summary(seqs, time.perf_counter() - start, engine))
+        say(summary(seqs, time.perf_counter() - start, engine, samples))
     exit_for_failures(seqs, refused)

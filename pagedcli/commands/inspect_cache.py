@@ -24,7 +24,7 @@ from pagedcli.commands.drawing import human_bytes, prefill_progress, request_lab
 from pagedcli.commands.exits import exit_for_failures, friendly_errors, report_failures
 from pagedcli.commands.generate import start_requests
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
-from pagedcli.errors import UsageError
+from pagedcli.errors import UsageError, plural
 
 if TYPE_CHECKING:  # the engine and torch load once the command runs, not for --help
     from pagedcli.engine.engine import Engine
@@ -52,8 +52,8 @@ def capture(engine: Engine, slot: int, at_step: int | None = None) -> tuple[Cach
             last = engine.snapshot()
     if last is None and first is None:
         n = len(engine.sequences)
-        raise UsageError(f"--slot {slot}: no request ran in it ({n} request{'s' * (n != 1)} for slots from 0)",
-                         f"run at least {slot + 1} prompts, or choose a lower --slot")
+        raise UsageError(f"--slot {slot}: no request ran in it ({plural(n, 'request')} for slots from 0)",
+                         f"run at least {plural(slot + 1, 'prompt')}, or choose a lower --slot")
     if last is None:
         raise UsageError(f"--slot {slot}: its request finished in the step that started it, so no step left it in "
                          "the cache", "use --max-tokens 2 or more, or --at-step 1")
@@ -64,6 +64,10 @@ def _at_step(engine: Engine, slot: int, at_step: int) -> tuple[CacheSnapshot, Sl
     if at_step < 1:
         raise UsageError(f"--at-step {at_step}: must be 1 or more", "step 1 is the first prefill")
     while engine.num_steps < at_step and engine.has_unfinished:
+        last = last_step_at_most(engine)
+        if last is not None and last < at_step:  # said now, not after running all that is left
+            raise UsageError(f"--at-step {at_step}: the run ends by step {last:,} at the latest",
+                             f"choose a step from 1 to {last:,}, or ask for more --max-tokens")
         if engine.step().idle:
             break
     if engine.num_steps < at_step:
@@ -74,6 +78,26 @@ def _at_step(engine: Engine, slot: int, at_step: int) -> tuple[CacheSnapshot, Sl
     if view is None:
         raise UsageError(f"--slot {slot} is empty after step {at_step}", "choose another step or slot")
     return snap, view
+
+
+def last_step_at_most(engine: Engine) -> int | None:
+    """The last step the run can reach, at most, or None when preemption could add steps. Every
+    step feeds at least one token that is still to be fed: a prefill at least one prompt token
+    (chunked or not), a decode one token of each running request. A request still has to feed the
+    tokens not in the cache (a decoding one: its last token), and one more for each new token after
+    the next, so what is left takes no more steps than those add up to, unless a preempted request
+    must feed its tokens again, which cannot happen when the pool holds every unfinished request at
+    its longest at once."""
+    cache, geo = engine.cache, engine.cache.geometry
+    steps = blocks = 0
+    for seq in engine.sequences:
+        if seq.is_finished:
+            continue
+        left = seq.params.max_tokens - len(seq.output_token_ids)  # new tokens still to come, at most
+        steps += len(seq.token_ids) - seq.num_cached + left - 1
+        longest = min(len(seq.prompt_token_ids) + seq.params.max_tokens, cache.max_model_len)
+        blocks += geo.blocks_for(longest) * geo.num_layers
+    return engine.num_steps + steps if blocks <= geo.num_blocks else None
 
 
 # --- what a block holds -------------------------------------------------------------------------
@@ -185,11 +209,12 @@ def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0, other_la
     head.add_column()
     head.add_row("slot", f"{view.slot} after step {snap.step:,}: request {request_label(view.seq_id, view.prompt, 40)}")
     head.add_row("tokens", f"{len(view.token_ids):,} ({view.num_prompt_tokens:,} prompt + {num_output:,} output), "
-                           f"{view.num_cached:,} in the cache, in {view.num_blocks:,} blocks a layer")
+                           f"{view.num_cached:,} in the cache, in {plural(view.num_blocks, 'block')} a layer")
     if view.is_prefilling:
         head.add_row("prefill", Text(f"part-way: {prefill_progress(view)} tokens computed; chunked prefill computes "
                                      "the rest in later steps, into the blocks it holds", style="yellow"))
-    head.add_row("geometry", f"{geo.block_size} tokens a block x {geo.num_kv_heads} kv heads x {geo.head_dim} dims, "
+    head.add_row("geometry", f"{plural(geo.block_size, 'token')} a block x {geo.num_kv_heads} kv heads x "
+                             f"{geo.head_dim} dims, "
                              f"{str(geo.dtype).removeprefix('torch.')}: {geo.block_bytes:,} bytes a block, "
                              f"K at +0x0, V at +{geo.v_offset:#x}")
     head.add_row("pool", f"{geo.num_blocks:,} blocks = {geo.pool_bytes:,} bytes ({human_bytes(geo.pool_bytes)}); "

@@ -9,11 +9,18 @@ tensors.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import signal
 import sys
 import time
 
 from typing import Callable
+
+try:
+    import termios
+except ImportError:  # not a POSIX system
+    termios = None
 
 from rich.console import Console
 from rich.live import Live
@@ -83,15 +90,20 @@ class LiveView:
         # run its full collections, and a full collection walks every object of the model and of
         # torch: 60-80 ms each, measured. Frozen, those objects are left out of collections.
         gc.freeze()
+        self.keys = no_echoed_control_keys(self.console.file)
+        self.keys.__enter__()
         self.start = self.clock()
         self.live.start()
         self.refresh()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.refresh(everything=True)  # the final frame: every block back in the free list
-        self.live.stop()
-        gc.unfreeze()
+        try:
+            self.refresh(everything=True)  # the final frame: every block back in the free list
+        finally:
+            self.live.stop()
+            self.keys.__exit__(None, None, None)
+            gc.unfreeze()
 
     def on_step(self, out) -> None:
         self.num_tokens += len(out.tokens)
@@ -99,6 +111,10 @@ class LiveView:
             self.refresh()
 
     def refresh(self, everything: bool = False) -> None:
+        with signals_after_drawing():
+            self._draw(everything)
+
+    def _draw(self, everything: bool) -> None:
         begin = self.clock()
         elapsed = begin - self.start
         self.frame.current = render(self.engine.snapshot(), self.decode, self.max_rows(), self.console.width,
@@ -115,6 +131,60 @@ class LiveView:
 
     def max_rows(self) -> int:
         return max(1, self.console.height - LINES_BESIDE_SLOTS)
+
+
+@contextlib.contextmanager
+def no_echoed_control_keys(output):
+    """Ctrl-C makes the terminal echo "^C" where the cursor is: after the frame's last line, which
+    fills the screen's width, so the cursor wraps onto a new line, the final frame is drawn one line
+    too low and the frame's top border stays behind in the scrollback. While the view is on, the
+    terminal does not echo control keys (termios ECHOCTL); they still do what they do."""
+    tty = next((f for f in (sys.stdin, output) if _is_tty(f)), None)
+    if tty is None or termios is None:  # no terminal (tests), or not a POSIX one
+        yield
+        return
+    failed = (OSError, ValueError, termios.error)
+    try:
+        fd = tty.fileno()
+        before = termios.tcgetattr(fd)
+        quiet = list(before)
+        quiet[3] &= ~termios.ECHOCTL  # [3]: the local modes
+        termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    except failed:
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(*failed):  # (after SIGHUP the terminal may be gone)
+            termios.tcsetattr(fd, termios.TCSANOW, before)
+
+
+def _is_tty(f) -> bool:
+    try:
+        return f is not None and f.isatty()
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def signals_after_drawing():
+    """A signal in the middle of a draw (Ctrl-C, SIGTERM) would leave half a frame that the next
+    draw cannot erase: it waits until the draw is done, then comes as it came."""
+    caught: list[int] = []
+    previous = {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, lambda s, _frame: caught.append(s))
+    except ValueError:  # not the main thread: signals cannot be handled here
+        pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        if caught:
+            signal.raise_signal(caught[0])
 
 
 def open_live_view(engine, decode: Decode | None, json_output: bool) -> LiveView | None:

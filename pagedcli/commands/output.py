@@ -25,15 +25,17 @@ def answer_text(seq: Sequence, decoder: StreamDecoder) -> str:
 
 class TextPrinter:
     """Streams the answer of the earliest unfinished prompt as it is generated; answers of later
-    prompts are held back until every earlier one is printed, so they never interleave."""
+    prompts are held back until every earlier one is printed, so they never interleave. With
+    several answers each is labelled `[1]` (`[1.2]`: prompt 1's answer 2), the prompt shown once:
+    echoed after the label, or in it when it is not echoed. `labelled` False (--quiet): answers only."""
 
     def __init__(self, tokenizer: Tokenizer, seqs: list[Sequence], samples: int = 1, echo_prompt: bool = True,
-                 out: TextIO | None = None):
+                 out: TextIO | None = None, labelled: bool = True):
         self.seqs = seqs
         self.samples = samples  # answers per prompt: seqs[i * samples + j] is answer j of prompt i
         self.out = out or sys.stdout
         self.echo = echo_prompt
-        self.labelled = len(seqs) > 1
+        self.labelled = labelled and len(seqs) > 1
         self.decoders = {s.id: StreamDecoder(tokenizer, s.prompt_token_ids) for s in seqs}
         self.pending = {s.id: "" for s in seqs}  # text not yet printed
         self.taken = {s.id: 0 for s in seqs}  # characters of the answer's text moved to `pending`
@@ -77,7 +79,9 @@ class TextPrinter:
         if self.labelled:
             prompt, answer = divmod(self.current, self.samples)
             label = f"{prompt + 1}" if self.samples == 1 else f"{prompt + 1}.{answer + 1}"
-            self.out.write(f"{'' if self.current == 0 else chr(10)}[{label}] {seq.prompt!r}\n")
+            echoed = self.echo and seq.prompt is not None
+            after = " " if echoed else f" {seq.prompt!r}\n"  # the prompt once: echoed next, or here
+            self.out.write(f"{'' if self.current == 0 else chr(10)}[{label}]{after}")
         if self.echo and seq.prompt is not None:
             self.out.write(seq.prompt)
 

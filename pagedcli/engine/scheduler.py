@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pagedcli.engine.cache import KVCache
 from pagedcli.backends import NOT_FINITE
 from pagedcli.engine.sequence import Sequence, Status
+from pagedcli.errors import plural
 
 
 @dataclass
@@ -125,7 +126,7 @@ class Scheduler:
         if prompt_len + 1 > limit:
             what, hint = (("the whole pool holds", "use a larger `cache_size` or `num_blocks`") if pool_tokens <= limit
                           else ("the maximum length is", "shorten the prompt"))
-            return (f"the prompt has {prompt_len} tokens and needs room for {prompt_len + 1} with one new token, but "
+            return (f"the prompt has {plural(prompt_len, 'token')} and needs room for {prompt_len + 1} with one new token, but "
                     f"{what} {limit} ({hint})")
         return None
 

@@ -55,12 +55,13 @@ class CacheSnapshot:
     num_free_blocks: int
     slots: tuple[SlotView, ...]  # running sequences, by slot
     waiting: tuple[WaitingView, ...]
-    num_finished: int
+    num_finished: int  # ended by the engine (a stop token, the length limit, an error), not aborted
     num_preemptions: int
     max_slots: int
     max_model_len: int
     prefix_hit_rate: float = 0.0  # prompt tokens served from cached blocks / prompt tokens admitted
     num_copied_blocks: int = 0  # copy-on-write copies so far
+    num_aborted: int = 0  # ended by abort_all (Ctrl-C): cut short, or never run
 
     @property
     def num_used_blocks(self) -> int:
@@ -88,7 +89,8 @@ def take_snapshot(engine) -> CacheSnapshot:
                               seq.num_cached, table, len(seq.output_token_ids), rate, seq.num_preemptions,
                               seq.prefill_len if seq.is_prefilling else 0))
     waiting = tuple(WaitingView(s.id, s.prompt, len(s), s.num_preemptions) for s in sched.waiting)
-    finished = sum(1 for s in engine.sequences if s.is_finished)
+    aborted = sum(1 for s in engine.sequences if s.finish_reason == "abort")
+    finished = sum(1 for s in engine.sequences if s.is_finished) - aborted
     return CacheSnapshot(engine.num_steps, cache.geometry, cache.num_free_blocks, tuple(slots), waiting,
                          finished, sched.num_preemptions, cache.max_slots, cache.max_model_len,
-                         sched.prefix_hit_rate, cache.num_copied_blocks)
+                         sched.prefix_hit_rate, cache.num_copied_blocks, aborted)

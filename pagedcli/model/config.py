@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pagedcli.model.config_checks import check_config
-from pagedcli.errors import RunError, UsageError
+from pagedcli.errors import RunError, UsageError, plural
 from pagedcli.model.files import read_json
 from pagedcli.model.rope import REQUIRED_FIELDS
 
@@ -248,7 +248,7 @@ class CacheGeometry:
         geo = cls(block_size, config.num_kv_heads, config.head_dim, config.num_layers, int(num_blocks), dtype)
         if geo.num_blocks < config.num_layers:
             raise UsageError(
-                f"a pool of {geo.num_blocks} blocks cannot hold one block per layer ({config.num_layers} layers)",
+                f"a pool of {plural(geo.num_blocks, 'block')} cannot hold one block per layer ({plural(config.num_layers, 'layer')})",
                 f"use `num_blocks` {config.num_layers * 8} or more, or a larger `cache_size`",
             )
         return geo

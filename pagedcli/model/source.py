@@ -1,7 +1,8 @@
 """What `--model` names, resolved to a config and a place to read weights and tokenizer from:
 
 - a local Hugging Face folder (config.json, model.safetensors or a sharded index, tokenizer.json, ...);
-- a Hub id such as meta-llama/Llama-3.2-1B-Instruct (the local cache first, then a download);
+- a Hub id such as meta-llama/Llama-3.2-1B-Instruct, or one without a namespace such as gpt2 when
+  no folder has that name (the local cache first, then a download);
 - `demo`: the small Shakespeare model that ships inside the package;
 - `random:<preset>` (the config.json files in data/presets, e.g. `random:llama-3.2-1b`) or
   `random:<folder with config.json>`: random weights of real shapes, for benchmarks without a download;
@@ -64,9 +65,12 @@ def resolve_model(spec: str | None, notice: Callable[[str], None] = lambda _: No
         return _from_folder(path, spec)
     if path.exists():
         raise UsageError(f"`model` {spec}: is a file, not a model folder", "pass the folder that holds config.json")
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", spec) or spec.startswith((".", "/", "~")):
+    if not HUB_ID.fullmatch(spec) or spec.startswith((".", "/", "~")):
         raise UsageError(f"`model` {spec}: no such folder", "pass a model folder, a Hub id, or `demo`")
     return _from_folder(_download(spec), spec)
+
+
+HUB_ID = re.compile(r"([\w.-]+/)?[\w.-]+")  # namespace/name, or a bare name (gpt2, distilgpt2)
 
 
 def _from_folder(folder: Path, name: str) -> ModelSource:
@@ -119,6 +123,8 @@ def _download(repo_id: str) -> Path:
         from huggingface_hub import constants
 
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else (str(e).strip().splitlines() or [""])[0][:80]
-        raise RunError(f"`model` {repo_id}: not in the local Hugging Face cache, and the Hub cannot be reached ({why})",
+        folder = "" if "/" in repo_id else "no such folder here, "  # a bare name may have meant a folder
+        raise RunError(f"`model` {repo_id}: {folder}not in the local Hugging Face cache, and the Hub cannot be reached "
+                       f"({why})",
                        "connect once to download it, log in with `hf auth login` if it is gated, "
                        "or pass a local folder") from None

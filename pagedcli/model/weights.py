@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedcli.model.config import ModelConfig
-from pagedcli.errors import RunError, show_value
+from pagedcli.errors import RunError, plural, show_value
 from pagedcli.model.files import read_json
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of what a weight may be stored as
@@ -150,11 +150,11 @@ class _TensorReader:
         have = max(layers) + 1 if layers else 0
         if have > config.num_layers:
             unused = sorted(n for n in self.where if (m := LAYER_NAME.match(n)) and int(m.group(1)) >= config.num_layers)
-            raise RunError(f"{folder} holds {have} layers but config.json's num_hidden_layers is {config.num_layers}: "
+            raise RunError(f"{folder} holds {plural(have, 'layer')} but config.json's num_hidden_layers is {config.num_layers}: "
                            f"{len(unused)} tensors would go unused ({unused[0]}, ...)",
                            "fix num_hidden_layers in config.json")
         if have < config.num_layers:
-            raise RunError(f"config.json's num_hidden_layers is {config.num_layers}, but {folder} holds {have} layers",
+            raise RunError(f"config.json's num_hidden_layers is {config.num_layers}, but {folder} holds {plural(have, 'layer')}",
                            "fix num_hidden_layers in config.json, or download the checkpoint again")
 
     def _check_header(self, name: str) -> None:
