@@ -140,3 +140,31 @@ def test_overlap_on_cuda_changes_no_token(stories, eager):
     assert overlapped == plain
     assert {"stop", "length"} <= {reason for _, reason in plain}
     assert engine.scheduler.num_preemptions > 0 and engine.num_launched_ahead > 0
+
+
+@pytest.mark.parametrize("budget", [7, 40])
+def test_chunked_prefill_on_cuda_changes_no_token(stories, budget):
+    """Steps that carry decode tokens beside prompt chunks (eager, through the backend's prefill
+    attention), pure decode steps in CUDA graphs with the overlap, a pool small enough to preempt:
+    the same answers as without chunking."""
+    opts = EngineOptions(model=str(stories), device="cuda", dtype="float32", batch=3, shuffle_blocks=4,
+                         num_blocks=5 * 8)
+    model = load_model(opts)
+    tok = model.tokenizer
+    prompts = [tok.encode(t) for t in ["Once upon a time, in a big forest, there lived a", "Tom and his dog",
+                                        "The sun was hot and the bird sang a song to the", "Sam saw"]]
+    runs = []
+    for chunked in (False, True):
+        engine = build_engine(model, EngineOptions(**{**opts.__dict__, "chunked_prefill": chunked,
+                                                      "max_num_batched_tokens": budget if chunked else None}))
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=40 + 5 * i, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+        partial = 0
+        while engine.has_unfinished:
+            partial += len(engine.step().prefilling)
+            check_block_accounting(engine)
+        assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+        runs.append(([s.output_token_ids for s in seqs], partial))
+    (plain, _), (chunked, partial) = runs
+    assert partial > 0, "no step carried a prompt chunk short of its prompt"
+    assert chunked == plain

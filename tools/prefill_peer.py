@@ -5,7 +5,8 @@ pass (sdpa) on the same random weights, in one process, one run.
 
 A length `N` is one prompt of N tokens; `KxN` is K prompts of N tokens submitted together (the
 time is until the last of them has its first token). pagedcli runs with the prefix cache off (a
-repeat would otherwise hit its own blocks) and its default step budget; transformers runs one
+repeat would otherwise hit its own blocks) and its default step budget (a prompt over it is
+prefilled in chunks, over several steps); transformers runs one
 padded-free forward per prompt batch (`logits_to_keep=1`: only the last position's logits, as
 pagedcli computes).
 """
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+import pagedcli.backends.cuda_build as cuda_build
 from pagedcli.bench.hf import hf_model
 from pagedcli.engine.sequence import SamplingParams
 from pagedcli.model.loader import EngineOptions, build_engine, load_model
@@ -49,33 +51,41 @@ def main() -> None:
     ap.add_argument("--torch-prefill", action="store_true",
                     help="also time pagedcli with its prefill attention as torch ops (gather + SDPA), the path before "
                          "kernels/paged_prefill.cu")
+    ap.add_argument("--m-tiles", type=int, nargs="*", default=[cuda_build.PREFILL_M_TILES_SMALL_D],
+                    help="16-row tiles a prefill warp computes at head_dim <= 64 (each value: an engine of its own)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the step budget (default: the engine's)")
     args = ap.parse_args()
     specs = [parse(s) for s in args.lens]
     longest = max(n for _, n in specs)
     most = max(k for k, _ in specs)
     opts = EngineOptions(model=args.model, device="cuda", batch=most, prefix_caching=False,
-                         max_model_len=longest + 16)
+                         max_model_len=longest + 16, max_num_batched_tokens=args.max_num_batched_tokens)
     model = load_model(opts)
-    engine = build_engine(model, opts)
+    engines = {}
+    for m in args.m_tiles:  # the plan reads the constant when the backend is built
+        cuda_build.PREFILL_M_TILES_SMALL_D = m
+        engines[m] = build_engine(model, opts)
+    print(f"step budget {engines[args.m_tiles[0]].scheduler.max_num_batched_tokens} tokens", flush=True)
     gen = torch.Generator().manual_seed(0)
     vocab = model.source.config.vocab_size
     hf = None if args.no_hf else hf_model(model)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     for count, n in specs:
         prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for _ in range(count)]
+        line = f"{count} x {n} tokens:"
+        for m, engine in engines.items():
+            def ours(engine=engine):
+                engine.reset()
+                for p in prompts:
+                    engine.add_request(p, params)
+                while engine.has_unfinished:
+                    engine.step()
 
-        def ours():
-            engine.reset()
-            for p in prompts:
-                engine.add_request(p, params)
-            while engine.has_unfinished:
-                engine.step()
-
-        line = f"{count} x {n} tokens: pagedcli {best_ms(ours, args.repeats):8.1f} ms"
+            line += f"   pagedcli (m-tiles {m}) {best_ms(ours, args.repeats):7.1f} ms"
         backend = engine.runner.model.backend
         if args.torch_prefill and getattr(backend, "prefill_kernel", False):
             backend.prefill_kernel = False
-            line += f"   (torch prefill attention {best_ms(ours, args.repeats):8.1f} ms)"
+            line += f"   torch prefill attention {best_ms(ours, args.repeats):7.1f} ms"
             backend.prefill_kernel = True
         if hf is not None:
             ids = torch.tensor(prompts, device=model.device)
@@ -84,7 +94,7 @@ def main() -> None:
                 with torch.no_grad():
                     hf(ids, logits_to_keep=1)
 
-            line += f"   transformers (sdpa) {best_ms(theirs, args.repeats):8.1f} ms"
+            line += f"   transformers (sdpa) {best_ms(theirs, args.repeats):7.1f} ms"
         print(line, flush=True)
         if args.profile:
             profile(ours)
