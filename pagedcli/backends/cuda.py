@@ -97,7 +97,7 @@ class CudaBackend:
     def _layer_table(self, layer: int) -> tuple[np.uint64, np.int64, np.int32]:
         """This layer's block table as the kernels index it: table[slot * slot_stride + block]."""
         t = self.cache.device_table  # [slots, layers, blocks] int32, contiguous
-        base = t.dataptr() + layer * t.stride(1) * t.element_size()
+        base = t.data_ptr() + layer * t.stride(1) * t.element_size()
         return np.uint64(base), np.int64(t.stride(0)), np.int32(t.shape[2])
 
     # --- the backend interface ----------------------------------------------------------------
