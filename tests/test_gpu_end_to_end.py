@@ -28,7 +28,10 @@ STORY = ("Once upon a time, there was a little girl named Lily. She loved to pla
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("batch", [3, 2, 1])  # decode through cuBLAS, and gemv.cu's buckets 2 and 1
 def test_stories260k_on_cuda_matches_transformers(stories, eager, batch):
-    opts = EngineOptions(model=str(stories), device="cuda", dtype="float32", batch=batch, eager=eager, shuffle_blocks=7)
+    # a pool of 40 blocks a layer: check_block_accounting walks the free list at every step, and the
+    # default 2 GiB holds half a million of stories260K's 4 KiB blocks
+    opts = EngineOptions(model=str(stories), device="cuda", dtype="float32", batch=batch, eager=eager, shuffle_blocks=7,
+                         num_blocks=5 * 40)
     model = load_model(opts)
     engine = build_engine(model, opts)
     tok = model.tokenizer
@@ -100,7 +103,8 @@ def test_cuda_backend_equals_torch_backend_on_gpu(stories):
 
 def test_parallel_samples_copy_on_write_on_cuda(stories):
     """Shared prompt blocks and the copy of a shared partial block, on the GPU path."""
-    opts = EngineOptions(model=str(stories), device="cuda", dtype="float32", batch=4, shuffle_blocks=9)
+    opts = EngineOptions(model=str(stories), device="cuda", dtype="float32", batch=4, shuffle_blocks=9,
+                         num_blocks=5 * 40)
     model = load_model(opts)
     prompt = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267]
     params = [SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=11 + j) for j in range(4)]
