@@ -143,7 +143,7 @@ def test_the_estimate_of_the_issues_cpu_sweep():
     beyond a step's first. No model is built: the estimate reads the config and the workload."""
     from types import SimpleNamespace
 
-    from pagedcli.bench.measure import estimate_seconds
+    from pagedcli.bench.estimate import estimate_seconds
 
     model = SimpleNamespace(source=resolve_model("random:llama-3.2-1b"), tokenizer=None)
     seconds, tokens, steps = estimate_seconds(model, Workload(), [1], step_s=1.0, token_s=0.03)
@@ -157,15 +157,15 @@ def test_the_estimate_of_the_issues_cpu_sweep():
 
 
 def test_a_long_cpu_run_says_how_long_before_it_starts(stories, monkeypatch):
-    from pagedcli.bench import measure
+    from pagedcli.bench import estimate
 
-    monkeypatch.setattr(measure, "time_steps", lambda *_: (5.0, 0.05))  # as if each step took 5 s
+    monkeypatch.setattr(estimate, "time_steps", lambda *_: (5.0, 0.05))  # as if each step took 5 s
     r = bench("--model", str(stories), *SMALL)
     assert r.exit_code == 0, r.stderr
     announced = next(i for i, line in enumerate(r.stderr.splitlines()) if line.startswith("this may take"))
     first_progress = next(i for i, line in enumerate(r.stderr.splitlines()) if line.startswith("batch 1:"))
     assert announced < first_progress
-    seconds, tokens, steps = measure.estimate_seconds(load_model(EngineOptions(model=str(stories), device="cpu")),
+    seconds, tokens, steps = estimate.estimate_seconds(load_model(EngineOptions(model=str(stories), device="cpu")),
                                                       Workload(input_len="8", output_len="6"), [1, 4], 5.0, 0.05)
     assert f"this may take about {seconds / 60:.0f} min here" in r.stderr and "took 5,000 ms" in r.stderr
     assert f"the run feeds {tokens:,} tokens in {steps:,} steps" in r.stderr

@@ -214,7 +214,7 @@ def test_a_prompt_separator_allows_prompts_of_several_lines(stories, separator, 
 
 
 def test_no_prompt_with_a_terminal_for_stdin_is_the_usual_error(stories, monkeypatch):
-    monkeypatch.setattr("pagedcli.commands.generate.stdin_is_terminal", lambda: True)
+    monkeypatch.setattr("pagedcli.commands.prompts.stdin_is_terminal", lambda: True)
     code, out, err = invoke("generate", "--model", stories, input="never read\n")
     assert code == 2 and out == "" and err.strip().startswith("error: no prompt given (pass one")
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from helpers import invoke
-from pagedcli.bench import measure as bench
+from pagedcli.bench import bandwidth as bench
 from pagedcli.commands import bench_plot
 from pagedcli.errors import UsageError
-from pagedcli.commands.generate import read_prompts
+from pagedcli.commands.prompts import read_prompts
 from pagedcli.engine.sampler import _draw
 from pagedcli.engine.sequence import SamplingParams, Sequence
 

@@ -16,7 +16,8 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from tune_decode import variant  # noqa: E402  (the tunables set where they are read)
 
-from pagedcli.bench.measure import Workload, measure_bandwidth, run_batch  # noqa: E402
+from pagedcli.bench.bandwidth import measure_bandwidth  # noqa: E402
+from pagedcli.bench.measure import Workload, run_batch  # noqa: E402
 from pagedcli.model.loader import EngineOptions, load_model  # noqa: E402
 
 

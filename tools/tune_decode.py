@@ -24,7 +24,8 @@ import pagedcli.backends.cuda as cuda_backend
 import pagedcli.backends.cuda_build as cuda_build
 import pagedcli.backends.cuda_gemv as cuda_gemv
 import pagedcli.backends.cuda_launch as cuda_launch
-from pagedcli.bench.measure import Workload, measure_bandwidth, run_batch
+from pagedcli.bench.bandwidth import measure_bandwidth
+from pagedcli.bench.measure import Workload, run_batch
 from pagedcli.model.loader import EngineOptions, build_engine, load_model
 from pagedcli.engine.sequence import SamplingParams
 

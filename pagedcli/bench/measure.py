@@ -7,7 +7,6 @@ held against (as gpt-fast reports GB/s beside tokens/s).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -23,7 +22,6 @@ from pagedcli.errors import RunError, UsageError, plural
 from pagedcli.model.loader import EngineOptions, Model, build_engine
 from pagedcli.engine.sequence import SamplingParams
 
-BANDWIDTH_CACHE = Path.home() / ".cache" / "pagedcli" / "bandwidth.json"
 
 
 # --- the workload --------------------------------------------------------------------------------
@@ -62,7 +60,7 @@ def make_requests(w: Workload, n: int, vocab_size: int, avoid: set[int], tokeniz
     rng = random.Random(w.seed)
     out_lo, out_hi = parse_len(w.output_len, "--output-len")
     if w.prompt_file is not None:
-        from pagedcli.commands.generate import read_prompts
+        from pagedcli.commands.prompts import read_prompts
 
         if tokenizer is None:
             raise UsageError("--prompt-file needs a model with a tokenizer")
@@ -110,101 +108,9 @@ def latencies(seqs) -> tuple[list[float], list[float]]:
     return ttft, itl
 
 
-def measure_bandwidth(device: torch.device) -> float:
-    """Device memory bandwidth in GB/s from a large copy (bytes read + bytes written), measured
-    once per device and kept in ~/.cache/pagedcli."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{torch.get_num_threads()}t"
-    cached = _read_bandwidth_cache()
-    if name in cached:
-        return cached[name]
-    nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(12):
-        _sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        if i >= 2:  # warm-up
-            times.append(time.perf_counter() - t)
-    gbps = 2 * nbytes / statistics.median(times) / 1e9
-    cached[name] = gbps
-    try:
-        BANDWIDTH_CACHE.parent.mkdir(parents=True, exist_ok=True)
-        BANDWIDTH_CACHE.write_text(json.dumps(cached, indent=1))
-    except OSError:
-        pass
-    return gbps
-
-
-def _read_bandwidth_cache() -> dict[str, float]:
-    """The measured bandwidths, by device; a cache file that is missing, unreadable or not what this
-    writes counts as empty (it is measured again and rewritten), and so does any entry that is not
-    a positive number."""
-    try:
-        cached = json.loads(BANDWIDTH_CACHE.read_bytes().decode("utf-8"))
-    except (OSError, ValueError):  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
-        return {}
-    if not isinstance(cached, dict):
-        return {}
-    return {k: float(v) for k, v in cached.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0}
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# --- how long it may take ------------------------------------------------------------------------
-ANNOUNCE_S = 30.0  # a run estimated to take longer than this is announced before it starts
-PROBE_TOKENS = 32  # the prompt timed for the estimate: long enough that its arithmetic shows
-
-
-def time_steps(model: Model, opts: EngineOptions, w: Workload, batches: list[int],
-               notice=lambda _: None) -> tuple[float, float]:
-    """What a step of this model costs here, timed on the model itself: seconds for a step of one
-    token (a decode step: every weight read once), and for each further token a step feeds (its
-    arithmetic), from a prefill of PROBE_TOKENS tokens and two decode steps, after a step that
-    warms up (first calls, the allocator). The workload's lengths are checked first: a run that
-    would be refused is refused before anything is timed."""
-    engine = build_engine(model, replace(opts, batch=1, prefix_caching=False), notice)
-    check_lengths(requests_for(model, w, max(batches)), engine.cache.max_model_len, w)
-    n = max(2, min(PROBE_TOKENS, engine.cache.max_model_len - 3))
-    request = requests_for(model, replace(Workload(), input_len=str(n), output_len="3"), 1)[0]
-    engine.run_to_completion([request.prompt_token_ids[:2]], SamplingParams(max_tokens=1, ignore_eos=True))
-    engine.add_request(request.prompt_token_ids, SamplingParams(max_tokens=3, ignore_eos=True))
-    times = []
-    while engine.has_unfinished:
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    step_s = min(times[1:])
-    return step_s, max(0.0, times[0] - step_s) / (n - 1)
-
-
-def estimate_seconds(model: Model, w: Workload, batches: list[int], step_s: float, token_s: float,
-                     runs: int = 1) -> tuple[float, int, int]:
-    """How long the sweep may take, from what a step costs (time_steps): step_s a step, and token_s
-    for each token a step feeds beyond its first. A run feeds every prompt once, then a token per
-    decode step, its requests in waves of `batch`, each as long as its longest; the warm-up counts
-    too. `runs`: the workload's runs per batch size (a second without the prefix cache,
-    transformers' generate). Returns seconds, tokens fed and steps."""
-    seconds = tokens = steps = 0
-    for batch in batches:
-        requests = requests_for(model, w, batch)
-        waves = [requests[i:i + batch] for i in range(0, len(requests), batch)]
-        fed = sum(len(r.prompt_token_ids) for r in requests + waves[0]) + 3 * len(waves[0])  # + the warm-up
-        taken = 4 + len(waves)  # the warm-up's four steps, a prefill a wave
-        for wave in waves:
-            decode = max(r.max_tokens for r in wave) - 1
-            taken += decode
-            fed += decode * len(wave)
-        seconds += runs * (taken * step_s + (fed - taken) * token_s)
-        tokens += runs * fed
-        steps += runs * taken
-    return seconds, tokens, steps
 
 
 # --- one run -------------------------------------------------------------------------------------

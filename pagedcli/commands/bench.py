@@ -40,6 +40,7 @@ def bench(
 ):
     """Measure speed, memory and bandwidth against the hardware's roofline."""
     from pagedcli.bench import measure as b
+    from pagedcli.bench.bandwidth import measure_bandwidth
     from pagedcli.commands.bench_view import Progress, print_tables, results_table
     from pagedcli.model.loader import load_model
 
@@ -76,8 +77,8 @@ def bench(
 
     if loaded.device.type == "cpu":
         runs = 1 + bool(prefix_len and opts.prefix_caching) + (compare == "hf")
-        _announce(b, loaded, opts, workload, batches, runs, notice_once)
-    gbps = bandwidth or b.measure_bandwidth(loaded.device)
+        _announce(loaded, opts, workload, batches, runs, notice_once)
+    gbps = bandwidth or measure_bandwidth(loaded.device)
     hf = None
     if compare == "hf":
         from pagedcli.bench.hf import hf_model
@@ -101,12 +102,14 @@ def bench(
         notice(f"plot saved to {plot_file}")
 
 
-def _announce(b, loaded, opts, workload, batches: list[int], runs: int, say) -> None:
+def _announce(loaded, opts, workload, batches: list[int], runs: int, say) -> None:
     """A run long enough to wonder about (on a CPU) says first how long it may take, from what the
-    model's own steps cost here (measure.time_steps)."""
-    step_s, token_s = b.time_steps(loaded, opts, workload, batches, say)
-    seconds, tokens, steps = b.estimate_seconds(loaded, workload, batches, step_s, token_s, runs)
-    if seconds > b.ANNOUNCE_S:
+    model's own steps cost here (estimate.time_steps)."""
+    from pagedcli.bench import estimate
+
+    step_s, token_s = estimate.time_steps(loaded, opts, workload, batches, say)
+    seconds, tokens, steps = estimate.estimate_seconds(loaded, workload, batches, step_s, token_s, runs)
+    if seconds > estimate.ANNOUNCE_S:
         notice(f"this may take {duration(seconds)} here: a step of {loaded.source.name} took {1e3 * step_s:,.0f} ms, "
                f"and {1e3 * token_s:,.1f} ms more for each further token it feeds; the run feeds "
                f"{plural(tokens, 'token')} in {plural(steps, 'step')} (a smaller --batch list, --num-prompts, "
@@ -125,7 +128,7 @@ def duration(seconds: float) -> str:
 def _kernel_bench(loaded, json_output: bool, bandwidth: float | None) -> None:
     if loaded.device.type != "cuda":
         raise UsageError("--kernel times our CUDA kernel", "run it on a machine with an NVIDIA GPU and CuPy")
-    from pagedcli.bench.measure import measure_bandwidth
+    from pagedcli.bench.bandwidth import measure_bandwidth
     from pagedcli.commands.bench_view import kernel_table, print_tables
     from pagedcli.bench.kernel import bench_decode_kernel
 

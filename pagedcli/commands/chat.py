@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Iterator
 from rich.console import Console
 
 from pagedcli.commands.exits import Terminated, err, friendly_errors, notice
-from pagedcli.commands.generate import (check_text, load_for_text, request_params, sampling_defaults,
-                                        stdin_is_terminal, stream_answers)
+from pagedcli.commands.generate import load_for_text, request_params, sampling_defaults, stream_answers
+from pagedcli.commands.prompts import check_text, stdin_is_terminal
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group, with_flags
 from pagedcli.errors import RunError, UsageError
 

@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from pagedcli.defaults import DEFAULT_CACHE, DEFAULT_MAX_BATCHED_TOKENS, DEFAULTS
 from pagedcli.errors import UsageError, name_settings
 from pagedcli.model.presets import RANDOM_PRESETS
 
@@ -23,27 +24,28 @@ class EngineFlags:
         "--model", "-m", help="Model folder, Hub id, `demo`, or random weights: `random:<preset>` or "
         "`random:<folder with config.json>`. Default: Llama-3.2-1B-Instruct if cached, else the built-in demo model. "
         f"Presets (public checkpoints' shapes): {', '.join(RANDOM_PRESETS)}.")] = None
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto"
-    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")] = "auto"
-    batch: Annotated[int, typer.Option("--batch", "-b", help="Concurrent sequences (slots).")] = 2
-    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = DEFAULTS.device
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")] = DEFAULTS.dtype
+    batch: Annotated[int, typer.Option("--batch", "-b", help="Concurrent sequences (slots).")] = DEFAULTS.batch
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = DEFAULTS.block_size
     num_blocks: Annotated[Optional[int], typer.Option(help="Physical blocks in the pool (overrides --cache-size).")] = None
     cache_size: Annotated[Optional[str], typer.Option(
-        help="Pool size, e.g. 2GiB. Default: 2GiB on CUDA, 256MiB on CPU.")] = None
+        help=f"Pool size, e.g. 2GiB. Default: {DEFAULT_CACHE['cuda']} on CUDA, {DEFAULT_CACHE['cpu']} on CPU.")] = None
     gpu_memory_utilization: Annotated[Optional[float], typer.Option(
         help="Size the pool so the process uses this share of the GPU's memory (e.g. 0.9): what is left after "
         "the weights and the largest step's activations, measured by a profiling pass. Instead of --cache-size.")] = None
     max_model_len: Annotated[Optional[int], typer.Option(
         help="Longest sequence, prompt included. Default: the model's, capped by what the pool holds.")] = None
-    eager: Annotated[bool, typer.Option(help="No CUDA graphs (slower; for debugging).")] = False
-    prefix_caching: Annotated[bool, typer.Option(help="Reuse the cached blocks of prompt prefixes seen before.")] = True
+    eager: Annotated[bool, typer.Option(help="No CUDA graphs (slower; for debugging).")] = DEFAULTS.eager
+    prefix_caching: Annotated[bool, typer.Option(help="Reuse the cached blocks of prompt prefixes seen before.")] = DEFAULTS.prefix_caching
     chunked_prefill: Annotated[bool, typer.Option(
         help="Steps carry every running sequence's next token plus chunks of prompts, up to "
-        "--max-num-batched-tokens, so decoding never waits for a long prompt's prefill.")] = True
+        "--max-num-batched-tokens, so decoding never waits for a long prompt's prefill.")] = DEFAULTS.chunked_prefill
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(
-        help="New tokens one step feeds at most (the chunk budget). Default: 8192 on CUDA, 256 on CPU.")] = None
+        help="New tokens one step feeds at most (the chunk budget). "
+        f"Default: {DEFAULT_MAX_BATCHED_TOKENS['cuda']} on CUDA, {DEFAULT_MAX_BATCHED_TOKENS['cpu']} on CPU.")] = None
     overlap: Annotated[bool, typer.Option(help="On a GPU, queue the next decode step before this one's tokens reach "
-                                          "the host, so Python's work per step hides behind the GPU's.")] = True
+                                          "the host, so Python's work per step hides behind the GPU's.")] = DEFAULTS.overlap
 
     def options(self, **overrides):
         """The EngineOptions these flags ask for (`overrides`: what the command decides itself)."""
@@ -73,7 +75,7 @@ class RequestFlags:
     chat_template: Annotated[Optional[Path], typer.Option(
         help="A Jinja chat template file (as vLLM's --chat-template), in place of the model folder's.",
         show_default=False)] = None
-    max_tokens: Annotated[int, typer.Option(help="New tokens per prompt, at most.")] = 256
+    max_tokens: Annotated[int, typer.Option(help="New tokens per prompt, at most.")] = DEFAULTS.max_tokens
     temperature: Annotated[Optional[float], typer.Option(
         help="0 is greedy. Default: the model's generation_config.json when it samples, else 0.", show_default=False)] = None
     top_k: Annotated[Optional[int], typer.Option(help="Sample from the k likeliest tokens (0: off).", show_default=False)] = None
@@ -95,7 +97,7 @@ class RequestFlags:
         help="With --json: each token's log-probability and the N likeliest tokens' (0 to 20).",
         show_default=False)] = None
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (the i-th answer uses seed + i).")] = None
-    ignore_eos: Annotated[bool, typer.Option(help="Keep going past the model's stop tokens.")] = False
+    ignore_eos: Annotated[bool, typer.Option(help="Keep going past the model's stop tokens.")] = DEFAULTS.ignore_eos
     samples: Annotated[int, typer.Option("--n", help="Answers per prompt; they share the prompt's blocks "
                                          "(copy-on-write).")] = 1
 

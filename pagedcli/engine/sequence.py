@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedcli.defaults import DEFAULTS
+
 
 # Temperatures below this sample as greedy (vLLM's choice): dividing the logits by a temperature
 # near zero overflows them, and the distribution is the argmax's long before that.
@@ -28,8 +30,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: off; prompt and output tokens
     presence_penalty: float = 0.0  # 0: off; output tokens
     frequency_penalty: float = 0.0  # 0: off; output tokens
-    max_tokens: int = 256
-    ignore_eos: bool = False
+    max_tokens: int = DEFAULTS.max_tokens
+    ignore_eos: bool = DEFAULTS.ignore_eos
     seed: int | None = None
     stop: tuple[str, ...] = ()  # the text ends before the first of these it contains
     logprobs: int | None = None  # None: off; N: the chosen token's log-probability and the N likeliest

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import torch
 
+from pagedcli.defaults import DEFAULTS
 from pagedcli.model.config_checks import check_config
 from pagedcli.errors import RunError, UsageError, plural
 from pagedcli.model.files import read_json
 from pagedcli.model.rope import REQUIRED_FIELDS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-DEFAULT_BLOCK_SIZE = 16  # tokens per block, as in tiny-vllm and vLLM
+DEFAULT_BLOCK_SIZE = DEFAULTS.block_size
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)  # the kernels unroll over these
 DEFAULT_MAX_POSITIONS = 2048  # max_position_embeddings when config.json has none (transformers' default)
 

@@ -10,7 +10,8 @@ import torch
 
 from pagedcli.backends import TorchBackend
 from pagedcli.engine.cache import MAX_ID, KVCache
-from pagedcli.model.config import DEFAULT_BLOCK_SIZE, CacheGeometry, parse_size
+from pagedcli.defaults import DEFAULT_CACHE, DEFAULT_MAX_BATCHED_TOKENS, DEFAULTS
+from pagedcli.model.config import CacheGeometry, parse_size
 from pagedcli.engine.engine import Engine
 from pagedcli.errors import UsageError
 from pagedcli.model.memory import MemoryProfile, check_fraction, device_memory, pool_bytes_for
@@ -24,29 +25,23 @@ from pagedcli.model.weights import Weights, load_weights, random_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMALL_MODEL_BYTES = 64 << 20
-DEFAULT_CACHE = {"cuda": "2GiB", "cpu": "256MiB"}  # 2 GiB on a GPU, as tiny-vllm
-# New tokens a chunked step feeds at most (docs/architecture.md, "A step with chunks"): on a GPU vLLM's
-# choice for one GPU, where a 1B model's step is GEMM-bound well before 8192 tokens, so larger
-# chunks gain little and lengthen the decode stall; on a CPU a chunk short enough that a decoding
-# stream waits a fraction of a second for it.
-DEFAULT_MAX_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}
 
 
 @dataclass
 class EngineOptions:
     model: str | None = None
-    device: str = "auto"  # auto, cpu, cuda
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    batch: int = 2  # concurrent slots, as tiny-vllm's BATCH_SIZE
-    block_size: int = DEFAULT_BLOCK_SIZE
+    device: str = DEFAULTS.device
+    dtype: str = DEFAULTS.dtype
+    batch: int = DEFAULTS.batch
+    block_size: int = DEFAULTS.block_size
     num_blocks: int | None = None
     cache_size: str | None = None  # e.g. "2GiB"; default by device
     max_model_len: int | None = None
-    eager: bool = False  # no CUDA graphs
-    overlap: bool = True  # on a GPU, queue the next decode step before this one's tokens reach the host
+    eager: bool = DEFAULTS.eager
+    overlap: bool = DEFAULTS.overlap
     shuffle_blocks: int | None = None  # hand blocks out in a shuffled order (tests, demos)
-    prefix_caching: bool = True
-    chunked_prefill: bool = True  # steps carry decode tokens and prompt chunks up to max_num_batched_tokens
+    prefix_caching: bool = DEFAULTS.prefix_caching
+    chunked_prefill: bool = DEFAULTS.chunked_prefill
     max_num_batched_tokens: int | None = None  # new tokens a step feeds at most; default by device
     gpu_memory_utilization: float | None = None  # size the pool to this share of the GPU (memory.py)
     seed: int = 0  # random weights
