@@ -16,7 +16,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pagedcli.backends.cuda_build import COMPILE_OPTIONS, AttentionShape, define_flags, kernel_folder, plan_kernels
+from pagedcli.backends.cuda_build import AttentionShape, plan_kernels
+from pagedcli.backends.cuda_compile import COMPILE_OPTIONS, define_flags, kernel_folder
 from pagedcli.model.config import CacheGeometry, ModelConfig
 from pagedcli.model.source import RANDOM_PRESETS
 

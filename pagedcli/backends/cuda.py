@@ -30,9 +30,10 @@ import numpy as np
 import torch
 
 from pagedcli.backends import composed
-from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS,
-                                          GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS, SILU_THREADS, VEC_BYTES, DTYPE_DEFINES, compile_kernels,
-                                          cuda_available, gemv_kernel_names, plan_kernels)
+from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, DTYPE_DEFINES,
+                                          GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS, SILU_THREADS, VEC_BYTES,
+                                          gemv_kernel_names, plan_kernels)
+from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
 from pagedcli.backends.cuda_gemv import gemv
 from pagedcli.backends.cuda_launch import Launcher, LaunchShapes, aligned, prefill_tiles, ptr, resident_ctas
 from pagedcli.backends.torch import TorchBackend

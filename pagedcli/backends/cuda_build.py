@@ -1,26 +1,23 @@
 """What our CUDA kernels are compiled with for one model, and which of them can serve it.
 
-The plan is pure Python (no CuPy, no GPU): the CUDA backend builds from it (`compile_kernels`,
-through CuPy), and the CPU tests compile the same plan with `nvcc` for every preset geometry, so a
-geometry that would not compile is found in CI, not by a user. Every limit a kernel asserts at compile time (`static_assert` in the .cu
-files) is checked here first; where a kernel cannot serve a shape, the plan says which op runs as
-torch ops instead, and why, in one line the user sees.
+The plan is pure Python (no CuPy, no GPU): the CUDA backend builds from it
+(`cuda_compile.compile_kernels`, through CuPy), and the CPU tests compile the same plan with `nvcc`
+for every preset geometry, so a geometry that would not compile is found in CI, not by a user.
+Every limit a kernel asserts at compile time (`static_assert` in the .cu files) is checked here
+first; where a kernel cannot serve a shape, the plan says which op runs as torch ops instead, and
+why, in one line the user sees.
 
 The tuning constants are written here only; the .cu files receive them as -D defines.
 """
 
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 
 import torch
 
-from pagedcli.errors import RunError
 from pagedcli.backends import NOT_FINITE
+from pagedcli.backends.cuda_compile import Defines
 from pagedcli.model.config import CacheGeometry, ModelConfig
 
 PARTITION_SIZE = 512  # tokens per split-KV chunk of the decode kernel (a multiple of every block size)
@@ -66,40 +63,10 @@ GEMV_MAX_SHARED = 64 * 1024  # bytes of staged input per CTA (rows x K); more: c
 GEMV_EVICT_FIRST = 1  # weight loads ask L2 to evict their lines first (gemv.cu says why)
 VEC_BYTES = 16  # the kernels' vector width (uint4)
 WARP_SIZE = 32
-COMPILE_OPTIONS = ("-std=c++17",)  # no fast math: expf/rsqrtf/division keep their accuracy
 
 DTYPE_DEFINES = {torch.bfloat16: "DTYPE_BF16", torch.float16: "DTYPE_F16", torch.float32: "DTYPE_F32"}
 GEMV_OPS = ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")
-_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 
-Defines = tuple[tuple[str, object], ...]
-
-
-def kernel_folder():
-    """The .cu/.cuh files. Installed, they are the package pagedcli.kernels (pyproject's package-dir
-    maps it to the top-level kernels/). Run from a checkout without installing it (PYTHONPATH), that
-    mapping does not exist, and another install's pagedcli.kernels may answer instead: the
-    checkout's own kernels/, beside pagedcli/, comes first."""
-    checkout = Path(__file__).resolve().parents[2] / "kernels"
-    if (checkout / "__init__.py").is_file() and (checkout / "geometry.cuh").is_file():
-        return checkout
-    return resources.files("pagedcli.kernels")
-
-
-def kernel_source(name: str) -> str:
-    """The text of kernels/<name>, with each `#include "x.cuh"` replaced by that file: NVRTC then
-    needs no include path, and CuPy's disk cache (keyed by the source text) sees header edits."""
-    folder = kernel_folder()
-    seen: set[str] = set()
-
-    def expand(file: str) -> str:
-        if file in seen:  # every header has #pragma once; pasting it once is enough
-            return ""
-        seen.add(file)
-        text = (folder / file).read_text(encoding="utf-8")
-        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
-
-    return expand(name)
 
 
 def gemv_kernel_names():
@@ -293,43 +260,3 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
     return plan
 
 
-def define_flags(defines: Defines) -> list[str]:
-    return [f"-D{k}" if v is None else f"-D{k}={v}" for k, v in defines]
-
-
-def cuda_available() -> tuple[bool, str]:
-    """Whether torch sees a CUDA GPU and CuPy can use it; the string says why not, in one line."""
-    if not torch.cuda.is_available():
-        if torch.version.cuda is None:
-            return False, f"this torch ({torch.__version__}) is a CPU-only build"
-        return False, "torch sees no CUDA GPU"
-    try:
-        import cupy
-    except ImportError as e:
-        return False, f"CuPy is not installed ({e}); install cupy-cuda13x or cupy-cuda12x to match your CUDA"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return False, "CuPy sees no CUDA GPU"
-    except Exception as e:  # CuPy raises its own CUDA errors (driver too old, no device...)
-        return False, f"CuPy cannot use the GPU ({type(e).__name__}: {e})"
-    return True, ""
-
-
-@functools.lru_cache(maxsize=None)
-def compile_kernels(name: str, defines: tuple[tuple[str, object], ...], kernels: tuple[str, ...], device: int) -> dict:
-    """Compile kernels/<name> with `defines` (NVRTC through CuPy), load it on `device`, and return
-    {kernel name: cupy.RawKernel}. Cached: one build per file, geometry, dtype and device."""
-    import cupy
-
-    options = COMPILE_OPTIONS + tuple(define_flags(defines))
-    with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=kernel_source(name), options=options)
-        try:
-            # get_function compiles and loads the module now, so that nothing compiles later
-            # (for instance during CUDA-graph capture, where it would fail)
-            return {k: module.get_function(k) for k in kernels}
-        except cupy.cuda.compiler.CompileException as e:
-            # cuda_build.plan_kernels checks every limit the kernels assert, and CI compiles each
-            # preset's plan with nvcc: reaching this is a bug of ours, not a user's mistake
-            raise RunError(f"compiling {name} failed: {e}", "this is a bug in pagedcli's kernels; "
-                           "please report it with the model's config.json") from None
