@@ -242,3 +242,20 @@ def test_generate_takes_a_system_message_and_a_chat_template_file(stories):
     assert code == 0, err
     assert json.loads(out)["prompt_token_ids"] == Tokenizer(stories).encode_rendered(
         "<s>[system]\nBe kind.</s>\n[user]\nHello!</s>\n[assistant]\n")
+
+
+def test_a_stop_string_ends_the_answer_the_next_turn_builds_on(stories, requests):
+    """--stop in a conversation: the answer shown ends before the stop string, and the next turn's
+    prompt continues from that text, not from the tokens that completed the stop string."""
+    from pagedcli.model.tokenizer import Tokenizer
+
+    code, out, err = chat(stories, "Hello\nAnd then?\n", "--max-tokens", "30", "--stop", "Ann")
+    assert code == 0, err
+    first, second = requests
+    assert first.finish_reason == "stop" and "Ann" not in out
+    tok = Tokenizer(stories)
+    shown = out.splitlines()[0]
+    assert shown.strip() and tok.decode(first.output_token_ids).startswith(shown + "Ann")
+    assert "Ann" not in tok.decode(second.prompt_token_ids)
+    assert second.prompt_token_ids[:len(first.prompt_token_ids)] == first.prompt_token_ids
+    assert tok.encode_rendered(shown) == second.prompt_token_ids[len(first.prompt_token_ids):][:len(tok.encode_rendered(shown))]

@@ -135,6 +135,7 @@ def test_decoding_never_waits_for_a_long_prompt(tiny, make_engine):
         chunk_steps += 1
         assert len(short.output_token_ids) == before + 1, "the decoding sequence advanced"
         assert out.is_prefill and out.num_tokens <= 7
+        assert out.num_decode == 1, "the step says which of its tokens were a decoding sequence's (bench counts them apart)"
         held = engine.cache.num_blocks_of_slot[long.slot]
         assert held == engine.cache.geometry.blocks_for(90), "every block of the prompt from admission on"
         cached.append(long.num_cached)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from pagedcli.bench.arrivals import arrival_times
 from pagedcli.bench.measure import Workload, check_lengths, requests_for
 from pagedcli.engine.sequence import SamplingParams
 from pagedcli.model.loader import EngineOptions, Model, build_engine
@@ -53,7 +54,9 @@ def estimate_seconds(model: Model, w: Workload, batches: list[int], step_s: floa
             decode = max(r.max_tokens for r in wave) - 1
             taken += decode
             fed += decode * len(wave)
-        seconds += runs * (taken * step_s + (fed - taken) * token_s)
+        # under --request-rate a run lasts at least until its last request arrives
+        arrive = arrival_times(len(requests), w.request_rate, w.seed)[-1] if requests else 0.0
+        seconds += runs * max(taken * step_s + (fed - taken) * token_s, arrive)
         tokens += runs * fed
         steps += runs * taken
     return seconds, tokens, steps

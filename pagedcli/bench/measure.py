@@ -170,7 +170,7 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
 
     prefill_s = decode_s = 0.0
     prefill_tokens = decode_tokens = 0
-    decode_steps, decode_bytes, peak_blocks, peak_running = 0, 0, 0, 0
+    decode_steps, decode_bytes, peak_blocks, peak_running, mixed_steps = 0, 0, 0, 0, 0
     num_finished, generated, steps = 0, 0, 0
     last = start
     while engine.has_unfinished or arrivals.pending:
@@ -189,9 +189,10 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
         period, last = now - last, now
         peak_blocks = max(peak_blocks, out.used_blocks)
         peak_running = max(peak_running, out.num_running)
-        if out.is_prefill:
+        if out.is_prefill:  # its time is the prompts' (decode figures are over decode-only steps)
             prefill_s += period
-            prefill_tokens += out.num_tokens
+            prefill_tokens += out.num_tokens - out.num_decode
+            mixed_steps += out.num_decode > 0
         else:
             decode_s += period
             decode_tokens += len(out.seqs)
@@ -225,6 +226,7 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
         "output_tokens_per_s": output_tokens / elapsed,
         "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else None,
         "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
+        "mixed_steps": mixed_steps,  # prefill steps that also carried decoding sequences' tokens
         "request_rate": None if math.isinf(w.request_rate) else w.request_rate,  # None: all at the start (JSON has no inf)
         "ttft_ms": summarize(ttft),
         "itl_ms": summarize(itl),

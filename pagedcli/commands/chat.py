@@ -144,7 +144,7 @@ class Chat:
 
     # --- a turn -------------------------------------------------------------------------------
     def turn(self, message: str) -> None:
-        from pagedcli.commands.output import TextPrinter
+        from pagedcli.commands.output import TextPrinter, answer_text
 
         engine, conversation = self.engine, self.conversation
         try:
@@ -185,7 +185,13 @@ class Chat:
         if seq.error:
             self.say_error(f"turn {number}: {with_flags(seq.error)}", "/reset starts a new conversation", fatal=RunError)
             return
-        conversation.add(turn, seq.output_token_ids, printer.decoders[seq.id].text)
+        answer = answer_text(seq, printer.decoders[seq.id])
+        answer_ids = seq.output_token_ids
+        if seq.stop_strings is not None and seq.stop_strings.cut is not None:
+            # the tokens that completed the stop string were generated, but the answer ends before
+            # it (vLLM's --stop): the conversation goes on from the text the user saw
+            answer_ids = self.tokenizer.encode_rendered(answer)
+        conversation.add(turn, answer_ids, answer)
         prompt, cached = sched.prompt_tokens - prompt_before, sched.cached_prompt_tokens - cached_before
         blocks = engine.cache.geometry.blocks_for(seq.num_cached)
         notice(f"turn {number}: {cached:,} of {prompt:,} prompt tokens from cached blocks, "

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from pagedcli.errors import UsageError
+from pagedcli.model.files import read_given_text
 
 STDIN = "-"  # a prompt argument or --prompt-file that stands for standard input
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}  # what --prompt-separator reads after a backslash
@@ -58,18 +59,8 @@ def read_prompts(prompts: list[str], prompt_file: Path | None, separator: str = 
 
 
 def read_text_from(path: Path | None, what: str) -> str:
-    """The UTF-8 text of a file, or of standard input (`path` None); `what` names it in errors."""
-    try:
-        data = Path(path).read_bytes() if path is not None else sys.stdin.buffer.read() if sys.stdin else b""
-        return data.decode("utf-8-sig")
-    except FileNotFoundError:
-        raise UsageError(f"{what}: no such file") from None
-    except IsADirectoryError:
-        raise UsageError(f"{what}: is a folder", "give a text file, one prompt per line") from None
-    except PermissionError:
-        raise UsageError(f"{what}: cannot be read (permission denied)") from None
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{what}: not UTF-8 text (byte {e.start})", "save it as UTF-8, one prompt per line") from None
+    """The UTF-8 text of a prompt file, or of standard input (`path` None); `what` names it in errors."""
+    return read_given_text(path, what, "give a text file, one prompt per line")
 
 
 def prompt_separator(spelling: str) -> str:

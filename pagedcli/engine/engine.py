@@ -1,6 +1,8 @@
 """The engine: requests in, tokens out, one step at a time.
 
-    step():  scheduler.schedule()  -> which sequences run, the tokens each feeds, prefill or decode
+    step():  scheduler.schedule()  -> which sequences run and the tokens each feeds: a decode step,
+                                      or a prefill step (prompts or their chunks, and with chunked
+                                      prefill the decoding sequences' tokens beside them)
              runner.execute()      -> the forward pass over the paged cache: logits, greedy tokens
              sampler.sample()      -> penalties, temperature, min-p/top-k/top-p: one token per
                                       sequence that samples
@@ -41,11 +43,12 @@ from pagedcli.errors import UsageError
 
 @dataclass
 class StepOutput:
-    is_prefill: bool
+    is_prefill: bool  # prompt tokens ran: prompts or chunks of them, maybe beside decoding sequences' tokens
     seqs: list[Sequence]  # the sequences that ran and sampled
     tokens: list[int]  # the token each sampled (a stop token is sampled but not appended)
     finished: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0  # tokens fed through the network
+    num_decode: int = 0  # of those, the tokens of sequences decoding (in a prefill step: beside prompt chunks)
     used_blocks: int = 0  # blocks in use during the step (before finished sequences give theirs back)
     num_running: int = 0  # sequences holding a slot during the step
     prefilling: list[Sequence] = field(default_factory=list)  # ran a prompt chunk short of the prompt's end
@@ -66,9 +69,11 @@ class QueuedStep:
     host_tokens: torch.Tensor  # the same on the host (pinned memory on a GPU), once `ready` has passed
     ready: torch.cuda.Event | None  # None on the CPU: the tokens are there already
     num_tokens: int
+    num_decode: int
     used_blocks: int
     num_running: int
-    chunks: tuple[list[Sequence], list[int]] = ([], [])  # rows that fed a prompt chunk and sample nothing
+    chunks: tuple[list[Sequence], list[int]] = field(default_factory=lambda: ([], []))  # rows that fed a
+    # prompt chunk short of their prompt's end: they sample nothing
     logprobs: StepLogprobs | None = None  # on their way to the host with the tokens
 
     def tokens_on_host(self) -> list[int]:
@@ -139,6 +144,9 @@ class Engine:
         flight whose tokens this (decode) step feeds, taken from the device."""
         seqs, is_prefill = plan.seqs, plan.is_prefill
         num_tokens = sum(plan.num_new)
+        # a decoding row feeds the one token it generated last (a recomputed sequence's last prompt token counts too)
+        num_decode = sum(n == 1 and bool(s.output_token_ids) and s.num_cached == len(s) - 1
+                         for s, n in zip(seqs, plan.num_new)) if is_prefill else len(seqs)
         chunks: tuple[list[Sequence], list[int]] = ([], [])
         if is_prefill:  # rows whose chunk stops short of their prompt's end get no logits
             samples = plan.samples
@@ -169,8 +177,8 @@ class Engine:
             ready.record()
         else:
             host, ready = tokens, None
-        return QueuedStep(is_prefill, seqs, tokens, host, ready, num_tokens, used_blocks, num_running, chunks,
-                          logprobs)
+        return QueuedStep(is_prefill, seqs, tokens, host, ready, num_tokens, num_decode, used_blocks, num_running,
+                          chunks, logprobs)
 
     def _finish(self, step: QueuedStep) -> StepOutput:
         """Wait for a step's tokens; append them, finish sequences, give blocks back."""
@@ -192,7 +200,8 @@ class Engine:
         if self.in_flight is not None and all(s.is_finished for s in self.in_flight.seqs):
             self.in_flight = None  # every row of the step ahead is void: nobody waits for it
         self.num_steps += 1
-        return StepOutput(step.is_prefill, seqs, tokens, finished, step.num_tokens, step.used_blocks, step.num_running,
+        return StepOutput(step.is_prefill, seqs, tokens, finished, step.num_tokens, step.num_decode, step.used_blocks,
+                          step.num_running,
                           step.chunks[0])
 
     def _stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:

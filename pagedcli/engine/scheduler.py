@@ -49,7 +49,9 @@ class Schedule:
         return [s.num_cached + n == len(s) for s, n in zip(self.seqs, self.num_new)]
 
 
-# Prompt tokens one step prefills without chunked prefill (the first prompt admitted goes whole).
+# Prompt tokens one step prefills without chunked prefill (the first prompt admitted goes whole):
+# the scheduler's own cap, as before chunking, not the chunked budget's default by device
+# (defaults.DEFAULT_MAX_BATCHED_TOKENS), though both are 8192 on a GPU.
 UNCHUNKED_MAX_BATCHED_TOKENS = 8192
 
 
@@ -63,8 +65,8 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill
         # new tokens a step feeds at most; chunked, at least one per slot, so that no decoding sequence waits
         self.max_num_batched_tokens = max_num_batched_tokens or UNCHUNKED_MAX_BATCHED_TOKENS
-        if chunked_prefill and self.max_num_batched_tokens < cache.max_slots:
-            raise ValueError(f"a budget of {self.max_num_batched_tokens} tokens for {cache.max_slots} slots")
+        # EngineOptions refuses a smaller budget, in a line naming both settings
+        assert not chunked_prefill or self.max_num_batched_tokens >= cache.max_slots, "a step budget below a token a slot"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of admission
         self.free_slots = list(range(cache.max_slots))

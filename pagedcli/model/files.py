@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pagedcli.errors import RunError
+from pagedcli.errors import RunError, UsageError
 
 
 def read_bytes(path: Path) -> bytes:
@@ -42,3 +42,22 @@ def read_json(path: Path) -> dict:
         raise RunError(f"{path} holds a JSON {type(value).__name__}, not an object", "a model folder's JSON files "
                        "are objects of settings")
     return value
+
+
+def read_given_text(path: Path | None, what: str, hint: str) -> str:
+    """The UTF-8 text of a file the user named (a prompt file, a chat template), or of standard
+    input (`path` None), a byte-order mark dropped. A file that cannot be read is a usage mistake:
+    one line that starts with `what` and ends with `hint` where it helps."""
+    import sys
+
+    try:
+        data = Path(path).read_bytes() if path is not None else sys.stdin.buffer.read() if sys.stdin else b""
+        return data.decode("utf-8-sig")
+    except FileNotFoundError:
+        raise UsageError(f"{what}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{what}: is a folder", hint) from None
+    except PermissionError:
+        raise UsageError(f"{what}: cannot be read (permission denied)") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{what}: not UTF-8 text (byte {e.start})", f"save it as UTF-8; {hint}") from None

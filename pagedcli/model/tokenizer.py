@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from pagedcli.model.config_checks import check_chat_template, check_tokenizer_config
 from pagedcli.errors import RunError, UsageError
-from pagedcli.model.files import read_json, read_text
+from pagedcli.model.files import read_given_text, read_json, read_text
 
 # A chat template is a program from the model folder: its render is stopped past these (the
 # templates of real models render a prompt in milliseconds, and add a few hundred characters)
@@ -68,27 +68,19 @@ class Tokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def use_chat_template(self, path: Path) -> None:
-        """Take the Jinja template in `path` (--chat-template) instead of the model folder's; a
+        """Take the Jinja template in `path` (`chat_template`) instead of the model folder's; a
         file that is not a template is refused here, before anything is rendered with it."""
         from jinja2 import TemplateSyntaxError
 
-        try:
-            text = Path(path).read_bytes().decode("utf-8-sig")
-        except FileNotFoundError:
-            raise UsageError(f"--chat-template {path}: no such file") from None
-        except IsADirectoryError:
-            raise UsageError(f"--chat-template {path}: is a folder", "give a Jinja file, e.g. chat_template.jinja") from None
-        except PermissionError:
-            raise UsageError(f"--chat-template {path}: cannot be read (permission denied)") from None
-        except UnicodeDecodeError as e:
-            raise UsageError(f"--chat-template {path}: not UTF-8 text (byte {e.start})") from None
+        what = f"`chat_template` {path}"
+        text = read_given_text(path, what, "give a Jinja file, e.g. chat_template.jinja")
         check_chat_template(text, str(path))
         if not text.strip():
-            raise UsageError(f"--chat-template {path}: the file is empty", "give a Jinja chat template")
+            raise UsageError(f"{what}: the file is empty", "give a Jinja chat template")
         try:
             _environment().parse(text)
         except TemplateSyntaxError as e:
-            raise UsageError(f"--chat-template {path}: not a Jinja template (line {e.lineno}: {_first_line(e)})",
+            raise UsageError(f"{what}: not a Jinja template (line {e.lineno}: {_first_line(e)})",
                              "see the chat_template.jinja of a model on the Hub for the form") from None
         self.chat_template = text
         self.template_source = f"the chat template {path}"
