@@ -162,7 +162,7 @@ class Chat:
             limit = min(engine.cache.max_model_len, engine.cache.geometry.pool_tokens)
             self.say_error(f"turn {number}: the conversation would be {len(turn.ids):,} tokens with this message, "
                            f"and {limit - 1:,} is the most a prompt can be here",
-                           "/reset starts a new conversation; --max-model-len or --cache-size can make room",
+                           self.restart_hint(number, "--max-model-len or --cache-size can make room"),
                            fatal=RunError)
             return
         params = self.params if self.params.seed is None else replace(self.params, seed=self.params.seed + number - 1)
@@ -183,7 +183,7 @@ class Chat:
                 raise
             stopped = True  # Ctrl-C ends the answer, not the chat
         if seq.error:
-            self.say_error(f"turn {number}: {with_flags(seq.error)}", "/reset starts a new conversation", fatal=RunError)
+            self.say_error(f"turn {number}: {with_flags(seq.error)}", self.restart_hint(number), fatal=RunError)
             return
         answer = answer_text(seq, printer.decoders[seq.id])
         answer_ids = seq.output_token_ids
@@ -216,6 +216,12 @@ class Chat:
         if view is None:
             notice("/live: stdout is not a terminal, so no live view")
         return view
+
+    def restart_hint(self, number: int, more: str | None = None) -> str | None:
+        """The way out of a turn that cannot run: /reset in a terminal (when there is a conversation
+        to drop), or what else can make room."""
+        reset = "/reset starts a new conversation" if self.interactive and number > 1 else None
+        return "; ".join(h for h in (reset, more) if h) or None
 
     def say_error(self, message: str, hint: str | None, fatal: type | None = None) -> None:
         """In a terminal, one line and the chat goes on; from a script, `fatal` ends the run (the

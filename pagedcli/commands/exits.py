@@ -98,7 +98,8 @@ def fail(e: PagedCliError):
 
 
 def notice(text: str) -> None:
-    err.print(f"[dim]{escape(text)}[/dim]", soft_wrap=True)
+    """A dim line on stderr; the settings core modules name (`model`) appear as their flags (--model)."""
+    err.print(f"[dim]{escape(with_flags(text))}[/dim]", soft_wrap=True)
 
 
 def report_failures(seqs, samples: int, skip: set[int] | None = None) -> None:

@@ -103,13 +103,21 @@ def summary(seqs: list[Sequence], elapsed: float, engine: Engine, samples: int =
         parts[-1] += f", {plural(len(seqs), 'answer')}"
     if engine.scheduler.num_preemptions:
         parts.append(plural(engine.scheduler.num_preemptions, "preemption"))
-    cut = sum(s.finish_reason == "length" and len(s.output_token_ids) < s.params.max_tokens for s in seqs)
-    if cut:  # stopped by the length limit, not by --max-tokens: say which limit, and how to lift it
-        limit = engine.cache.max_model_len
-        why = "what the pool holds: use a larger --cache-size" if limit == engine.cache.geometry.pool_tokens \
-            else "the model's maximum length, or --max-model-len"
-        parts.append(f"{plural(cut, 'answer')} stopped at {plural(limit, 'token')}, prompt included ({why})")
+    cut = length_cut(seqs, engine)
+    if cut:
+        parts.append(cut)
     return ", ".join(parts)
+
+
+def length_cut(seqs: list[Sequence], engine: Engine) -> str | None:
+    """The answers the length limit stopped short of --max-tokens: how many, and how to lift it."""
+    cut = sum(s.finish_reason == "length" and len(s.output_token_ids) < s.params.max_tokens for s in seqs)
+    if not cut:
+        return None
+    limit = engine.cache.max_model_len
+    why = "what the pool holds: use a larger --cache-size" if limit == engine.cache.geometry.pool_tokens \
+        else "the model's maximum length, or --max-model-len"
+    return f"{plural(cut, 'answer')} stopped at {plural(limit, 'token')}, prompt included ({why})"
 
 
 def request_params(requests: RequestFlags) -> tuple[SamplingParams, set[str]]:
@@ -207,4 +215,6 @@ def generate(
     report_failures(seqs, samples, refused)
     if not json_output:
         say(summary(seqs, time.perf_counter() - start, engine, samples))
+    elif cut := length_cut(seqs, engine):  # JSON has finish_reason "length" for both limits: say which
+        say(cut)
     exit_for_failures(seqs, refused)

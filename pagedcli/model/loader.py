@@ -154,6 +154,10 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
                          "use a smaller `cache_size` or `num_blocks`")
     pool_len = geometry.pool_tokens
     max_model_len = min(config.context_length, pool_len, opts.max_model_len or pool_len)
+    if opts.max_model_len is not None and opts.max_model_len > max_model_len:  # said, not silently cut
+        what = ("the model's positions (max_position_embeddings)" if max_model_len == config.context_length
+                else "what the pool holds: a larger `cache_size` makes room")
+        notice(f"`max_model_len` {opts.max_model_len:,} is more than {what}: sequences stop at {max_model_len:,} tokens")
     cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks, opts.prefix_caching)
     if device.type == "cuda":
         from pagedcli.backends.cuda import CudaBackend
