@@ -44,6 +44,7 @@
 // Every K/V access goes through the block table: token i of a sequence is row i % BLOCK_SIZE of
 // physical block table[slot][layer][i / BLOCK_SIZE].
 
+#include "async_copy.cuh"
 #include "geometry.cuh"
 
 #if !defined(HEADS_PER_CTA) || !defined(PARTITION_SIZE) || !defined(ATTN_THREADS) || !defined(ATTN_UNROLL) || \
@@ -137,45 +138,6 @@ __device__ __forceinline__ float load_from_l2(const float* p) {
     return r;
 }
 
-// --- asynchronous copies into shared memory (cp.async, sm_80+; plain copies before) -------------
-
-__device__ __forceinline__ unsigned int shared_address(const void* p) {
-    unsigned int a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// One load from global to shared memory; zeros (and no read) when !valid. 16 bytes bypass L1
-// (.cg); 8-byte copies exist only through it (.ca).
-__device__ __forceinline__ void copy_async(kv_vec_t* dst, const void* src, bool valid) {
-#if __CUDA_ARCH__ >= 800
-#if ATTN_VEC_BYTES == 16
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
-#else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;"
-                 :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 8 : 0) : "memory");
-#endif
-#else
-    if (valid) *dst = *reinterpret_cast<const kv_vec_t*>(src);
-    else *dst = kv_vec_t{};
-#endif
-}
-
-__device__ __forceinline__ void copy_async_commit() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// Wait until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void copy_async_wait() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-#endif
-}
-
 // Load step g of a chunk into ring slot g % STAGES: steps 0 .. iters-1 are K, iters .. 2 iters-1 are
 // V, later ones are empty. Each step is one commit group, empty or not, so that the groups a thread
 // waits for are counted the same way everywhere. This lane's UNROLL rows of the step; rows past
@@ -194,7 +156,7 @@ __device__ __forceinline__ void issue_step(kv_vec_t* ring, int g, int iters, con
             const unsigned char* src =
                 valid ? base + (size_t)blocks[t / BLOCK_SIZE] * BLOCK_BYTES + (size_t)(t % BLOCK_SIZE) * TOKEN_STRIDE
                       : base;
-            copy_async(slot + u * ATTN_THREADS, src, valid);
+            copy_async<ATTN_VEC_BYTES>(slot + u * ATTN_THREADS, src, valid);
         }
     }
     copy_async_commit();

@@ -23,6 +23,7 @@
 // (the pad columns are never copied into, so they stay zero); rows that are not whole 16-byte
 // vectors are copied 8 bytes at a time (PREFILL_VEC_BYTES), as the decode kernel does.
 
+#include "async_copy.cuh"
 #include "geometry.cuh"
 
 #if !defined(PREFILL_BLOCK_M) || !defined(PREFILL_BLOCK_N) || !defined(PREFILL_WARPS) || !defined(PREFILL_M_TILES) || \
@@ -55,9 +56,6 @@ constexpr int ROW_STRIDE = D_PAD + 8;  // elements
 constexpr int TILE_ELEMS_M = BLOCK_M * ROW_STRIDE;
 constexpr int TILE_ELEMS_N = BLOCK_N * ROW_STRIDE;
 
-#if PREFILL_VEC_BYTES != 16 && PREFILL_VEC_BYTES != 8
-#error "PREFILL_VEC_BYTES must be 16 or 8"
-#endif
 constexpr int VEC_BYTES_COPY = PREFILL_VEC_BYTES;
 constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(scalar_t);
 static_assert(ROW_BYTES % VEC_BYTES_COPY == 0, "a head's row must be a whole number of copies");
@@ -69,36 +67,16 @@ constexpr size_t TOKEN_STRIDE = (size_t)KV_DIM * sizeof(scalar_t);  // bytes fro
 constexpr int SMEM_BYTES = (TILE_ELEMS_M + 4 * TILE_ELEMS_N) * (int)sizeof(scalar_t);
 static_assert(SMEM_BYTES == PREFILL_SHARED_BYTES, "cuda_build.prefill_shared_bytes disagrees with the kernel");
 
-// --- PTX wrappers (sm_80+) ---------------------------------------------------------------------
-
-__device__ __forceinline__ unsigned int smem_u32(const void* p) {
-    unsigned int a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// One copy into shared memory; zeros (and no read) when !valid.
-__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
-#if PREFILL_VEC_BYTES == 16
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-#else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 8 : 0)
-                 : "memory");
-#endif
-}
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+// --- tensor-core PTX (sm_80+) ---------------------------------------------------------------------
 
 // Four 8x8 matrices of 16-bit elements; lane l names row l % 8 of matrix l / 8.
 __device__ __forceinline__ void ldmatrix_x4(unsigned int (&r)[4], const scalar_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned int (&r)[4], const scalar_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
 }
 
 // c += a (16x16, row-major) * b (16x8, column-major), fp32 accumulators.
@@ -142,7 +120,8 @@ __device__ __forceinline__ void copy_kv_tile(scalar_t* tile, const unsigned char
             const int block = max(seq_table[pos / BLOCK_SIZE], 0);  // -1 would be a bug; stay in bounds
             src += (size_t)block * BLOCK_BYTES + (size_t)(pos % BLOCK_SIZE) * TOKEN_STRIDE + (size_t)c * VEC_BYTES_COPY;
         }
-        copy_async(reinterpret_cast<unsigned char*>(tile + r * ROW_STRIDE) + c * VEC_BYTES_COPY, src, valid);
+        copy_async<VEC_BYTES_COPY>(reinterpret_cast<unsigned char*>(tile + r * ROW_STRIDE) + c * VEC_BYTES_COPY, src,
+                                   valid);
     }
 }
 
@@ -155,7 +134,8 @@ __device__ __forceinline__ void copy_q_tile(scalar_t* tile, const scalar_t* __re
         const unsigned char* src = reinterpret_cast<const unsigned char*>(
                                        q + ((size_t)(first_token + (valid ? r : 0)) * NUM_HEADS + head) * HEAD_DIM) +
                                    c * VEC_BYTES_COPY;
-        copy_async(reinterpret_cast<unsigned char*>(tile + r * ROW_STRIDE) + c * VEC_BYTES_COPY, src, valid);
+        copy_async<VEC_BYTES_COPY>(reinterpret_cast<unsigned char*>(tile + r * ROW_STRIDE) + c * VEC_BYTES_COPY, src,
+                                   valid);
     }
 }
 

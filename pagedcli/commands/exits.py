@@ -73,22 +73,30 @@ ENDED_BY = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated", signal.S
 
 
 @contextlib.contextmanager
-def ending_signals():
-    """SIGTERM and SIGHUP raise Terminated while a command runs (exit 143 and 129, as 130 for Ctrl-C)."""
-    def raise_terminated(signum, _frame):
-        raise Terminated(signum)
-
+def signals_handled(signums, handler):
+    """`handler` for these signals while the block runs, the handlers before it afterwards (one
+    that Python did not install comes back as the default)."""
     previous = {}
     try:
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            previous[signum] = signal.signal(signum, raise_terminated)
+        for signum in signums:
+            previous[signum] = signal.signal(signum, handler)
     except ValueError:  # not the main thread: signals cannot be handled here
         pass
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        for signum, old in previous.items():
+            signal.signal(signum, old if old is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def ending_signals():
+    """SIGTERM and SIGHUP raise Terminated while a command runs (exit 143 and 129, as 130 for Ctrl-C)."""
+    def raise_terminated(signum, _frame):
+        raise Terminated(signum)
+
+    with signals_handled((signal.SIGTERM, signal.SIGHUP), raise_terminated):
+        yield
 
 
 def fail(e: PagedCliError):

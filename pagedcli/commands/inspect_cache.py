@@ -67,8 +67,8 @@ def _at_step(engine: Engine, slot: int, at_step: int) -> tuple[CacheSnapshot, Sl
         last = last_step_at_most(engine)
         if last is not None and last < at_step:  # said now, not after running all that is left
             raise UsageError(f"--at-step {at_step}: the run ends by step {last:,} at the latest",
-                             f"choose an earlier step (it may end sooner: stop tokens, batch mates decoding "
-                             f"together), or ask for more --max-tokens")
+                             "choose an earlier step (it may end sooner: stop tokens, batch mates decoding "
+                             "together), or ask for more --max-tokens")
         if engine.step().idle:
             break
     if engine.num_steps < at_step:

@@ -27,6 +27,7 @@ from rich.live import Live
 from rich.text import Text
 
 from pagedcli.commands.drawing import Decode, render
+from pagedcli.commands.exits import signals_handled
 
 REFRESH_S = 0.2  # seconds between frames: five a second reads as live
 MAX_SHARE = 0.03  # of the wall time, at most, spent taking snapshots and drawing them
@@ -172,17 +173,10 @@ def signals_after_drawing():
     """A signal in the middle of a draw (Ctrl-C, SIGTERM) would leave half a frame that the next
     draw cannot erase: it waits until the draw is done, then comes as it came."""
     caught: list[int] = []
-    previous = {}
     try:
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            previous[signum] = signal.signal(signum, lambda s, _frame: caught.append(s))
-    except ValueError:  # not the main thread: signals cannot be handled here
-        pass
-    try:
-        yield
+        with signals_handled((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), lambda s, _frame: caught.append(s)):
+            yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         if caught:
             signal.raise_signal(caught[0])
 
