@@ -107,21 +107,23 @@ __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
 
 // --- the phases -----------------------------------------------------------------------------
 
-// Copy `rows` key (or value) rows starting at position `first` of the sequence into a shared tile;
-// rows at or past `limit` become zeros (so 0 x garbage can never make a NaN).
-__device__ __forceinline__ void copy_kv_tile(scalar_t* tile, const unsigned char* __restrict__ head_base,
-                                             const int* __restrict__ seq_table, int first, int limit, int tid) {
+// Copy the key and value rows of `rows` positions starting at `first` of the sequence into their
+// shared tiles (one block-table lookup serves both); rows at or past `limit` become zeros (so
+// 0 x garbage can never make a NaN).
+__device__ __forceinline__ void copy_kv_tiles(scalar_t* k_tile, scalar_t* v_tile, const unsigned char* __restrict__ k_base,
+                                              const int* __restrict__ seq_table, int first, int limit, int tid) {
     for (int i = tid; i < BLOCK_N * COPIES_PER_ROW; i += THREADS) {
         const int r = i / COPIES_PER_ROW, c = i % COPIES_PER_ROW;
         const int pos = first + r;
         const bool valid = pos < limit;
-        const unsigned char* src = head_base;
+        size_t offset = 0;
         if (valid) {
             const int block = max(seq_table[pos / BLOCK_SIZE], 0);  // -1 would be a bug; stay in bounds
-            src += (size_t)block * BLOCK_BYTES + (size_t)(pos % BLOCK_SIZE) * TOKEN_STRIDE + (size_t)c * VEC_BYTES_COPY;
+            offset = (size_t)block * BLOCK_BYTES + (size_t)(pos % BLOCK_SIZE) * TOKEN_STRIDE + (size_t)c * VEC_BYTES_COPY;
         }
-        copy_async<VEC_BYTES_COPY>(reinterpret_cast<unsigned char*>(tile + r * ROW_STRIDE) + c * VEC_BYTES_COPY, src,
-                                   valid);
+        const int at = r * ROW_STRIDE * (int)sizeof(scalar_t) + c * VEC_BYTES_COPY;  // bytes into a tile
+        copy_async<VEC_BYTES_COPY>(reinterpret_cast<unsigned char*>(k_tile) + at, k_base + offset, valid);
+        copy_async<VEC_BYTES_COPY>(reinterpret_cast<unsigned char*>(v_tile) + at, k_base + V_OFFSET + offset, valid);
     }
 }
 
@@ -169,26 +171,28 @@ __device__ __forceinline__ void score_tile(float (&s)[M_TILES][S_TILES][4], cons
 
 // Online softmax over one row tile: mask, new running max, rescale of the sums so far, P in place
 // of S. A thread holds rows g = lane / 4 and g + 8 of the tile, at positions q_pos[0] and q_pos[1];
-// key column 2 (lane % 4) + {0, 1} of each n-tile j.
+// key column 2 (lane % 4) + {0, 1} of each n-tile j. The running max is kept in log2 units
+// (scores times scale_log2); the scale is positive, so the max of the raw scores scaled is the
+// max of the scaled scores, and each probability is one FMA and an exp2: 2^(s scale - max).
 __device__ __forceinline__ void softmax_rows(float (&s)[S_TILES][4], float (&o)[O_TILES][4], float (&run_max)[2],
                                              float (&run_sum)[2], const int (&q_pos)[2], int key0, bool diagonal,
                                              float scale_log2, int lane) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        float m = run_max[half];
+        float raw_max = neg_infinity();
 #pragma unroll
         for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 float& x = s[j][2 * half + e];
-                x *= scale_log2;
                 if (diagonal && key0 + j * 8 + 2 * (lane % 4) + e > q_pos[half]) x = neg_infinity();
-                m = fmaxf(m, x);
+                raw_max = fmaxf(raw_max, x);
             }
         }
-        m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 1));  // the 4 lanes of a row
-        m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 2));
+        raw_max = fmaxf(raw_max, __shfl_xor_sync(FULL_MASK, raw_max, 1));  // the 4 lanes of a row
+        raw_max = fmaxf(raw_max, __shfl_xor_sync(FULL_MASK, raw_max, 2));
         // Finite: key 0 is in every row's first tile, so a row's max is finite from then on.
+        const float m = fmaxf(run_max[half], raw_max * scale_log2);
         const float correction = exp2f(run_max[half] - m);
         run_max[half] = m;
         float sum = 0.0f;
@@ -197,7 +201,7 @@ __device__ __forceinline__ void softmax_rows(float (&s)[S_TILES][4], float (&o)[
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 float& x = s[j][2 * half + e];
-                x = exp2f(x - m);
+                x = exp2f(fmaf(x, scale_log2, -m));
                 sum += x;
             }
         }
@@ -272,12 +276,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
     }
 
     const int* __restrict__ seq_table = table + (size_t)slots[seq] * table_slot_stride;
-    const unsigned char* __restrict__ k_base = pool + (size_t)kv_head * ROW_BYTES;
-    const unsigned char* __restrict__ v_base = k_base + V_OFFSET;
+    const unsigned char* __restrict__ k_base = pool + (size_t)kv_head * ROW_BYTES;  // V: V_OFFSET further
 
     copy_q_tile(q_tile, q, first_token, rows, head, tid);
-    copy_kv_tile(k_tiles, k_base, seq_table, 0, keys, tid);
-    copy_kv_tile(v_tiles, v_base, seq_table, 0, keys, tid);
+    copy_kv_tiles(k_tiles, v_tiles, k_base, seq_table, 0, keys, tid);
     copy_async_commit();
 
     // This thread's rows: g and g + 8 of each of its warp's row tiles; rows past the new tokens
@@ -302,8 +304,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
     for (int t = 0; t < num_tiles; ++t) {
         const int buf = t % 2, key0 = t * BLOCK_N;
         if (t + 1 < num_tiles) {  // the next tile's copies fly while this one is multiplied
-            copy_kv_tile(k_tiles + (buf ^ 1) * TILE_ELEMS_N, k_base, seq_table, key0 + BLOCK_N, keys, tid);
-            copy_kv_tile(v_tiles + (buf ^ 1) * TILE_ELEMS_N, v_base, seq_table, key0 + BLOCK_N, keys, tid);
+            copy_kv_tiles(k_tiles + (buf ^ 1) * TILE_ELEMS_N, v_tiles + (buf ^ 1) * TILE_ELEMS_N, k_base, seq_table,
+                          key0 + BLOCK_N, keys, tid);
         }
         copy_async_commit();
         copy_async_wait<1>();  // every group but the newest: tile t (and Q) have landed

@@ -145,3 +145,24 @@ def test_random_interleavings_keep_blocks_consistent(tiny, make_engine):
         check_block_accounting(engine)
     assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
     assert all(s.finish_reason == "length" for s in engine.sequences)
+
+
+def test_step_batch_packs_its_index_lists_into_typed_views():
+    """StepBatch.build packs every index list into one buffer (one host-to-device copy on a GPU):
+    each view keeps its own dtype and values, empty lists included, and the views do not overlap."""
+    import torch
+
+    from pagedcli.engine.batch import StepBatch
+
+    batch = StepBatch.build(True, [5, 2, 7], [[11, 12, 13], [21], [31, 32]], [0, 4, 9], torch.device("cpu"),
+                            [True, False, True])
+    assert batch.token_ids.tolist() == [11, 12, 13, 21, 31, 32] and batch.token_ids.dtype == torch.int64
+    assert batch.positions.tolist() == [0, 1, 2, 4, 9, 10]
+    assert batch.token_seq.tolist() == [0, 0, 0, 1, 2, 2]
+    assert batch.last_index.tolist() == [2, 5]  # the middle sequence's chunk samples nothing
+    assert batch.slots.tolist() == [5, 2, 7] and batch.slots.dtype == torch.int32
+    assert batch.context_lens.tolist() == [3, 5, 11] and batch.context_lens.dtype == torch.int32
+    batch.token_ids.fill_(-1)  # writing one view leaves the others as they were
+    assert batch.positions.tolist() == [0, 1, 2, 4, 9, 10] and batch.slots.tolist() == [5, 2, 7]
+    empty = StepBatch.build(True, [1], [[4]], [0], torch.device("cpu"), [False])
+    assert empty.last_index.tolist() == [] and empty.last_index.dtype == torch.int64

@@ -104,7 +104,8 @@ def profile(run) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True,
+                       with_stack=True) as prof:
         run()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if getattr(e.device_type, "name", "") == "CUDA"]
@@ -112,6 +113,40 @@ def profile(run) -> None:
     print(f"  kernels: {total / 1e3:.1f} ms in all")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
         print(f"  {e.self_device_time_total / 1e3:8.2f} ms  {e.count:4d}x  {e.key[:90]}")
+    gaps(prof)
+
+
+def gaps(prof, shown: int = 8) -> None:
+    """Where the GPU idles within the run: the longest gaps between kernels (and copies), each with
+    the host's Python frames that ran during it (the profiler's trace)."""
+    import json
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)["traceEvents"]
+    device = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    if not device:
+        return
+    idle = []
+    end = device[0]["ts"] + device[0]["dur"]
+    for e in device[1:]:
+        if e["ts"] > end:
+            idle.append((e["ts"] - end, end, e["ts"], e["name"][:50]))
+        end = max(end, e["ts"] + e["dur"])
+    span = end - device[0]["ts"]
+    print(f"  GPU span {span / 1e3:.1f} ms, idle {sum(g[0] for g in idle) / 1e3:.1f} ms in {len(idle)} gaps")
+    frames = [e for e in trace if e.get("cat") == "python_function" and e.get("dur", 0) > 0]
+    for length, start, stop, after in sorted(idle, reverse=True)[:shown]:
+        inside = [e for e in frames if e["ts"] < stop and e["ts"] + e["dur"] > start]
+        # our frames that cover at least half of the gap, innermost (shortest) first
+        ours = sorted((e for e in inside if "pagedcli" in e["name"]
+                       and min(stop, e["ts"] + e["dur"]) - max(start, e["ts"]) >= length / 2), key=lambda e: e["dur"])
+        names = ", ".join(dict.fromkeys(e["name"].split("/")[-1][:60] for e in ours[:12]))
+        print(f"  {length / 1e3:7.2f} ms idle before {after}: {names}")
 
 
 if __name__ == "__main__":

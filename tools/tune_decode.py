@@ -39,6 +39,12 @@ VARIANTS = {
     "attention: cluster min span 128": {"CLUSTER_MIN_SPAN": 128},
     "gemv: 512 threads, 2 CTAs per SM": {"GEMV_THREADS": 512, "GEMV_MIN_CTAS": 2, "GEMV_CTAS_PER_SM": 2},
     "gemv: 2 loads a lane (twice the tiles)": {"GEMV_UNROLL": 2},
+},
+    "gemm: splits for 2 CTAs an SM": {"GEMM_CTAS_PER_SM": 2},
+    "gemm: block_n 64": {"GEMM_BLOCK_N": 64},
+    "gemm: block_n 256": {"GEMM_BLOCK_N": 256},
+    "gemm: 3 stages": {"GEMM_STAGES": 3},
+    "gemm: 6 stages": {"GEMM_STAGES": 6},
 }
 
 
@@ -84,15 +90,16 @@ def decoding_engine(model, opts, steps: int, max_tokens: int):
 
 
 def replay_ms(model, opts, replays: int = 200) -> float:
-    """GPU time of one batch-1 decode step: its CUDA graph replayed back to back (no host work
-    between steps), at a context of ~200 tokens."""
+    """GPU time of one decode step at the options' batch: its CUDA graph replayed back to back (no
+    host work between steps), at a context of ~200 tokens."""
     engine, _ = decoding_engine(model, opts, steps=72, max_tokens=80)
-    return graph_ms(engine.runner.graphs.graph(1)[0], replays)
+    return graph_ms(engine.runner.graphs.graph(opts.batch)[0], replays)
 
 
-def gemv_table(model, opts) -> None:
-    """Each GEMM of a layer at batch 1, alone: our fused GEMV against the cuBLAS path (our
-    norm/silu kernels around torch.matmul), timed as kernel_bench times the attention kernel."""
+def gemv_table(model, opts, rows: int = 1) -> None:
+    """Each GEMM of a layer at a batch of `rows`, alone: ours (gemv.cu at 1 and 2 rows; the cuBLAS
+    path beyond) against the cuBLAS path (our norm/silu kernels around torch.matmul), timed as
+    kernel_bench times the attention kernel."""
     from pagedcli.backends.torch import TorchBackend
     from pagedcli.bench.kernel import time_ms
 
@@ -100,9 +107,10 @@ def gemv_table(model, opts) -> None:
     be, w = engine.runner.model.backend, engine.runner.model.w
     layers, dev, dtype = w.layers, model.device, model.dtype
     K, inter = layers[0].qkv.shape[1], layers[0].down.shape[1]
-    x, attn = torch.randn(1, K, device=dev, dtype=dtype), torch.randn(1, layers[0].o.shape[1], device=dev, dtype=dtype)
-    act = torch.randn(1, inter, device=dev, dtype=dtype)
-    residual = torch.zeros(1, K, device=dev, dtype=dtype)
+    x = torch.randn(rows, K, device=dev, dtype=dtype)
+    attn = torch.randn(rows, layers[0].o.shape[1], device=dev, dtype=dtype)
+    act = torch.randn(rows, inter, device=dev, dtype=dtype)
+    residual = torch.zeros(rows, K, device=dev, dtype=dtype)
     # call i uses layer i's weights: every layer's copy together is larger than L2, as in a real step
     ops = {
         "qkv (rms_norm)": (lambda impl, i: impl.norm_linear(be, x, layers[i].input_norm, layers[i].qkv, 1e-5),
@@ -118,10 +126,10 @@ def gemv_table(model, opts) -> None:
     def time_us(call, impl) -> float:
         return time_ms([lambda i=i: call(impl, i) for i in range(len(layers))]) * 1e3
 
-    print("\nGEMMs of a layer at batch 1, alone (us per call, GB/s of weights)")
+    print(f"\nGEMMs of a layer at batch {rows}, alone (us per call, GB/s of weights)")
     for name, (call, weight) in ops.items():
         nbytes = weight.numel() * weight.element_size()
-        times = {"gemv": time_us(call, type(be)), "cublas": time_us(call, TorchBackend)}
+        times = {"ours": time_us(call, type(be)), "cublas": time_us(call, TorchBackend)}
         print(f"  {name:26s} {nbytes / 1e6:7.1f} MB  " + "  ".join(
             f"{k} {t:7.2f} us {nbytes / t / 1e3:6.0f} GB/s" for k, t in times.items()), flush=True)
 
@@ -246,7 +254,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="variant names to run (default: all)")
     ap.add_argument("--no-tables", action="store_true", help="no GEMM and attention tables")
     ap.add_argument("--model", default="random:llama-3.2-1b")
-    ap.add_argument("--batch", type=int, default=1, help="the profile's batch (the variants run batch 1)")
+    ap.add_argument("--batch", type=int, default=1, help="the profile's batch")
+    ap.add_argument("--variant-batch", type=int, default=1, help="the batch the variants run")
+    ap.add_argument("--gemm-rows", type=int, nargs="*", default=[1], help="the GEMM table's batches")
     args = ap.parse_args()
     opts = EngineOptions(model=args.model, device="cuda", batch=1)
     model = load_model(opts)
@@ -256,16 +266,17 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         settings = dict(settings)
-        v_opts = replace(opts, overlap=settings.pop("overlap", opts.overlap))
+        v_opts = replace(opts, overlap=settings.pop("overlap", opts.overlap), batch=args.variant_batch)
         with variant(settings):
-            r = run_batch(model, v_opts, 1, work, bandwidth)
+            r = run_batch(model, v_opts, args.variant_batch, work, bandwidth)
             gpu_ms = replay_ms(model, v_opts)
         print(json.dumps({"variant": name, "decode_tokens_per_s": round(r["decode_tokens_per_s"], 1),
                           "decode_step_ms": round(r["decode_step_ms"], 4), "graph_replay_ms": round(gpu_ms, 4),
                           "roofline_fraction": round(r["roofline_fraction"], 3),
                           "achieved_gb_per_s": round(r["achieved_gb_per_s"], 1)}), flush=True)
     if not args.no_tables:
-        gemv_table(model, opts)
+        for rows in args.gemm_rows:
+            gemv_table(model, opts, rows)
         read_floor_table(model)
         attention_table()
     profile(model, replace(opts, batch=args.batch), args.profile_steps)

@@ -17,6 +17,7 @@ import torch
 
 from pagedcli.backends.cuda_build import (GEMV_CTAS_PER_SM, GEMV_SPLITS, GEMV_THREADS, GEMV_UNROLL, PARTITION_SIZE,
                                           SPLIT_CTAS_PER_SM, VEC_BYTES)
+from pagedcli.engine.batch import to_device
 from pagedcli.engine.cache import KVCache
 
 
@@ -58,17 +59,17 @@ def prefill_tiles(num_new: list[int], context_lens: list[int], rows: int, device
     """paged_prefill.cu's work list for a step: a tile per `rows` new tokens of a sequence,
     as (sequence, first row), the tiles that read the most keys first (a causal tile's keys end at
     its last row: launched early, the long ones do not trail the rest); and each sequence's first
-    token in the step. One host-to-device copy; int32 views of it."""
+    token in the step. One host-to-device copy (batch.to_device)."""
     tiles = [(ctx - n + r + min(rows, n - r), b, r)
              for b, (n, ctx) in enumerate(zip(num_new, context_lens)) for r in range(0, n, rows)]
     tiles.sort(key=lambda t: -t[0])
     starts = [0]
     for n in num_new[:-1]:
         starts.append(starts[-1] + n)
-    flat = [t[1] for t in tiles] + [t[2] for t in tiles] + starts + list(num_new)
-    values = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
-    n_tiles, B = len(tiles), len(num_new)
-    return values[:n_tiles], values[n_tiles:2 * n_tiles], values[2 * n_tiles:2 * n_tiles + B], values[2 * n_tiles + B:]
+    int32 = torch.int32
+    t = to_device({"seq": ([t[1] for t in tiles], int32), "row": ([t[2] for t in tiles], int32),
+                   "start": (starts, int32), "num_new": (list(num_new), int32)}, device)
+    return t["seq"], t["row"], t["start"], t["num_new"]
 
 
 def resident_ctas(kernel, threads: int, device_index: int, fallback: int) -> int:

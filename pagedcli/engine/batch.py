@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -43,18 +44,31 @@ class StepBatch:
             if samples is None or samples[b]:
                 last.append(len(flat) - 1)
         ctx = [c + n for c, n in zip(num_cached, num_new)]
+        int64, int32 = torch.int64, torch.int32
+        tensors = to_device({"token_ids": (flat, int64), "positions": (positions, int64), "token_seq": (token_seq, int64),
+                             "last_index": (last, int64), "slots": (slots, int32), "context_lens": (ctx, int32)}, device)
+        return cls(is_prefill=is_prefill, **tensors, num_new=num_new, context_lens_host=ctx)
 
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-        return cls(
-            is_prefill=is_prefill,
-            token_ids=tensor(flat, torch.int64),
-            positions=tensor(positions, torch.int64),
-            token_seq=tensor(token_seq, torch.int64),
-            slots=tensor(slots, torch.int32),
-            context_lens=tensor(ctx, torch.int32),
-            last_index=tensor(last, torch.int64),
-            num_new=num_new,
-            context_lens_host=ctx,
-        )
+def to_device(arrays: dict[str, tuple[list[int], torch.dtype]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Lists of ints as tensors of the given dtypes on `device`, in one host-to-device copy: packed
+    into one buffer, pinned on a GPU. A copy from pageable memory makes the host wait for the GPU's
+    queue before the driver stages it, so each prefill step's index lists (16k entries each for a
+    long prompt) left the GPU idle ~1 ms per copy (docs/performance.md, "Prefill"); from pinned
+    memory the copy is queued behind the step before, and the host goes on."""
+    offsets, total = {}, 0
+    for name, (values, dtype) in arrays.items():
+        offsets[name] = total
+        total += -(-len(values) * dtype.itemsize // 8) * 8  # every view starts 8-byte aligned
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    raw = host.numpy()
+    views = {}
+    for name, (values, dtype) in arrays.items():
+        start, nbytes = offsets[name], len(values) * dtype.itemsize
+        raw[start:start + nbytes].view(NUMPY_DTYPES[dtype])[:] = values
+        views[name] = (start, nbytes, dtype)
+    packed = host if device.type == "cpu" else host.to(device, non_blocking=True)
+    return {name: packed[start:start + nbytes].view(dtype) for name, (start, nbytes, dtype) in views.items()}
+
+
+NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
