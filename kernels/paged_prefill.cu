@@ -105,6 +105,14 @@ __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
     return r;
 }
 
+// 2^x, flushing results below float's normal range to zero (a probability under 2^-126 of the
+// row's largest, which is 1): MUFU.EX2 alone, without exp2f's handling of subnormal results.
+__device__ __forceinline__ float exp2_flush(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // --- the phases -----------------------------------------------------------------------------
 
 // Copy the key and value rows of `rows` positions starting at `first` of the sequence into their
@@ -193,7 +201,7 @@ __device__ __forceinline__ void softmax_rows(float (&s)[S_TILES][4], float (&o)[
         raw_max = fmaxf(raw_max, __shfl_xor_sync(FULL_MASK, raw_max, 2));
         // Finite: key 0 is in every row's first tile, so a row's max is finite from then on.
         const float m = fmaxf(run_max[half], raw_max * scale_log2);
-        const float correction = exp2f(run_max[half] - m);
+        const float correction = exp2_flush(run_max[half] - m);
         run_max[half] = m;
         float sum = 0.0f;
 #pragma unroll
@@ -201,7 +209,7 @@ __device__ __forceinline__ void softmax_rows(float (&s)[S_TILES][4], float (&o)[
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 float& x = s[j][2 * half + e];
-                x = exp2f(fmaf(x, scale_log2, -m));
+                x = exp2_flush(fmaf(x, scale_log2, -m));
                 sum += x;
             }
         }

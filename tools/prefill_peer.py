@@ -53,6 +53,8 @@ def main() -> None:
                          "kernels/paged_prefill.cu")
     ap.add_argument("--m-tiles", type=int, nargs="*", default=[cuda_build.PREFILL_M_TILES_SMALL_D],
                     help="16-row tiles a prefill warp computes at head_dim <= 64 (each value: an engine of its own)")
+    ap.add_argument("--block-n", type=int, nargs="*", default=[cuda_build.PREFILL_BLOCK_N],
+                    help="keys per prefill tile (with each --m-tiles value: an engine of its own)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the step budget (default: the engine's)")
     args = ap.parse_args()
     specs = [parse(s) for s in args.lens]
@@ -62,10 +64,11 @@ def main() -> None:
                          max_model_len=longest + 16, max_num_batched_tokens=args.max_num_batched_tokens)
     model = load_model(opts)
     engines = {}
-    for m in args.m_tiles:  # the plan reads the constant when the backend is built
-        cuda_build.PREFILL_M_TILES_SMALL_D = m
-        engines[m] = build_engine(model, opts)
-    print(f"step budget {engines[args.m_tiles[0]].scheduler.max_num_batched_tokens} tokens", flush=True)
+    for m in args.m_tiles:  # the plan reads the constants when the backend is built
+        for n in args.block_n:
+            cuda_build.PREFILL_M_TILES_SMALL_D, cuda_build.PREFILL_BLOCK_N = m, n
+            engines[m, n] = build_engine(model, opts)
+    print(f"step budget {next(iter(engines.values())).scheduler.max_num_batched_tokens} tokens", flush=True)
     gen = torch.Generator().manual_seed(0)
     vocab = model.source.config.vocab_size
     hf = None if args.no_hf else hf_model(model)
@@ -73,7 +76,7 @@ def main() -> None:
     for count, n in specs:
         prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for _ in range(count)]
         line = f"{count} x {n} tokens:"
-        for m, engine in engines.items():
+        for (m, n_keys), engine in engines.items():
             def ours(engine=engine):
                 engine.reset()
                 for p in prompts:
@@ -81,7 +84,7 @@ def main() -> None:
                 while engine.has_unfinished:
                     engine.step()
 
-            line += f"   pagedcli (m-tiles {m}) {best_ms(ours, args.repeats):7.1f} ms"
+            line += f"   pagedcli (m-tiles {m}, {n_keys} keys) {best_ms(ours, args.repeats):7.1f} ms"
         backend = engine.runner.model.backend
         if args.torch_prefill and getattr(backend, "prefill_kernel", False):
             backend.prefill_kernel = False
