@@ -9,6 +9,10 @@ Beyond tiny-vllm, blocks can be shared: a prompt reuses the cached blocks of a p
 (`prefix_cache.py`), and parallel samples share their prompt's blocks (`fork`), copying a shared
 block only before writing into it (copy-on-write).
 
+An fp8 pool (`geometry.kv_fp8`) holds e4m3 values, with `kv_scales` (model/fp8.py: float32
+[num_layers, num_kv_heads] for K and for V) beside it; blocks are copied and shared as raw bytes,
+so prefix caching and copy-on-write need nothing of their own.
+
 The table lives on the CPU (numpy) and, on a GPU, in a device mirror that receives only the entries
 that changed, once per step (`sync_device_table`).
 """
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 
 from pagedcli.model.config import CacheGeometry
+from pagedcli.model.fp8 import KVScales
 from pagedcli.errors import allocation_failure
 from pagedcli.engine.prefix_cache import PrefixCache, extend_block_hashes
 
@@ -81,20 +86,26 @@ class KVCache:
     """The pool, the allocator and the block table, for `max_slots` concurrent sequences."""
 
     def __init__(self, geometry: CacheGeometry, max_slots: int, max_model_len: int,
-                 device: torch.device | str = "cpu", shuffle_seed: int | None = None, prefix_caching: bool = True):
+                 device: torch.device | str = "cpu", shuffle_seed: int | None = None, prefix_caching: bool = True,
+                 kv_scales: KVScales | None = None):
         self.geometry = geometry
         self.max_slots = max_slots
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = geometry.blocks_for(max_model_len)
         self.device = torch.device(device)
         try:  # zeros, not empty: never-written token slots must hold finite numbers
-            self.pool = torch.zeros(geometry.pool_shape, dtype=geometry.dtype, device=self.device)
+            self.pool = torch.zeros(geometry.pool_shape, dtype=geometry.kv_dtype, device=self.device)
         except (RuntimeError, MemoryError) as e:
             oom = allocation_failure(e, f"the KV pool ({geometry.pool_bytes / 2**30:,.1f} GiB)",
                                      "use a smaller `cache_size` or `num_blocks`")
             if oom is None:
                 raise
             raise oom from None
+        # the fp8 pool's scales (None for a pool in the model dtype): the checkpoint's, or 1.0
+        self.kv_scales = None
+        if geometry.kv_fp8:
+            given = kv_scales or KVScales.default(geometry.num_layers, geometry.num_kv_heads, self.device)
+            self.kv_scales = given.to(self.device)
         self.prefix_cache = PrefixCache() if prefix_caching else None
         self.allocator = BlockAllocator(geometry.num_blocks, shuffle_seed,
                                         on_reuse=self.prefix_cache.forget if prefix_caching else None)
