@@ -194,6 +194,12 @@ class CacheGeometry:
         return self.kv_dtype == FP8_DTYPE
 
     @property
+    def kv_dtype_name(self) -> str:
+        """What the pool stores, as shown: `bfloat16`, or `float8_e4m3fn` (scaled, for a bfloat16 model)."""
+        name = str(self.kv_dtype).removeprefix("torch.")
+        return f"{name} (scaled, for {str(self.dtype).removeprefix('torch.')})" if self.kv_fp8 else name
+
+    @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
