@@ -294,3 +294,25 @@ def test_cuda_plan_sends_fp8_to_torch_ops_with_a_notice_each():
     # the pool write, is not launched with an fp8 pool)
     assert dict(plan.files["gemv.cu"][0])["V_OFFSET"] == bf16.v_offset
     assert plan_kernels(config, bf16, clusters=True).fallbacks == {}
+
+
+# --- bench --quality -----------------------------------------------------------------------------
+def test_bench_quality_reports_each_fp8_option_against_the_model_dtype(stories):
+    text = stories / "heldout.txt"
+    code, out, err = invoke("bench", "--quality", "--model", str(stories), "--device", "cpu", "--dtype", "bfloat16",
+                            "--quality-text", str(text), "--num-prompts", "2", "--output-len", "12", "--json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["variant"] for r in rows] == ["model dtype", "fp8 KV", "fp8 weights", "fp8 weights + KV",
+                                            "float32, for scale"]
+    base = rows[0]
+    assert base["perplexity_change"] == 0 and base["greedy_match"] == 1 and base["identical_prompts"] == 2
+    assert rows[-1]["dtype"] == "float32" and all(r["dtype"] == "bfloat16" for r in rows[:-1])
+    assert rows[2]["weight_bytes"] < base["weight_bytes"] == rows[1]["weight_bytes"]
+    assert all(1 < r["perplexity"] < 512 and 0 <= r["greedy_match"] <= 1 for r in rows)
+    assert len({r["perplexity"] for r in rows}) == len(rows), "every option changes the arithmetic"
+
+
+def test_bench_quality_needs_held_out_text_beside_the_built_in_model(stories):
+    code, _, err = invoke("bench", "--quality", "--model", str(stories), "--device", "cpu")
+    assert code == 2 and "--quality-text" in err and len(err.strip().splitlines()) == 1

@@ -22,7 +22,7 @@ from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.sequence import SamplingParams
 from pagedcli.errors import UsageError, plural
 from pagedcli.model.loader import EngineOptions, Model, build_engine, load_model
-from pagedcli.model.source import DEMO_FOLDER, ModelSource
+from pagedcli.model.source import DEMO_FOLDER, ModelSource, resolve_model
 
 WINDOW_TOKENS = 256  # tokens a perplexity window holds (the demo model's training windows)
 PROMPT_TOKENS = 16  # tokens a greedy-agreement prompt holds
@@ -31,17 +31,21 @@ HELDOUT_FILE = "heldout.txt"  # the built-in model's held-out slice, in its fold
 # (name, kv_cache_dtype, quantization); the first is the baseline the others are held against
 VARIANTS = (("model dtype", "auto", "none"), ("fp8 KV", "fp8", "none"), ("fp8 weights", "auto", "fp8"),
             ("fp8 weights + KV", "fp8", "fp8"))
+# beside a baseline in a 16-bit dtype, float32 shows how far that dtype itself is from exact
+SCALE_VARIANT = "float32, for scale"
 
 
 @dataclass
 class QualityRow:
     variant: str
+    dtype: str  # the model dtype of this row
     kv_cache_dtype: str
     quantization: str
     perplexity: float
     perplexity_change: float  # relative to the baseline: 0.01 is 1% higher
     greedy_match: float  # mean share of the first N greedy tokens equal to the baseline's, up to the first difference
     identical_prompts: int  # prompts whose first N greedy tokens are all the baseline's
+    num_prompts: int
     weight_bytes: int
 
 
@@ -98,17 +102,19 @@ def measure_quality(opts: EngineOptions, text_path: Path | None, num_prompts: in
                     notice=lambda _: None, progress=lambda _: None) -> tuple[list[QualityRow], Model]:
     """The table's rows, one per VARIANTS entry, each on the model loaded with its options; and
     the baseline's model (for the table's title)."""
-    rows, base_ppl, base_tokens, base, text = [], None, None, None, None
-    for name, kv, quant in VARIANTS:
+    text = quality_text(text_path, resolve_model(opts.model))  # refused before anything loads
+    rows, base_ppl, base_tokens, base = [], None, None, None
+    variants = [(name, kv, quant, opts.dtype) for name, kv, quant in VARIANTS]
+    for name, kv, quant, dtype in variants:
         progress(name)
-        variant = replace(opts, kv_cache_dtype=kv, quantization=quant, batch=max(1, num_prompts),
+        variant = replace(opts, kv_cache_dtype=kv, quantization=quant, dtype=dtype, batch=max(1, num_prompts),
                           prefix_caching=False)
         model = load_model(variant, notice)
+        if base is None and model.dtype != torch.float32:
+            variants.append((SCALE_VARIANT, "auto", "none", "float32"))
         if model.tokenizer is None:
             raise UsageError(f"--quality needs a tokenizer, and {model.source.name} has none",
                              "use a model folder with tokenizer.json")
-        if text is None:
-            text = quality_text(text_path, model.source)
         engine = build_engine(model, variant, notice)
         ids = model.tokenizer.encode(text)
         window = min(WINDOW_TOKENS, engine.cache.max_model_len)
@@ -122,7 +128,8 @@ def measure_quality(opts: EngineOptions, text_path: Path | None, num_prompts: in
         if base_ppl is None:
             base_ppl, base_tokens = ppl, tokens
         match, identical = agreement(base_tokens, tokens, num_tokens) if tokens else (float("nan"), 0)
-        rows.append(QualityRow(name, kv, quant, ppl, ppl / base_ppl - 1, match, identical, model.weights.nbytes))
+        rows.append(QualityRow(name, str(model.dtype).removeprefix("torch."), kv, quant, ppl, ppl / base_ppl - 1,
+                               match, identical, len(prompts), model.weights.nbytes))
         base = base or model
         del engine
     return rows, base

@@ -163,10 +163,10 @@ def _quality_bench(engine_flags: EngineFlags, text_path: Path | None, num_prompt
     dtype = str(model.dtype).removeprefix("torch.")
     if json_output:
         for r in rows:
-            print(json.dumps(asdict(r) | {"model": name, "dtype": dtype, "device": device,
-                                          "num_prompts": num_prompts, "num_tokens": lo}), flush=True)
+            print(json.dumps(asdict(r) | {"model": name, "baseline_dtype": dtype, "device": device, "num_tokens": lo}),
+                  flush=True)
     else:
-        print_tables(quality_table(rows, name, dtype, device, num_prompts, lo))
+        print_tables(quality_table(rows, name, dtype, device, lo))
 
 
 def _kernel_bench(loaded, json_output: bool, bandwidth: float | None) -> None:

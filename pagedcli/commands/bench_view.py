@@ -180,17 +180,18 @@ def kernel_table(rows: list[dict], bandwidth_gbps: float) -> Table:
     return t
 
 
-def quality_table(rows, model: str, dtype: str, device: str, num_prompts: int, num_tokens: int) -> Table:
+def quality_table(rows, model: str, dtype: str, device: str, num_tokens: int) -> Table:
     """`bench --quality`: perplexity and greedy agreement of each fp8 option against the model dtype."""
     table = Table(title=f"{model} on {device}: fp8 against {dtype}", title_justify="left",
-                  caption=f"perplexity on the held-out text; greedy: the share of the first {num_tokens} greedy tokens "
-                          f"of {num_prompts} prompts equal to {dtype}'s, up to the first difference",
+                  caption=f"perplexity on the held-out text; greedy match: the share of the first {num_tokens} greedy "
+                          f"tokens equal to {dtype}'s, up to the first difference (mean over the prompts; identical: "
+                          "prompts whose tokens all are)",
                   caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("", "KV cache", "weights", "weight bytes", "perplexity", "change", "greedy\nmatch", "identical"):
         table.add_column(col, justify="left" if not col else "right", min_width=_widest(col))
-    for r in rows:
-        change = "-" if r.variant == rows[0].variant else f"{100 * r.perplexity_change:+.2f}%"
-        table.add_row(r.variant, dtype if r.kv_cache_dtype == "auto" else r.kv_cache_dtype,
-                      dtype if r.quantization == "none" else r.quantization, human_bytes(r.weight_bytes),
-                      f"{r.perplexity:.3f}", change, f"{100 * r.greedy_match:.1f}%", f"{r.identical_prompts}/{num_prompts}")
+    for i, r in enumerate(rows):
+        table.add_row(r.variant, r.dtype if r.kv_cache_dtype == "auto" else r.kv_cache_dtype,
+                      r.dtype if r.quantization == "none" else r.quantization, human_bytes(r.weight_bytes),
+                      f"{r.perplexity:.3f}", f"{100 * r.perplexity_change:+.2f}%" if i else "-",
+                      f"{100 * r.greedy_match:.1f}%", f"{r.identical_prompts}/{r.num_prompts}")
     return table
