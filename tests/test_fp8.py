@@ -220,6 +220,24 @@ def test_fp8_checkpoint_equals_the_same_weights_quantized_at_load(stories, tmp_p
     torch.testing.assert_close(dequantized.weights.layers[1].gate_up, a.gate_up.dequantize(), rtol=0, atol=0)
 
 
+def compressed_tensors(strategy: str) -> dict:
+    """compressed-tensors' quantization_config for fp8 weights (as llm-compressor writes it)."""
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+
+
+def test_compressed_tensors_fp8_checkpoint_reads_as_fp8(stories, tmp_path):
+    folder = fp8_checkpoint(stories, tmp_path / "ct", **compressed_tensors("channel"))
+    at_load = load_model(options(stories, quantization="fp8")).weights.layers[2].down
+    shipped = load_model(options(folder, quantization="fp8")).weights.layers[2].down
+    assert torch.equal(at_load.values.view(torch.uint8), shipped.values.view(torch.uint8))
+    assert torch.equal(at_load.scale, shipped.scale)
+    blocks = fp8_checkpoint(stories, tmp_path / "ct-block", **compressed_tensors("block"))
+    with pytest.raises(RunError, match="compressed-tensors fp8 scales of strategy 'block' are not supported"):
+        load_model(options(blocks))
+
+
 def test_fp8_checkpoint_with_per_tensor_scales(stories, tmp_path):
     folder = fp8_checkpoint(stories, tmp_path / "fp8", per_tensor=True)
     tensors = load_file(folder / "model.safetensors")
@@ -316,3 +334,21 @@ def test_bench_quality_reports_each_fp8_option_against_the_model_dtype(stories):
 def test_bench_quality_needs_held_out_text_beside_the_built_in_model(stories):
     code, _, err = invoke("bench", "--quality", "--model", str(stories), "--device", "cpu")
     assert code == 2 and "--quality-text" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_counts_fp8_bytes_in_the_pool_and_the_roofline(stories):
+    rows = {}
+    for kv, quant in (("auto", "none"), ("fp8", "fp8")):
+        code, out, err = invoke("bench", "--model", str(stories), "--device", "cpu", "--batch", "2", "--input-len", "8",
+                                "--output-len", "6", "--bandwidth", "10", "--cache-size", "4MiB",
+                                "--kv-cache-dtype", kv, "--quantization", quant, "--json")
+        assert code == 0, err
+        rows[kv] = json.loads(out)
+    plain, fp8 = rows["auto"], rows["fp8"]
+    assert fp8["kv_cache_dtype"] == "fp8" and fp8["quantization"] == "fp8"
+    assert fp8["kv_blocks_total"] == 4 * plain["kv_blocks_total"], "float32 -> 1 byte: 4 MiB holds four times the blocks"
+    assert fp8["kv_pool_bytes"] == plain["kv_pool_bytes"]
+    assert fp8["kv_bytes_peak"] * 4 == plain["kv_bytes_peak"]
+    model = load_model(options(stories, quantization="fp8"))
+    assert fp8["weight_bytes_per_step"] == model.weights.nbytes < plain["weight_bytes_per_step"]
+    assert fp8["roofline_step_ms"] < plain["roofline_step_ms"]

@@ -6,8 +6,8 @@ never held twice in memory.
 
 FP8 (model/fp8.py): with `quantization` fp8 the linear layers (q/k/v, o, gate/up, down) become
 `Fp8Weight`s, quantized as they are read; a checkpoint whose config.json has a quantization_config of
-quant_method fp8 ships them as e4m3 values with a `weight_scale` each (per tensor or per output
-channel, as vLLM's and compressed-tensors' checkpoints name them), kept as they are, or dequantized
+quant_method fp8 (or compressed-tensors' fp8) ships them as e4m3 values with a `weight_scale` each
+(per tensor or per output channel, as vLLM's and llm-compressor's checkpoints name them), kept as they are, or dequantized
 to the model dtype when `quantization` is none. The embeddings, norms and LM head stay in the model
 dtype. K/V scales a checkpoint ships (`self_attn.k_scale`, `self_attn.v_scale`, vLLM's names) come
 along for an fp8 KV cache.
@@ -310,21 +310,40 @@ class _TensorReader:
 
 
 def fp8_checkpoint(config: ModelConfig) -> bool:
-    """Whether config.json says the checkpoint ships fp8 weights (quantization_config of quant_method
-    fp8, e4m3, scales per tensor or per channel); any other quantization is refused here."""
+    """Whether config.json says the checkpoint ships fp8 weights: a quantization_config of quant_method
+    fp8 (vLLM's, transformers'), or compressed-tensors with 8-bit float weights, e4m3, scales per
+    tensor or per channel. Any other quantization, block-wise scales included, is refused here."""
     q = config.raw.get("quantization_config")
     if q is None:
         return False
     method = q.get("quant_method") if isinstance(q, dict) else None
+    if method == "compressed-tensors":
+        return _compressed_tensors_fp8(q)
     if method != "fp8":
         raise RunError(f"config.json: quantization_config's quant_method {show_value(method)} is not supported",
                        "pagedcli reads float checkpoints and fp8 ones (quant_method fp8)")
     if q.get("weight_block_size") is not None:
         raise RunError(f"config.json: block-wise fp8 scales (weight_block_size {show_value(q['weight_block_size'])}) "
-                       "are not supported", "use a checkpoint with per-tensor or per-channel scales, or its float "
-                       "original with `quantization` fp8")
+                       "are not supported", BLOCK_WISE_HINT)
     if q.get("fmt", "e4m3") != "e4m3":
         raise RunError(f"config.json: fp8 format {show_value(q.get('fmt'))} is not supported", "pagedcli reads e4m3")
+    return True
+
+
+BLOCK_WISE_HINT = "use a checkpoint with per-tensor or per-channel scales, or its float original with `quantization` fp8"
+
+
+def _compressed_tensors_fp8(q: dict) -> bool:
+    """compressed-tensors' config_groups: every group's weights 8-bit floats, per tensor or channel."""
+    groups = q.get("config_groups")
+    schemes = [g.get("weights") if isinstance(g, dict) else None for g in groups.values()] if isinstance(groups, dict) else []
+    for w in schemes or [None]:
+        if not isinstance(w, dict) or w.get("num_bits") != 8 or w.get("type") != "float":
+            raise RunError(f"config.json: compressed-tensors weights {show_value(w)} are not supported",
+                           "pagedcli reads 8-bit float (fp8) weights")
+        if w.get("strategy") not in ("tensor", "channel"):
+            raise RunError(f"config.json: compressed-tensors fp8 scales of strategy {show_value(w.get('strategy'))} "
+                           "are not supported", BLOCK_WISE_HINT)
     return True
 
 
