@@ -30,6 +30,19 @@ FP8_OPTIONS = [("fp8", "none"), ("auto", "fp8"), ("fp8", "fp8")]
 LOGIT_ATOL = 5e-2
 
 
+def assert_same_until_a_near_tie(tokens, want_tokens, logits, want_logits):
+    """Each sequence's logits agree step by step; the greedy tokens too, except where the
+    reference's two best logits are nearer than the tolerance allows telling apart (after such a
+    step the two texts part and nothing more is compared)."""
+    for a, b, la, lb in zip(tokens, want_tokens, logits, want_logits):
+        for i, (x, y) in enumerate(zip(a, b)):
+            torch.testing.assert_close(la[i], lb[i], rtol=0, atol=LOGIT_ATOL)
+            if x != y:
+                best, second = lb[i].topk(2).values.tolist()
+                assert best - second < 2 * LOGIT_ATOL, f"step {i}: tokens {x} and {y} differ without a near-tie"
+                break
+
+
 def run(model_folder, device: str, kv: str, quant: str, prompts, steps: int, **kw):
     opts = EngineOptions(model=str(model_folder), device=device, dtype="float32", batch=len(prompts),
                          kv_cache_dtype=kv, quantization=quant, shuffle_blocks=17, **kw)
@@ -51,9 +64,7 @@ def test_stories260k_fp8_on_cuda_equals_the_cpu_torch_path(stories, kv, quant, e
     if kv == "fp8":
         assert engine.cache.pool.dtype == FP8_DTYPE and engine.cache.kv_scales.k.is_cuda
     _, want_tokens, want_logits = run(stories, "cpu", kv, quant, prompts, 60, num_blocks=5 * 60)
-    assert tokens == want_tokens
-    for got, want in zip(logits, want_logits):
-        torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_ATOL)
+    assert_same_until_a_near_tie(tokens, want_tokens, logits, want_logits)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -65,9 +76,12 @@ def test_cuda_backend_equals_torch_backend_with_fp8(tmp_path, head_dim, gqa, kv,
     from pagedcli.backends import TorchBackend
 
     kv_heads = 2
+    hidden = kv_heads * gqa * head_dim
+    # hf_checkpoint's initializer_range suits its hidden size of 64; wider models get it scaled down
+    # by sqrt(64 / hidden), so that activations keep their size and the model is not chaotic
     folder = hf_checkpoint(tmp_path / "m", num_attention_heads=kv_heads * gqa, num_key_value_heads=kv_heads,
-                           head_dim=head_dim, hidden_size=kv_heads * gqa * head_dim, intermediate_size=256,
-                           max_position_embeddings=512)
+                           head_dim=head_dim, hidden_size=hidden, intermediate_size=256, max_position_embeddings=512,
+                           initializer_range=0.15 * (64 / hidden) ** 0.5)
     for batch in (1, 3):
         prompts = [list(range(3, 3 + 70)), [5, 6, 7], [9] * 20][:batch]
         opts = EngineOptions(model=str(folder), device="cuda", dtype="float32", batch=batch, shuffle_blocks=3,
@@ -80,9 +94,7 @@ def test_cuda_backend_equals_torch_backend_with_fp8(tmp_path, head_dim, gqa, kv,
         params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
         a = [s.output_token_ids for s in ours.run_to_completion(prompts, params)]
         b = [s.output_token_ids for s in reference.run_to_completion(prompts, params)]
-        assert a == b, (head_dim, gqa, kv, quant, batch)
-        for x, y in zip(seen[0].values(), seen[1].values()):
-            torch.testing.assert_close(torch.stack(x), torch.stack(y), rtol=0, atol=LOGIT_ATOL)
+        assert_same_until_a_near_tie(a, b, *([torch.stack(v) for v in x.values()] for x in seen))
 
 
 def test_fp8_pool_on_cuda_holds_twice_the_blocks_of_bf16(stories):
@@ -93,3 +105,15 @@ def test_fp8_pool_on_cuda_holds_twice_the_blocks_of_bf16(stories):
         blocks[kv] = engine.cache.geometry.num_blocks
         assert engine.cache.pool.numel() * engine.cache.pool.element_size() == engine.cache.geometry.pool_bytes
     assert blocks["fp8"] == 2 * blocks["auto"]
+
+
+def test_gpu_memory_utilization_gives_an_fp8_pool_twice_the_blocks(stories):
+    """The same share of the GPU, the same bytes for the pool: twice the blocks at a byte an element."""
+    blocks = {}
+    for kv in ("auto", "fp8"):
+        opts = EngineOptions(model=str(stories), device="cuda", dtype="bfloat16", kv_cache_dtype=kv,
+                             gpu_memory_utilization=0.3)
+        engine = build_engine(load_model(opts), opts)
+        blocks[kv] = engine.cache.geometry.num_blocks
+        del engine
+    assert abs(blocks["fp8"] / blocks["auto"] - 2) < 0.02, blocks
