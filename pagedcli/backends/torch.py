@@ -27,7 +27,7 @@ from pagedcli.backends import composed
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.cache import KVCache
 from pagedcli.model.config import ModelConfig
-from pagedcli.model.fp8 import dequantize_kv, quantize_kv
+from pagedcli.model.fp8 import dequantize_kv, quantize_kv, raw
 from pagedcli.model.rope import RotaryTable, apply_rope
 
 # Most mask entries times heads (the scores SDPA may materialize) one attention call handles:
@@ -185,11 +185,11 @@ class TorchBackend:
         s = self._step
         q, k = apply_rope(q, s["cos"], s["sin"]), apply_rope(k, s["cos"], s["sin"])
         physical = self.cache.device_table[s["token_slot"], layer, s["token_block"]].long()
-        pool, offset, row, keep = self.cache.pool, s["token_offset"], s["write_row"], s["write_nothing"]
+        pool, offset, row, keep = raw(self.cache.pool), s["token_offset"], s["write_row"], s["write_nothing"]
         k, v = k[row], v[row]
         scales = self.cache.kv_scales
         if scales is not None:
-            k, v = quantize_kv(k, scales.k[layer]), quantize_kv(v, scales.v[layer])
+            k, v = raw(quantize_kv(k, scales.k[layer])), raw(quantize_kv(v, scales.v[layer]))
         pool[physical, 0, offset] = torch.where(keep, pool[physical, 0, offset], k)
         pool[physical, 1, offset] = torch.where(keep, pool[physical, 1, offset], v)
         return q
@@ -205,8 +205,9 @@ class TorchBackend:
     def _attend(self, layer: int, q: torch.Tensor, s: dict) -> torch.Tensor:
         table = self.cache.device_table[:, layer]
         physical = table[s["slots"][:, None], s["key_block"][None, :]].long().clamp(min=0)  # [B, Lk]
-        k = self.cache.pool[physical, 0, s["key_offset"][None, :]]  # [B, Lk, kv_heads, head_dim]
-        v = self.cache.pool[physical, 1, s["key_offset"][None, :]]
+        pool = raw(self.cache.pool)
+        k = pool[physical, 0, s["key_offset"][None, :]]  # [B, Lk, kv_heads, head_dim]
+        v = pool[physical, 1, s["key_offset"][None, :]]
         scales = self.cache.kv_scales
         if scales is not None:
             k, v = dequantize_kv(k, scales.k[layer], q.dtype), dequantize_kv(v, scales.v[layer], q.dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedcli.model.fp8 import dequantize_kv
+from pagedcli.model.fp8 import dequantize_kv, raw
 
 
 def decode_attention_full_width(q: torch.Tensor, pool: torch.Tensor, layer_table: torch.Tensor,
@@ -29,6 +29,7 @@ def decode_attention_full_width(q: torch.Tensor, pool: torch.Tensor, layer_table
     own = (key_pos[None, :] < context_lens[:, None]) & (physical >= 0)
     block, offset = physical.clamp(min=0), (key_pos % block_size)[None, :]
     keep = own[:, :, None, None]
+    pool = raw(pool)
     k, v = pool[block, 0, offset], pool[block, 1, offset]  # [B, L, kv_heads, head_dim]
     if k_scale is not None:
         k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)

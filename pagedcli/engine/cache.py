@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from pagedcli.model.config import CacheGeometry
-from pagedcli.model.fp8 import KVScales
+from pagedcli.model.fp8 import KVScales, raw
 from pagedcli.errors import allocation_failure
 from pagedcli.engine.prefix_cache import PrefixCache, extend_block_hashes
 
@@ -94,7 +94,9 @@ class KVCache:
         self.max_blocks_per_seq = geometry.blocks_for(max_model_len)
         self.device = torch.device(device)
         try:  # zeros, not empty: never-written token slots must hold finite numbers
-            self.pool = torch.zeros(geometry.pool_shape, dtype=geometry.kv_dtype, device=self.device)
+            # (an fp8 pool is made as zero bytes and viewed as e4m3: +0.0 is all zero bits)
+            self.pool = torch.zeros(geometry.pool_shape, dtype=torch.uint8 if geometry.kv_fp8 else geometry.kv_dtype,
+                                    device=self.device).view(geometry.kv_dtype)
         except (RuntimeError, MemoryError) as e:
             oom = allocation_failure(e, f"the KV pool ({geometry.pool_bytes / 2**30:,.1f} GiB)",
                                      "use a smaller `cache_size` or `num_blocks`")
@@ -260,8 +262,9 @@ class KVCache:
         src = torch.tensor(np.concatenate([s for s, _ in self.pending_copies]), dtype=torch.long)
         dst = torch.tensor([b for _, d in self.pending_copies for b in d], dtype=torch.long)
         self.pending_copies.clear()
-        # non_blocking, as in sync_device_table
-        self.pool[dst.to(self.device, non_blocking=True)] = self.pool[src.to(self.device, non_blocking=True)]
+        # non_blocking, as in sync_device_table; raw bytes, whatever the pool's dtype
+        pool = raw(self.pool)
+        pool[dst.to(self.device, non_blocking=True)] = pool[src.to(self.device, non_blocking=True)]
 
     # --- the device mirror ----------------------------------------------------------------
     def _mark_changed(self, slot: int, start: int, stop: int) -> None:

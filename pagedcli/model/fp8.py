@@ -11,7 +11,8 @@ float32 scales:
   the dot accumulated in float32.
 
 torch's float8 cast does not promise to saturate (out-of-range values may become NaN), so every
-cast here clamps to ±FP8_MAX first.
+cast here clamps to ±FP8_MAX first. Gathers, scatters and copies of fp8 tensors go through their
+uint8 view (`raw`): the same bytes, and ops every torch version has for every device.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype
 QUANTIZATIONS = ("none", "fp8")
 DEFAULT_KV_SCALE = 1.0  # vLLM's, when the checkpoint has none
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor's bytes as uint8 (a view: writes go through); any other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +62,9 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """stored: [..., kv_heads, head_dim] e4m3; scale: [kv_heads]. The values in `dtype`."""
+    """stored: [..., kv_heads, head_dim] e4m3 (or its uint8 bytes); scale: [kv_heads]. The values in `dtype`."""
+    if stored.dtype == torch.uint8:
+        stored = stored.view(FP8_DTYPE)
     return (stored.float() * scale[:, None]).to(dtype)
 
 
