@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from pagedcli.model.fp8 import Fp8Weight, fp8_linear
+
 
 def linear(x, weight, bias=None):
-    """x @ weight.T (+ bias, as nn.Linear adds it)."""
+    """x @ weight.T (+ bias, as nn.Linear adds it); an fp8 weight through fp8_linear (its float32
+    dot times the row's scale)."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear(x, weight, bias)
     return x @ weight.T if bias is None else F.linear(x, weight, bias)
 
 

@@ -13,6 +13,10 @@ What runs where:
                       sequence's rows in one launch, K/V read through the block table);
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs.
 
+FP8 (model/fp8.py) has no kernels yet: with an fp8 pool the K/V write and both attentions are the
+torch backend's (which quantize and dequantize), and Fp8Weights take composed.linear's torch
+product; `fallbacks` says so, and the loader tells the user.
+
 Kernels are compiled once per geometry (the `-D` defines from `CacheGeometry.defines()`, plus the
 head count and the dtype) and cached in-process; CuPy also caches the binaries on disk. Every
 launch goes on torch's current stream, with raw device pointers of torch tensors (no copies).
@@ -45,7 +49,7 @@ from pagedcli.errors import RunError
 
 
 class CudaBackend:
-    def __init__(self, cache: KVCache, config: ModelConfig):
+    def __init__(self, cache: KVCache, config: ModelConfig, fp8_weights: bool = False):
         ok, why = cuda_available()
         if not ok:
             raise RunError(f"the CUDA backend cannot run: {why}", "use the torch backend instead")
@@ -62,7 +66,8 @@ class CudaBackend:
         self.dtype = geo.dtype
         self.num_heads = config.num_heads
         self.head_dim = geo.head_dim
-        self.vec = VEC_BYTES // geo.itemsize  # elements in a 16-byte vector
+        self.vec = VEC_BYTES // geo.dtype.itemsize  # model-dtype elements in a 16-byte vector
+        self.kv_fp8 = geo.kv_fp8
         self.scale_log2 = np.float32(math.log2(math.e) / math.sqrt(geo.head_dim))
         self.max_context = cache.max_blocks_per_seq * geo.block_size  # the block table's width in tokens
         self.num_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
@@ -74,7 +79,8 @@ class CudaBackend:
         import cupy
 
         optin = cupy.cuda.Device(self.device_index).attributes["MaxSharedMemoryPerBlockOptin"]
-        plan = plan_kernels(config, geo, clusters=self.cluster > 1, tensor_cores=capability >= (8, 0), max_shared=optin)
+        plan = plan_kernels(config, geo, clusters=self.cluster > 1, tensor_cores=capability >= (8, 0), max_shared=optin,
+                            fp8_weights=fp8_weights)
         self.fallbacks = dict(plan.fallbacks)
         self.heads_per_cta = plan.heads_per_cta
         self.attention_kernel = plan.attention_decode
@@ -107,7 +113,7 @@ class CudaBackend:
         # per-token RoPE rows for dynamic NTK); decode needs nothing from the host: the batch
         # tensors go to the kernels
         torch_prefill = batch.is_prefill and not self.prefill_kernel
-        self.reference.prepare_indices(batch, attention=torch_prefill, rope=not self.rope.static)
+        self.reference.prepare_indices(batch, attention=torch_prefill, rope=not self.rope.static or self.kv_fp8)
         if batch.is_prefill and self.prefill_kernel:
             self._prefill_tiles = prefill_tiles(batch.num_new, batch.context_lens_host, self.prefill_rows,
                                                 self.cache.device)
@@ -115,7 +121,7 @@ class CudaBackend:
             self.shapes.scratch_for(batch.slots.shape[0])
 
     def rope_write_kv(self, layer: int, q, k, v, batch: StepBatch):
-        if not self.rope.static:  # the kernel reads fixed cos/sin tables
+        if not self.rope.static or self.kv_fp8:  # the kernel reads fixed cos/sin tables, writes no fp8
             return self.reference.rope_write_kv(layer, q, k, v, batch)
         T = q.shape[0]
         kv_heads = self.cache.geometry.num_kv_heads
@@ -134,7 +140,7 @@ class CudaBackend:
         return q_out
 
     def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None):
-        if bias is not None or not self.rope.static:  # gemv.cu has no bias and reads fixed cos/sin tables
+        if bias is not None or not self.rope.static or self.kv_fp8:  # gemv.cu: no bias, fixed cos/sin, no fp8 pool
             return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch, bias)
         geo = self.cache.geometry
         T = x.shape[0] if x.dim() == 2 else 0
@@ -162,8 +168,10 @@ class CudaBackend:
         if q.shape[0] != B:
             raise ValueError(f"decode attend: {q.shape[0]} queries for {B} sequences")
         if not self.attention_kernel:
+            scales = self.cache.kv_scales
             return decode_attention_full_width(q, self.cache.pool, self.cache.device_table[:, layer], batch.slots,
-                                               batch.context_lens, self.max_context)
+                                               batch.context_lens, self.max_context,
+                                               *((scales.k[layer], scales.v[layer]) if scales is not None else ()))
         q = q.contiguous()
         out = torch.empty_like(q)
         if B == 0:

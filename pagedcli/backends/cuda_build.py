@@ -12,7 +12,7 @@ The tuning constants are written here only; the .cu files receive them as -D def
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -195,16 +195,29 @@ class KernelPlan:
 
 
 def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, tensor_cores: bool = True,
-                 max_shared: int = H100_MAX_SHARED) -> KernelPlan:
-    """The kernels for `config` with the cache of `geometry` (its dtype is the model's) on a GPU
-    with thread-block clusters (`clusters`: sm_90+), bf16/fp16 mma.sync (`tensor_cores`: sm_80+)
-    and `max_shared` bytes of shared memory a CTA may opt in to."""
+                 max_shared: int = H100_MAX_SHARED, fp8_weights: bool = False) -> KernelPlan:
+    """The kernels for `config` with the cache of `geometry` (its dtype is the model's; its pool's
+    may be fp8) on a GPU with thread-block clusters (`clusters`: sm_90+), bf16/fp16 mma.sync
+    (`tensor_cores`: sm_80+) and `max_shared` bytes of shared memory a CTA may opt in to;
+    `fp8_weights`: the linear layers are Fp8Weights (model/fp8.py)."""
     if geometry.dtype not in DTYPE_DEFINES:
         raise ValueError(f"no CUDA kernels for {geometry.dtype}")
     dtype = ((DTYPE_DEFINES[geometry.dtype], None),)
-    model = tuple(sorted(geometry.defines().items())) + (("NUM_HEADS", config.num_heads),) + dtype
+    # No kernel reads or writes an fp8 pool yet: its K/V write and attention run as the torch
+    # backend's ops (which quantize and dequantize), and gemv.cu, whose qkv epilogue (the pool
+    # write) is then never launched, is compiled with the model dtype's block sizes, which its
+    # geometry.cuh checks against sizeof(scalar_t).
+    kernel_geometry = replace(geometry, cache_dtype=None) if geometry.kv_fp8 else geometry
+    model = tuple(sorted(kernel_geometry.defines().items())) + (("NUM_HEADS", config.num_heads),) + dtype
     plan = KernelPlan()
-    plan.files["kv_write.cu"] = (model, ("rope_write_kv",))
+    if fp8_weights:
+        plan.fallbacks["linear layers"] = ("`quantization` fp8: no fp8 GEMV/GEMM kernels yet; "
+                                           "torch's float32 product of the fp8 values, times each row's scale")
+    if geometry.kv_fp8:
+        for op in ("RoPE and the K/V write", "decode attention", "prefill attention"):
+            plan.fallbacks[op] = "`kv_cache_dtype` fp8: no fp8 kernels yet; torch ops quantize and dequantize"
+    else:
+        plan.files["kv_write.cu"] = (model, ("rope_write_kv",))
     plan.files["elementwise.cu"] = (dtype, ("rms_norm_vec", "rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"))
     gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),
                     ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST))
@@ -217,10 +230,12 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
         plan.fallbacks["q/k/v and o projections"] = "attention_bias: gemv.cu adds no bias; cuBLAS, then torch's add"
     if config.mlp_bias:
         plan.fallbacks["gate/up and down projections"] = "mlp_bias: gemv.cu adds no bias; cuBLAS, then torch's add"
-    if config.rope_type == "dynamic":
+    if config.rope_type == "dynamic" and not geometry.kv_fp8:
         plan.fallbacks["RoPE and the K/V write"] = ("dynamic NTK RoPE rotates each token by its sequence's length, "
                                                     "not by one fixed table")
 
+    if geometry.kv_fp8:
+        return plan
     why = prefill_unsupported(geometry, tensor_cores, max_shared)
     if why is None:
         plan.prefill_shared = prefill_shared_bytes(geometry.head_dim, geometry.itemsize)

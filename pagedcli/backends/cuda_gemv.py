@@ -9,13 +9,17 @@ import torch
 
 from pagedcli.backends.cuda_build import GEMV_MAX_ROWS, GEMV_MAX_SHARED, GEMV_ROW_BUCKETS, GEMV_THREADS, VEC_BYTES
 from pagedcli.backends.cuda_launch import aligned, ptr
+from pagedcli.model.fp8 import Fp8Weight
 
 
 def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
          rope_kv: tuple | None = None) -> torch.Tensor | None:
     """x (or its RMSNorm) @ weight.T through gemv.cu, followed by what `op` says; None when the
     shapes are not gemv.cu's (too many rows, unaligned, other dtype): the caller uses cuBLAS.
-    rope_kv: (layer, batch) for the qkv epilogue, which returns the rotated q."""
+    rope_kv: (layer, batch) for the qkv epilogue, which returns the rotated q. An fp8 weight
+    (model/fp8.py) has no kernel yet: None."""
+    if isinstance(weight, Fp8Weight):
+        return None
     N, K = weight.shape
     rows = x.shape[0] if x.dim() == 2 else 0
     paired = op.endswith(("silu_mul", "rope_kv"))  # units of two rows make one output pair

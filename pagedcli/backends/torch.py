@@ -10,6 +10,10 @@ owner left) are zeroed after the gather, not only masked: a masked score weighs 
 0 x NaN are NaN, so one request's overflow would reach its neighbours. Long prefills run in chunks
 of query rows, so the mask and the scores stay within ATTENTION_CHUNK_ELEMENTS, not [Lq, Lk]; a
 chunked-prefill step runs its decode rows apart from its prompt chunks, unpadded.
+
+An fp8 pool (`cache.kv_scales` set) is written as e4m3(x / scale) and read as stored * scale in the
+model dtype (model/fp8.py), the scale the layer's per KV head; the gathered keys are dequantized
+before the unowned ones are zeroed, so a stray NaN byte is zeroed too.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pagedcli.backends import composed
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.cache import KVCache
 from pagedcli.model.config import ModelConfig
+from pagedcli.model.fp8 import dequantize_kv, quantize_kv, raw
 from pagedcli.model.rope import RotaryTable, apply_rope
 
 # Most mask entries times heads (the scores SDPA may materialize) one attention call handles:
@@ -180,9 +185,13 @@ class TorchBackend:
         s = self._step
         q, k = apply_rope(q, s["cos"], s["sin"]), apply_rope(k, s["cos"], s["sin"])
         physical = self.cache.device_table[s["token_slot"], layer, s["token_block"]].long()
-        pool, offset, row, keep = self.cache.pool, s["token_offset"], s["write_row"], s["write_nothing"]
-        pool[physical, 0, offset] = torch.where(keep, pool[physical, 0, offset], k[row])
-        pool[physical, 1, offset] = torch.where(keep, pool[physical, 1, offset], v[row])
+        pool, offset, row, keep = raw(self.cache.pool), s["token_offset"], s["write_row"], s["write_nothing"]
+        k, v = k[row], v[row]
+        scales = self.cache.kv_scales
+        if scales is not None:
+            k, v = raw(quantize_kv(k, scales.k[layer])), raw(quantize_kv(v, scales.v[layer]))
+        pool[physical, 0, offset] = torch.where(keep, pool[physical, 0, offset], k)
+        pool[physical, 1, offset] = torch.where(keep, pool[physical, 1, offset], v)
         return q
 
     def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -196,8 +205,12 @@ class TorchBackend:
     def _attend(self, layer: int, q: torch.Tensor, s: dict) -> torch.Tensor:
         table = self.cache.device_table[:, layer]
         physical = table[s["slots"][:, None], s["key_block"][None, :]].long().clamp(min=0)  # [B, Lk]
-        k = self.cache.pool[physical, 0, s["key_offset"][None, :]]  # [B, Lk, kv_heads, head_dim]
-        v = self.cache.pool[physical, 1, s["key_offset"][None, :]]
+        pool = raw(self.cache.pool)
+        k = pool[physical, 0, s["key_offset"][None, :]]  # [B, Lk, kv_heads, head_dim]
+        v = pool[physical, 1, s["key_offset"][None, :]]
+        scales = self.cache.kv_scales
+        if scales is not None:
+            k, v = dequantize_kv(k, scales.k[layer], q.dtype), dequantize_kv(v, scales.v[layer], q.dtype)
         # keys the sequence does not own become exact zeros: masked out, and 0 x 0 is 0
         k, v = (torch.where(s["owned"], x, 0) for x in (k, v))
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, Lk, head_dim]

@@ -250,6 +250,9 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
         "gpu_memory_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(model.dtype).removeprefix("torch."),
+        "kv_cache_dtype": opts.kv_cache_dtype,
+        "quantization": opts.quantization,
+        "weight_bytes_per_step": weight_bytes,  # what the roofline counts: fp8 weights at a byte each, plus scales
         "model": model.source.name,
     }
 

@@ -35,6 +35,12 @@ def bench(
                                             "prompts than slots: --num-prompts).")] = 0,
     request_rate: Annotated[float, typer.Option(help="Requests a second, arriving as a Poisson process seeded by --seed "
                                                 "(vLLM's serving benchmark); inf: all at the start.")] = math.inf,
+    quality: Annotated[bool, typer.Option("--quality", help="Measure what fp8 costs instead of speed: perplexity on "
+                                          "held-out text and greedy agreement for the model's dtype, --kv-cache-dtype "
+                                          "fp8, --quantization fp8 and both (--num-prompts prompts, default 8, of "
+                                          "--output-len greedy tokens).")] = False,
+    quality_text: Annotated[Optional[Path], typer.Option(help="With --quality: the held-out text (default: the "
+                                                         "built-in model's held-out slice).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per batch size on stdout.")] = False,
     *, engine_flags: EngineFlags,
 ):
@@ -63,6 +69,9 @@ def bench(
         plot_file = bench_plot.plot_path(plot_file)
     workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file, prefix_len, request_rate)
     b.parse_len(input_len, "--input-len"), b.parse_len(output_len, "--output-len")
+    if quality:
+        _quality_bench(engine_flags, quality_text, num_prompts or DEFAULT_QUALITY_PROMPTS, output_len, json_output)
+        return
     opts = engine_flags.options(batch=max(batches))
     loaded = load_model(opts, notice)
     if kernel:
@@ -123,6 +132,41 @@ def duration(seconds: float) -> str:
     if seconds < 5400:
         return f"about {seconds / 60:.0f} min"
     return f"about {seconds / 3600:.1f} h"
+
+
+DEFAULT_QUALITY_PROMPTS = 8
+
+
+def _quality_bench(engine_flags: EngineFlags, text_path: Path | None, num_prompts: int, output_len: str,
+                   json_output: bool) -> None:
+    from dataclasses import asdict
+
+    from pagedcli.bench import measure as b
+    from pagedcli.bench.quality import measure_quality
+    from pagedcli.commands.bench_view import print_tables, quality_table
+
+    lo, hi = b.parse_len(output_len, "--output-len")
+    if lo != hi:
+        raise UsageError(f"--output-len {output_len}: --quality compares one length of greedy tokens", "give one number")
+    if engine_flags.kv_cache_dtype != "auto" or engine_flags.quantization != "none":
+        raise UsageError("--quality measures every fp8 option itself", "leave out --kv-cache-dtype and --quantization")
+    opts = engine_flags.options()
+    told = set()
+
+    def notice_once(text: str) -> None:  # each option loads the model again: say a notice once
+        if text not in told:
+            told.add(text)
+            notice(text)
+
+    rows, model = measure_quality(opts, text_path, num_prompts, lo, notice_once, lambda v: notice(f"measuring {v}"))
+    name, device = model.source.name, model.device.type
+    dtype = str(model.dtype).removeprefix("torch.")
+    if json_output:
+        for r in rows:
+            print(json.dumps(asdict(r) | {"model": name, "baseline_dtype": dtype, "device": device, "num_tokens": lo}),
+                  flush=True)
+    else:
+        print_tables(quality_table(rows, name, dtype, device, lo))
 
 
 def _kernel_bench(loaded, json_output: bool, bandwidth: float | None) -> None:

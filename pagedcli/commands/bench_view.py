@@ -99,10 +99,17 @@ def _chunking(r: dict) -> str:
     return f"no chunked prefill (prompts up to {r['max_num_batched_tokens']:,} tokens a step)"
 
 
+def _precision(r: dict) -> str:
+    """`bfloat16`, or `bfloat16, fp8 weights, fp8 KV`."""
+    fp8 = [what for what, on in (("fp8 weights", r.get("quantization") == "fp8"),
+                                 ("fp8 KV", r.get("kv_cache_dtype") == "fp8")) if on]
+    return ", ".join([r["dtype"]] + fp8)
+
+
 def results_table(results: list[dict]) -> Group:
     """Two tables: speed against the roofline, and what the paged cache held."""
     r0 = results[0]
-    speed = Table(title=f"{r0['model']} on {r0['device']} ({r0['dtype']})", title_justify="left",
+    speed = Table(title=f"{r0['model']} on {r0['device']} ({_precision(r0)})", title_justify="left",
                   caption=f"prompts {r0['input_len']} tokens, {r0['output_len']} new, {_arrivals(r0)}; {_chunking(r0)}; "
                           "roofline: "
                           f"weight + KV bytes a step at {r0['bandwidth_gb_per_s']:,.0f} GB/s",
@@ -171,3 +178,20 @@ def kernel_table(rows: list[dict], bandwidth_gbps: float) -> Table:
                   f"{100 * r['paged_gb_per_s'] / bandwidth_gbps:.0f}%", _f(r["sdpa_ms"], "{:.4f}"),
                   _f(r["sdpa_gb_per_s"], "{:,.0f}"), _f(r["max_abs_diff"], "{:.2e}"))
     return t
+
+
+def quality_table(rows, model: str, dtype: str, device: str, num_tokens: int) -> Table:
+    """`bench --quality`: perplexity and greedy agreement of each fp8 option against the model dtype."""
+    table = Table(title=f"{model} on {device}: fp8 against {dtype}", title_justify="left",
+                  caption=f"perplexity on the held-out text; greedy match: the share of the first {num_tokens} greedy "
+                          f"tokens equal to {dtype}'s, up to the first difference (mean over the prompts; identical: "
+                          "prompts whose tokens all are)",
+                  caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("", "KV cache", "weights", "weight bytes", "perplexity", "change", "greedy\nmatch", "identical"):
+        table.add_column(col, justify="left" if not col else "right", min_width=_widest(col))
+    for i, r in enumerate(rows):
+        table.add_row(r.variant, r.dtype if r.kv_cache_dtype == "auto" else r.kv_cache_dtype,
+                      r.dtype if r.quantization == "none" else r.quantization, human_bytes(r.weight_bytes),
+                      f"{r.perplexity:.3f}", f"{100 * r.perplexity_change:+.2f}%" if i else "-",
+                      f"{100 * r.greedy_match:.1f}%", f"{r.identical_prompts}/{r.num_prompts}")
+    return table

@@ -174,7 +174,8 @@ def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
         "step": snap.step,
         "geometry": {"block_size": geo.block_size, "block_bytes": geo.block_bytes, "v_offset": geo.v_offset,
                      "num_blocks": geo.num_blocks, "num_layers": geo.num_layers, "pool_bytes": geo.pool_bytes,
-                     "dtype": str(geo.dtype).removeprefix("torch.")},
+                     "dtype": str(geo.dtype).removeprefix("torch."),
+                     "kv_dtype": str(geo.kv_dtype).removeprefix("torch.")},
         "free_blocks": snap.num_free_blocks,
         "used_blocks": snap.num_used_blocks,
         "request": {"id": view.seq_id, "prompt": view.prompt},
@@ -216,7 +217,7 @@ def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0, other_la
                                      "the rest in later steps, into the blocks it holds", style="yellow"))
     head.add_row("geometry", f"{plural(geo.block_size, 'token')} a block x {geo.num_kv_heads} kv heads x "
                              f"{geo.head_dim} dims, "
-                             f"{str(geo.dtype).removeprefix('torch.')}: {geo.block_bytes:,} bytes a block, "
+                             f"{geo.kv_dtype_name}: {geo.block_bytes:,} bytes a block, "
                              f"K at +0x0, V at +{geo.v_offset:#x}")
     head.add_row("pool", f"{geo.num_blocks:,} blocks = {geo.pool_bytes:,} bytes ({human_bytes(geo.pool_bytes)}); "
                          f"{snap.num_free_blocks:,} free, {snap.num_used_blocks:,} used")

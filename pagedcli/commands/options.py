@@ -44,6 +44,14 @@ class EngineFlags:
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(
         help="New tokens one step feeds at most (the chunk budget). "
         f"Default: {DEFAULT_MAX_BATCHED_TOKENS['cuda']} on CUDA, {DEFAULT_MAX_BATCHED_TOKENS['cpu']} on CPU.")] = None
+    kv_cache_dtype: Annotated[str, typer.Option(
+        help="auto (the model's dtype) or fp8: K and V stored as float8 e4m3, 1 byte an element, so the same "
+        "pool holds twice the tokens of bf16; scaled per layer and KV head by the checkpoint's k_scale/v_scale, "
+        "else 1.0 (vLLM's default).")] = DEFAULTS.kv_cache_dtype
+    quantization: Annotated[str, typer.Option(
+        help="none or fp8: the linear layers' weights as float8 e4m3 with a scale per output channel, quantized "
+        "at load (the embeddings and LM head stay in --dtype). A checkpoint that ships fp8 weights "
+        "(quant_method fp8) is read as it is; with none it is dequantized to --dtype.")] = DEFAULTS.quantization
     overlap: Annotated[bool, typer.Option(help="On a GPU, queue the next decode step before this one's tokens reach "
                                           "the host, so Python's work per step hides behind the GPU's.")] = DEFAULTS.overlap
 

@@ -9,6 +9,10 @@ Beyond tiny-vllm, blocks can be shared: a prompt reuses the cached blocks of a p
 (`prefix_cache.py`), and parallel samples share their prompt's blocks (`fork`), copying a shared
 block only before writing into it (copy-on-write).
 
+An fp8 pool (`geometry.kv_fp8`) holds e4m3 values, with `kv_scales` (model/fp8.py: float32
+[num_layers, num_kv_heads] for K and for V) beside it; blocks are copied and shared as raw bytes,
+so prefix caching and copy-on-write need nothing of their own.
+
 The table lives on the CPU (numpy) and, on a GPU, in a device mirror that receives only the entries
 that changed, once per step (`sync_device_table`).
 """
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 
 from pagedcli.model.config import CacheGeometry
+from pagedcli.model.fp8 import KVScales, raw
 from pagedcli.errors import allocation_failure
 from pagedcli.engine.prefix_cache import PrefixCache, extend_block_hashes
 
@@ -81,20 +86,28 @@ class KVCache:
     """The pool, the allocator and the block table, for `max_slots` concurrent sequences."""
 
     def __init__(self, geometry: CacheGeometry, max_slots: int, max_model_len: int,
-                 device: torch.device | str = "cpu", shuffle_seed: int | None = None, prefix_caching: bool = True):
+                 device: torch.device | str = "cpu", shuffle_seed: int | None = None, prefix_caching: bool = True,
+                 kv_scales: KVScales | None = None):
         self.geometry = geometry
         self.max_slots = max_slots
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = geometry.blocks_for(max_model_len)
         self.device = torch.device(device)
         try:  # zeros, not empty: never-written token slots must hold finite numbers
-            self.pool = torch.zeros(geometry.pool_shape, dtype=geometry.dtype, device=self.device)
+            # (an fp8 pool is made as zero bytes and viewed as e4m3: +0.0 is all zero bits)
+            self.pool = torch.zeros(geometry.pool_shape, dtype=torch.uint8 if geometry.kv_fp8 else geometry.kv_dtype,
+                                    device=self.device).view(geometry.kv_dtype)
         except (RuntimeError, MemoryError) as e:
             oom = allocation_failure(e, f"the KV pool ({geometry.pool_bytes / 2**30:,.1f} GiB)",
                                      "use a smaller `cache_size` or `num_blocks`")
             if oom is None:
                 raise
             raise oom from None
+        # the fp8 pool's scales (None for a pool in the model dtype): the checkpoint's, or 1.0
+        self.kv_scales = None
+        if geometry.kv_fp8:
+            given = kv_scales or KVScales.default(geometry.num_layers, geometry.num_kv_heads, self.device)
+            self.kv_scales = given.to(self.device)
         self.prefix_cache = PrefixCache() if prefix_caching else None
         self.allocator = BlockAllocator(geometry.num_blocks, shuffle_seed,
                                         on_reuse=self.prefix_cache.forget if prefix_caching else None)
@@ -249,8 +262,9 @@ class KVCache:
         src = torch.tensor(np.concatenate([s for s, _ in self.pending_copies]), dtype=torch.long)
         dst = torch.tensor([b for _, d in self.pending_copies for b in d], dtype=torch.long)
         self.pending_copies.clear()
-        # non_blocking, as in sync_device_table
-        self.pool[dst.to(self.device, non_blocking=True)] = self.pool[src.to(self.device, non_blocking=True)]
+        # non_blocking, as in sync_device_table; raw bytes, whatever the pool's dtype
+        pool = raw(self.pool)
+        pool[dst.to(self.device, non_blocking=True)] = pool[src.to(self.device, non_blocking=True)]
 
     # --- the device mirror ----------------------------------------------------------------
     def _mark_changed(self, slot: int, start: int, stop: int) -> None:

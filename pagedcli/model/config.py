@@ -13,6 +13,7 @@ from pagedcli.defaults import DEFAULTS
 from pagedcli.model.config_checks import check_config
 from pagedcli.errors import RunError, UsageError, plural
 from pagedcli.model.files import read_json
+from pagedcli.model.fp8 import FP8_DTYPE
 from pagedcli.model.rope import REQUIRED_FIELDS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -170,7 +171,11 @@ def token_ids(value) -> tuple[int, ...]:
 class CacheGeometry:
     """The paged KV pool, tiny-vllm's layout: one pool of `num_blocks` physical blocks; a block holds
     K for `block_size` tokens ([block_size][kv_heads][head_dim]) and then V at `v_offset` bytes.
-    Every layer takes its own blocks from the same pool."""
+    Every layer takes its own blocks from the same pool.
+
+    `dtype` is the model's (what attention computes in); the pool stores `kv_dtype`: the same, or
+    float8_e4m3fn for an fp8 KV cache (`cache_dtype`; model/fp8.py), the same layout with 1-byte
+    elements. Every byte count here is the pool's real one."""
 
     block_size: int
     num_kv_heads: int
@@ -178,6 +183,21 @@ class CacheGeometry:
     num_layers: int
     num_blocks: int
     dtype: torch.dtype
+    cache_dtype: torch.dtype | None = None  # None: the model dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.cache_dtype or self.dtype
+
+    @property
+    def kv_fp8(self) -> bool:
+        return self.kv_dtype == FP8_DTYPE
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """What the pool stores, as shown: `bfloat16`, or `float8_e4m3fn` (scaled, for a bfloat16 model)."""
+        name = str(self.kv_dtype).removeprefix("torch.")
+        return f"{name} (scaled, for {str(self.dtype).removeprefix('torch.')})" if self.kv_fp8 else name
 
     @property
     def kv_dim(self) -> int:
@@ -185,7 +205,8 @@ class CacheGeometry:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of one stored K/V element."""
+        return self.kv_dtype.itemsize
 
     @property
     def v_offset(self) -> int:  # bytes from the start of a block to its V half
@@ -235,18 +256,19 @@ class CacheGeometry:
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int | None = None,
         cache_bytes: int | None = None,
+        cache_dtype: torch.dtype | None = None,
     ) -> "CacheGeometry":
         if block_size not in SUPPORTED_BLOCK_SIZES:
             raise UsageError(
                 f"`block_size` {block_size} is not supported",
                 f"choose one of {', '.join(map(str, SUPPORTED_BLOCK_SIZES))}",
             )
-        geo = cls(block_size, config.num_kv_heads, config.head_dim, config.num_layers, 0, dtype)
+        geo = cls(block_size, config.num_kv_heads, config.head_dim, config.num_layers, 0, dtype, cache_dtype)
         if num_blocks is None:
             if cache_bytes is None:
                 raise ValueError("give num_blocks or cache_bytes")
             num_blocks = cache_bytes // geo.block_bytes
-        geo = cls(block_size, config.num_kv_heads, config.head_dim, config.num_layers, int(num_blocks), dtype)
+        geo = cls(block_size, config.num_kv_heads, config.head_dim, config.num_layers, int(num_blocks), dtype, cache_dtype)
         if geo.num_blocks < config.num_layers:
             raise UsageError(
                 f"a pool of {plural(geo.num_blocks, 'block')} cannot hold one block per layer ({plural(config.num_layers, 'layer')})",

@@ -12,6 +12,7 @@ from pagedcli.backends import TorchBackend
 from pagedcli.engine.cache import MAX_ID, KVCache
 from pagedcli.defaults import DEFAULT_CACHE, DEFAULT_MAX_BATCHED_TOKENS, DEFAULTS
 from pagedcli.model.config import CacheGeometry, parse_size
+from pagedcli.model.fp8 import FP8_DTYPE, KV_CACHE_DTYPES, QUANTIZATIONS
 from pagedcli.engine.engine import Engine
 from pagedcli.errors import UsageError
 from pagedcli.model.memory import MemoryProfile, check_fraction, device_memory, pool_bytes_for
@@ -44,11 +45,18 @@ class EngineOptions:
     chunked_prefill: bool = DEFAULTS.chunked_prefill
     max_num_batched_tokens: int | None = None  # new tokens a step feeds at most; default by device
     gpu_memory_utilization: float | None = None  # size the pool to this share of the GPU (memory.py)
+    kv_cache_dtype: str = DEFAULTS.kv_cache_dtype  # auto (the model dtype) or fp8 (model/fp8.py)
+    quantization: str = DEFAULTS.quantization  # none or fp8: the linear layers' weights (model/fp8.py)
     seed: int = 0  # random weights
 
     def __post_init__(self):  # checked here, so before anything slow is loaded
         if self.batch < 1:
             raise UsageError(f"`batch` {self.batch}: needs at least one slot", "use `batch` 1 or more")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UsageError(f"`kv_cache_dtype` {self.kv_cache_dtype!r} is not known",
+                             "use auto (the model's dtype) or fp8")
+        if self.quantization not in QUANTIZATIONS:
+            raise UsageError(f"`quantization` {self.quantization!r} is not known", f"use {' or '.join(QUANTIZATIONS)}")
         if self.batch > MAX_ID:
             raise UsageError(f"`batch` {self.batch}: more slots than the {MAX_ID:,} a block table can number",
                              "use a smaller `batch`")
@@ -128,9 +136,9 @@ def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: No
                f"(fine if the vocabulary is padded; else the tokenizer is not this model's)")
     check(source, tokenizer)
     if source.random:
-        weights = random_weights(source.config, dtype, device, opts.seed)
+        weights = random_weights(source.config, dtype, device, opts.seed, opts.quantization)
     else:
-        weights = load_weights(source.folder, source.config, dtype, device)
+        weights = load_weights(source.folder, source.config, dtype, device, opts.quantization)
     if device.type == "cpu" and weights.nbytes < SMALL_MODEL_BYTES:
         torch.set_num_threads(1)  # a few MB of weights: threads cost more in handoffs than they save
     return Model(source, tokenizer, weights, device, dtype)
@@ -147,7 +155,8 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
         cache_bytes = pool_bytes_for(opts.gpu_memory_utilization, usage)
     else:
         cache_bytes = parse_size(opts.cache_size or DEFAULT_CACHE[device.type])
-    geometry = CacheGeometry.build(config, model.dtype, opts.block_size, opts.num_blocks, cache_bytes)
+    cache_dtype = FP8_DTYPE if opts.kv_cache_dtype == "fp8" else None
+    geometry = CacheGeometry.build(config, model.dtype, opts.block_size, opts.num_blocks, cache_bytes, cache_dtype)
     if geometry.num_blocks > MAX_ID:
         option = f"`num_blocks` {opts.num_blocks}" if opts.num_blocks is not None else f"`cache_size` {opts.cache_size}"
         raise UsageError(f"{option}: {geometry.num_blocks:,} blocks, more than the {MAX_ID:,} a block table can number",
@@ -158,11 +167,12 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
         what = ("the model's positions (max_position_embeddings)" if max_model_len == config.context_length
                 else "what the pool holds: a larger `cache_size` makes room")
         notice(f"`max_model_len` {opts.max_model_len:,} is more than {what}: sequences stop at {max_model_len:,} tokens")
-    cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks, opts.prefix_caching)
+    cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks, opts.prefix_caching,
+                    kv_scales=model.weights.kv_scales)
     if device.type == "cuda":
         from pagedcli.backends.cuda import CudaBackend
 
-        backend = CudaBackend(cache, config)
+        backend = CudaBackend(cache, config, fp8_weights=model.weights.quantized)
         for op, why in backend.fallbacks.items():
             notice(f"CUDA: {op} runs as torch ops on the GPU ({why})")
     else:

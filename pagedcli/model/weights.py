@@ -3,6 +3,14 @@
 Tensors are read one at a time from memory-mapped files straight into their final dtype and
 device, q/k/v and gate/up into fused matrices (one GEMM instead of three or two), so the model is
 never held twice in memory.
+
+FP8 (model/fp8.py): with `quantization` fp8 the linear layers (q/k/v, o, gate/up, down) become
+`Fp8Weight`s, quantized as they are read; a checkpoint whose config.json has a quantization_config of
+quant_method fp8 (or compressed-tensors' fp8) ships them as e4m3 values with a `weight_scale` each
+(per tensor or per output channel, as vLLM's and llm-compressor's checkpoints name them), kept as they are, or dequantized
+to the model dtype when `quantization` is none. The embeddings, norms and LM head stay in the model
+dtype. K/V scales a checkpoint ships (`self_attn.k_scale`, `self_attn.v_scale`, vLLM's names) come
+along for an fp8 KV cache.
 """
 
 from __future__ import annotations
@@ -17,19 +25,23 @@ from safetensors import SafetensorError, safe_open
 from pagedcli.model.config import ModelConfig
 from pagedcli.errors import RunError, plural, show_value
 from pagedcli.model.files import read_json
+from pagedcli.model.fp8 import FP8_DTYPE, Fp8Weight, KVScales, quantize_weight
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of what a weight may be stored as
+FP8_STORED = "F8_E4M3"  # safetensors' name of float8_e4m3fn: an fp8 checkpoint's linear weights
+LINEAR_NAMES = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_dim + 2 kv_dim, hidden]
-    o: torch.Tensor  # [hidden, q_dim]
+    # the linear layers: a tensor in the model dtype, or an Fp8Weight of the same [out, in] shape
+    qkv: torch.Tensor | Fp8Weight  # [q_dim + 2 kv_dim, hidden]
+    o: torch.Tensor | Fp8Weight  # [hidden, q_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor | Fp8Weight  # [2 intermediate, hidden]
+    down: torch.Tensor | Fp8Weight  # [hidden, intermediate]
     # biases, when config.json has attention_bias / mlp_bias (fused like their weights)
     qkv_bias: torch.Tensor | None = None  # [q_dim + 2 kv_dim]
     o_bias: torch.Tensor | None = None  # [hidden]
@@ -43,16 +55,26 @@ class Weights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+    kv_scales: KVScales | None = None  # K/V scales the checkpoint ships (for an fp8 KV cache)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of distinct weight tensors (a tied lm_head counts once)."""
+        """Bytes of distinct weight tensors (a tied lm_head counts once); an fp8 weight counts its
+        byte a value and its float32 scales."""
         seen, total = set(), 0
         for t in [self.embed, self.norm, self.lm_head] + [w for l in self.layers for w in vars(l).values()]:
-            if t is not None and t.data_ptr() not in seen:
+            if t is None:
+                continue
+            if isinstance(t, Fp8Weight):
+                total += t.nbytes
+            elif t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
         return total
+
+    @property
+    def quantized(self) -> bool:
+        return any(isinstance(w, Fp8Weight) for l in self.layers for w in vars(l).values())
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -134,6 +156,7 @@ class _TensorReader:
                 raise RunError(f"{path} is not a readable safetensors file ({_first_line(e)})",
                                "download the checkpoint again") from None
         folder = files[0].parent
+        self.fp8 = fp8_checkpoint(config)
         self._check_layers(config, folder)
         self.shapes = shapes = expected_shapes(config)
         missing = [n for n in shapes if n not in self.where]
@@ -164,11 +187,33 @@ class _TensorReader:
         except (SafetensorError, OSError, ValueError) as e:
             raise RunError(f"tensor {name} could not be read ({_first_line(e)})",
                            "the file may be truncated; download it again") from None
-        if stored not in FLOAT_DTYPES:
+        if stored == FP8_STORED and LINEAR_NAMES.search(name):
+            if not self.fp8:
+                raise RunError(f"tensor {name} holds fp8 values but config.json has no quantization_config "
+                               "of quant_method fp8", "the checkpoint's config.json is not its own; download it again")
+            self._check_scale(name, shape)
+        elif stored not in FLOAT_DTYPES:
             raise RunError(f"tensor {name} holds {stored} values, not floating point",
-                           "pagedcli reads float weights (quantized checkpoints are not supported)")
+                           "pagedcli reads float weights, and fp8 ones (quantization_config of quant_method fp8)")
         if shape != self.shapes[name]:
             raise RunError(f"tensor {name} has shape {list(shape)}, config.json implies {list(self.shapes[name])}")
+
+    def _check_scale(self, name: str, shape: tuple[int, ...]) -> None:
+        """An fp8 weight's `weight_scale`: per tensor ([] or [1]) or per output channel ([out] or
+        [out, 1]); block-wise scales (weight_scale_inv) are refused by fp8_checkpoint already."""
+        scale = name + "_scale"
+        if scale not in self.where:
+            raise RunError(f"tensor {name} holds fp8 values but {scale} is missing",
+                           "pagedcli reads fp8 checkpoints with a weight_scale per weight; download it again")
+        got = tuple(self.where[scale].get_slice(scale).get_shape())
+        if got not in ((), (1,), (shape[0],), (shape[0], 1)):
+            raise RunError(f"tensor {scale} has shape {list(got)}: pagedcli reads per-tensor ([] or [1]) or "
+                           f"per-channel ([{shape[0]}] or [{shape[0]}, 1]) fp8 scales",
+                           "use a checkpoint with per-tensor or per-channel scales, or its float original with "
+                           "`quantization` fp8")
+
+    def is_fp8(self, name: str) -> bool:
+        return self.fp8 and self.where[name].get_slice(name).get_dtype() == FP8_STORED
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         handle = self.where[name]
@@ -197,6 +242,65 @@ class _TensorReader:
         self.read_into(name, out)
         return out
 
+    def _read_fp8_into(self, name: str, values: torch.Tensor, scale: torch.Tensor) -> None:
+        """An fp8 checkpoint's weight into `values` (e4m3, as stored) and its weight_scale, per
+        tensor or per channel, into `scale` ([rows] float32)."""
+        try:
+            values.copy_(self.where[name].get_tensor(name))
+            stored = self.where[name + "_scale"].get_tensor(name + "_scale").float().reshape(-1)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise RunError(f"tensor {name} could not be read ({_first_line(e)})",
+                           "the file may be truncated; download it again") from None
+        if values.isnan().any():
+            raise RunError(f"tensor {name} holds NaN values", "the checkpoint is damaged; download it again")
+        if not (torch.isfinite(stored).all() and (stored > 0).all()):
+            raise RunError(f"tensor {name}_scale holds a scale that is not a positive number",
+                           "the checkpoint is damaged; download it again")
+        scale.copy_(stored.expand(scale.shape[0]))
+
+    def linear(self, names: list[str], quantize: bool) -> torch.Tensor | Fp8Weight:
+        """The fused weight of `names`: in the model dtype, or (`quantize`) an Fp8Weight. Float
+        tensors are quantized here; an fp8 checkpoint's values and scales are taken as they are
+        (dequantized to the model dtype unless `quantize`)."""
+        if not any(self.is_fp8(n) for n in names):
+            w = self.fused(names)
+            return quantize_weight(w) if quantize else w
+        rows = [self.shapes[n][0] for n in names]
+        values = torch.empty((sum(rows),) + self.shapes[names[0]][1:], dtype=FP8_DTYPE, device=self.device)
+        scale = torch.empty(sum(rows), dtype=torch.float32, device=self.device)
+        for name, part, part_scale in zip(names, values.split(rows), scale.split(rows)):
+            if self.is_fp8(name):
+                self._read_fp8_into(name, part, part_scale)
+            else:  # a layer the quantizer left in float (its ignored_layers), beside fp8 ones
+                q = quantize_weight(self.read(name))
+                part.copy_(q.values)
+                part_scale.copy_(q.scale)
+        w = Fp8Weight(values, scale)
+        return w if quantize else w.dequantize(self.dtype)
+
+    def kv_scales(self, config: ModelConfig) -> KVScales | None:
+        """The checkpoint's K/V scales (vLLM's `self_attn.k_scale`, `self_attn.v_scale`: one per
+        layer, or one per KV head), or None when it has none."""
+        names = [f"model.layers.{i}.self_attn.{x}_scale" for x in "kv" for i in range(config.num_layers)]
+        have = [n for n in names if n in self.where]
+        if not have:
+            return None
+        if len(have) < len(names):
+            missing = next(n for n in names if n not in self.where)
+            raise RunError(f"tensor {missing} missing: the checkpoint ships K/V scales for some layers only",
+                           "download the checkpoint again")
+        out = torch.ones((2, config.num_layers, config.num_kv_heads), dtype=torch.float32)
+        for n, row in zip(names, out.view(2 * config.num_layers, config.num_kv_heads)):
+            t = self.where[n].get_tensor(n).float().reshape(-1)
+            if t.numel() not in (1, config.num_kv_heads):
+                raise RunError(f"tensor {n} has {t.numel()} values: a K/V scale is one per layer or one per KV head "
+                               f"({config.num_kv_heads})")
+            if not (torch.isfinite(t).all() and (t > 0).all()):
+                raise RunError(f"tensor {n} holds a scale that is not a positive number",
+                               "the checkpoint is damaged; download it again")
+            row.copy_(t.expand(config.num_kv_heads))
+        return KVScales(out[0].to(self.device), out[1].to(self.device))
+
     def fused(self, names: list[str]) -> torch.Tensor:
         rows = [self.shapes[n][0] for n in names]
         out = torch.empty((sum(rows),) + self.shapes[names[0]][1:], dtype=self.dtype, device=self.device)
@@ -205,19 +309,59 @@ class _TensorReader:
         return out
 
 
-def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device) -> Weights:
+def fp8_checkpoint(config: ModelConfig) -> bool:
+    """Whether config.json says the checkpoint ships fp8 weights: a quantization_config of quant_method
+    fp8 (vLLM's, transformers'), or compressed-tensors with 8-bit float weights, e4m3, scales per
+    tensor or per channel. Any other quantization, block-wise scales included, is refused here."""
+    q = config.raw.get("quantization_config")
+    if q is None:
+        return False
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method == "compressed-tensors":
+        return _compressed_tensors_fp8(q)
+    if method != "fp8":
+        raise RunError(f"config.json: quantization_config's quant_method {show_value(method)} is not supported",
+                       "pagedcli reads float checkpoints and fp8 ones (quant_method fp8)")
+    if q.get("weight_block_size") is not None:
+        raise RunError(f"config.json: block-wise fp8 scales (weight_block_size {show_value(q['weight_block_size'])}) "
+                       "are not supported", BLOCK_WISE_HINT)
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise RunError(f"config.json: fp8 format {show_value(q.get('fmt'))} is not supported", "pagedcli reads e4m3")
+    return True
+
+
+BLOCK_WISE_HINT = "use a checkpoint with per-tensor or per-channel scales, or its float original with `quantization` fp8"
+
+
+def _compressed_tensors_fp8(q: dict) -> bool:
+    """compressed-tensors' config_groups: every group's weights 8-bit floats, per tensor or channel."""
+    groups = q.get("config_groups")
+    schemes = [g.get("weights") if isinstance(g, dict) else None for g in groups.values()] if isinstance(groups, dict) else []
+    for w in schemes or [None]:
+        if not isinstance(w, dict) or w.get("num_bits") != 8 or w.get("type") != "float":
+            raise RunError(f"config.json: compressed-tensors weights {show_value(w)} are not supported",
+                           "pagedcli reads 8-bit float (fp8) weights")
+        if w.get("strategy") not in ("tensor", "channel"):
+            raise RunError(f"config.json: compressed-tensors fp8 scales of strategy {show_value(w.get('strategy'))} "
+                           "are not supported", BLOCK_WISE_HINT)
+    return True
+
+
+def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, quantization: str = "none") -> Weights:
+    """`quantization` fp8: the linear layers as Fp8Weights (model/fp8.py)."""
     reader = _TensorReader(safetensors_files(Path(folder)), config, dtype, device)
+    fp8 = quantization == "fp8"
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         attn, mlp = config.attention_bias, config.mlp_bias
         layers.append(LayerWeights(
             input_norm=reader.read(p + "input_layernorm.weight"),
-            qkv=reader.fused([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
-            o=reader.read(p + "self_attn.o_proj.weight"),
+            qkv=reader.linear([p + f"self_attn.{x}_proj.weight" for x in "qkv"], fp8),
+            o=reader.linear([p + "self_attn.o_proj.weight"], fp8),
             post_norm=reader.read(p + "post_attention_layernorm.weight"),
-            gate_up=reader.fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-            down=reader.read(p + "mlp.down_proj.weight"),
+            gate_up=reader.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], fp8),
+            down=reader.linear([p + "mlp.down_proj.weight"], fp8),
             qkv_bias=reader.fused([p + f"self_attn.{x}_proj.bias" for x in "qkv"]) if attn else None,
             o_bias=reader.read(p + "self_attn.o_proj.bias") if attn else None,
             gate_up_bias=reader.fused([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]) if mlp else None,
@@ -225,7 +369,8 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device) 
         ))
     embed = reader.read("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else reader.read("lm_head.weight")
-    return Weights(embed=embed, layers=layers, norm=reader.read("model.norm.weight"), lm_head=lm_head)
+    return Weights(embed=embed, layers=layers, norm=reader.read("model.norm.weight"), lm_head=lm_head,
+                   kv_scales=reader.kv_scales(config))
 
 
 def _first_line(e: Exception) -> str:
@@ -233,9 +378,10 @@ def _first_line(e: Exception) -> str:
     return lines[0][:200] if lines else type(e).__name__
 
 
-def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> Weights:
+def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0, quantization: str = "none") -> Weights:
     """Weights of the right shapes drawn from N(0, 0.02), norms at 1, made on `device` directly:
-    the same work per token as the real checkpoint, for benchmarks without a download."""
+    the same work per token as the real checkpoint, for benchmarks without a download
+    (`quantization` fp8: the linear layers quantized as they are made)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, i = config.hidden_size, config.intermediate_size
 
@@ -245,9 +391,12 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 
     def ones(n):
         return torch.ones(n, dtype=dtype, device=device)
 
+    def linear(*shape):
+        return quantize_weight(normal(*shape)) if quantization == "fp8" else normal(*shape)
+
     qkv_rows = config.q_dim + 2 * config.kv_dim
     attn, mlp = config.attention_bias, config.mlp_bias
-    layers = [LayerWeights(ones(h), normal(qkv_rows, h), normal(h, config.q_dim), ones(h), normal(2 * i, h), normal(h, i),
+    layers = [LayerWeights(ones(h), linear(qkv_rows, h), linear(h, config.q_dim), ones(h), linear(2 * i, h), linear(h, i),
                            qkv_bias=normal(qkv_rows) if attn else None, o_bias=normal(h) if attn else None,
                            gate_up_bias=normal(2 * i) if mlp else None, down_bias=normal(h) if mlp else None)
               for _ in range(config.num_layers)]

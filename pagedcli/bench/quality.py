@@ -1,0 +1,135 @@
+"""`pagedcli bench --quality`: what FP8 costs in quality, measured against the model dtype.
+
+For the model in its dtype and for each fp8 option (K/V, weights, both; model/fp8.py):
+- perplexity on held-out text: the text's tokens in windows of WINDOW_TOKENS, each window one
+  prefill through the paged cache (its K/V written to the pool and read back, so an fp8 pool's
+  rounding counts), every position's next-token loss but the window's first;
+- greedy agreement with the model dtype: for prompts cut from the same text (PROMPT_TOKENS each),
+  the share of the first `num_tokens` greedy tokens that equal the model dtype's, up to the first
+  that differs (after it the two continue different texts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagedcli.engine.batch import StepBatch
+from pagedcli.engine.sequence import SamplingParams
+from pagedcli.errors import UsageError, plural
+from pagedcli.model.loader import EngineOptions, Model, build_engine, load_model
+from pagedcli.model.source import DEMO_FOLDER, ModelSource, resolve_model
+
+WINDOW_TOKENS = 256  # tokens a perplexity window holds (the demo model's training windows)
+PROMPT_TOKENS = 16  # tokens a greedy-agreement prompt holds
+HELDOUT_FILE = "heldout.txt"  # the built-in model's held-out slice, in its folder (data/demo/README.md)
+
+# (name, kv_cache_dtype, quantization); the first is the baseline the others are held against
+VARIANTS = (("model dtype", "auto", "none"), ("fp8 KV", "fp8", "none"), ("fp8 weights", "auto", "fp8"),
+            ("fp8 weights + KV", "fp8", "fp8"))
+# beside a baseline in a 16-bit dtype, float32 shows how far that dtype itself is from exact
+SCALE_VARIANT = "float32, for scale"
+
+
+@dataclass
+class QualityRow:
+    variant: str
+    dtype: str  # the model dtype of this row
+    kv_cache_dtype: str
+    quantization: str
+    perplexity: float
+    perplexity_change: float  # relative to the baseline: 0.01 is 1% higher
+    greedy_match: float  # mean share of the first N greedy tokens equal to the baseline's, up to the first difference
+    identical_prompts: int  # prompts whose first N greedy tokens are all the baseline's
+    num_prompts: int
+    weight_bytes: int
+
+
+def quality_text(path: Path | None, source: ModelSource) -> str:
+    """The held-out text: the file given, or the built-in model's held-out slice."""
+    if path is None:
+        if source.folder is None or source.folder.resolve() != DEMO_FOLDER.resolve():
+            raise UsageError(f"--quality needs held-out text for {source.name}", "give it with --quality-text FILE")
+        path = DEMO_FOLDER / HELDOUT_FILE
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--quality-text {path}: cannot be read as UTF-8 text ({type(e).__name__})") from None
+
+
+def windows_of(ids: list[int], window: int) -> list[list[int]]:
+    """Consecutive windows of `window` tokens (the last may be shorter; one of a token has no loss)."""
+    return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
+
+
+def perplexity(engine, windows: list[list[int]]) -> float:
+    """exp(mean next-token loss) over every window position but the first, each window one prefill
+    into slot 0 of `engine`'s cache, its blocks released after."""
+    cache, llama = engine.cache, engine.runner.model
+    total, count = 0.0, 0
+    for window in windows:
+        cache.grow(0, len(window))
+        cache.sync_device_table()
+        batch = StepBatch.build(True, [0], [window], [0], cache.device)
+        batch.last_index = torch.arange(len(window), device=cache.device)  # logits at every position
+        logits = llama.forward(batch)
+        cache.release(0)
+        target = torch.tensor(window[1:], device=logits.device)
+        total += F.cross_entropy(logits[:-1].float(), target, reduction="sum").item()
+        count += len(window) - 1
+    return math.exp(total / count)
+
+
+def greedy_tokens(engine, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    seqs = engine.run_to_completion(prompts, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True))
+    return [s.output_token_ids for s in seqs]
+
+
+def agreement(base: list[list[int]], other: list[list[int]], num_tokens: int) -> tuple[float, int]:
+    """(mean share of the first tokens equal before the first difference, prompts all equal)."""
+    shares = []
+    for a, b in zip(base, other):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        shares.append(same / num_tokens)
+    return sum(shares) / len(shares), sum(s == 1.0 for s in shares)
+
+
+def measure_quality(opts: EngineOptions, text_path: Path | None, num_prompts: int, num_tokens: int,
+                    notice=lambda _: None, progress=lambda _: None) -> tuple[list[QualityRow], Model]:
+    """The table's rows, one per VARIANTS entry, each on the model loaded with its options; and
+    the baseline's model (for the table's title)."""
+    text = quality_text(text_path, resolve_model(opts.model))  # refused before anything loads
+    rows, base_ppl, base_tokens, base = [], None, None, None
+    variants = [(name, kv, quant, opts.dtype) for name, kv, quant in VARIANTS]
+    for name, kv, quant, dtype in variants:
+        progress(name)
+        variant = replace(opts, kv_cache_dtype=kv, quantization=quant, dtype=dtype, batch=max(1, num_prompts),
+                          prefix_caching=False)
+        model = load_model(variant, notice)
+        if base is None and model.dtype != torch.float32:
+            variants.append((SCALE_VARIANT, "auto", "none", "float32"))
+        if model.tokenizer is None:
+            raise UsageError(f"--quality needs a tokenizer, and {model.source.name} has none",
+                             "use a model folder with tokenizer.json")
+        engine = build_engine(model, variant, notice)
+        ids = model.tokenizer.encode(text)
+        window = min(WINDOW_TOKENS, engine.cache.max_model_len)
+        windows = windows_of(ids, window)
+        if not windows:
+            raise UsageError(f"the held-out text is {plural(len(ids), 'token')}: too short to measure")
+        prompts = [w[:PROMPT_TOKENS] for w in windows[:num_prompts]]
+        prompts = [p for p in prompts if len(p) + num_tokens <= engine.cache.max_model_len]
+        ppl = perplexity(engine, windows)
+        tokens = greedy_tokens(engine, prompts, num_tokens) if prompts else []
+        if base_ppl is None:
+            base_ppl, base_tokens = ppl, tokens
+        match, identical = agreement(base_tokens, tokens, num_tokens) if tokens else (float("nan"), 0)
+        rows.append(QualityRow(name, str(model.dtype).removeprefix("torch."), kv, quant, ppl, ppl / base_ppl - 1,
+                               match, identical, len(prompts), model.weights.nbytes))
+        base = base or model
+        del engine
+    return rows, base

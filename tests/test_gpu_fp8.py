@@ -1,0 +1,120 @@
+"""FP8 on the GPU: the CUDA backend with an fp8 pool and fp8 weights against the torch reference
+(on the CPU, and on the same GPU), on shuffled pools. Until the fp8 kernels exist the CUDA backend
+sends fp8 to torch ops (cuda_build.plan_kernels' fallbacks), and these tests hold that path; with
+the kernels they test the kernels. Skipped without CUDA and CuPy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_checkpoint
+from helpers import check_block_accounting, record_logits
+from pagedcli.engine.sequence import SamplingParams
+from pagedcli.model.fp8 import FP8_DTYPE
+from pagedcli.model.loader import EngineOptions, build_engine, load_model
+
+
+def _cuda_ready() -> bool:
+    from pagedcli.backends.cuda import cuda_available
+
+    return cuda_available()[0]
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_ready(), reason="needs CUDA and CuPy")]
+
+FP8_OPTIONS = [("fp8", "none"), ("auto", "fp8"), ("fp8", "fp8")]
+# float32 on both devices: the values before each fp8 rounding agree to float32's rounding, so a
+# value on a rounding boundary may round the other way; one e4m3 step (2^-3 relative) of one K or V
+# element moves a logit of these models by well under this
+LOGIT_ATOL = 5e-2
+
+
+def assert_same_until_a_near_tie(tokens, want_tokens, logits, want_logits):
+    """Each sequence's logits agree step by step; the greedy tokens too, except where the
+    reference's two best logits are nearer than the tolerance allows telling apart (after such a
+    step the two texts part and nothing more is compared)."""
+    for a, b, la, lb in zip(tokens, want_tokens, logits, want_logits):
+        for i, (x, y) in enumerate(zip(a, b)):
+            torch.testing.assert_close(la[i], lb[i], rtol=0, atol=LOGIT_ATOL)
+            if x != y:
+                best, second = lb[i].topk(2).values.tolist()
+                assert best - second < 2 * LOGIT_ATOL, f"step {i}: tokens {x} and {y} differ without a near-tie"
+                break
+
+
+def run(model_folder, device: str, kv: str, quant: str, prompts, steps: int, **kw):
+    opts = EngineOptions(model=str(model_folder), device=device, dtype="float32", batch=len(prompts),
+                         kv_cache_dtype=kv, quantization=quant, shuffle_blocks=17, **kw)
+    model = load_model(opts)
+    engine = build_engine(model, opts)
+    seen = record_logits(engine)
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=steps, ignore_eos=True, temperature=0.0)) for p in prompts]
+    while engine.has_unfinished:
+        engine.step()
+        check_block_accounting(engine)
+    return engine, [s.output_token_ids for s in seqs], [torch.stack(seen[s.id]).cpu() for s in seqs]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("kv,quant", FP8_OPTIONS)
+def test_stories260k_fp8_on_cuda_equals_the_cpu_torch_path(stories, kv, quant, eager):
+    prompts = [[1], [1, 403, 407, 261, 378], list(range(5, 45))]
+    engine, tokens, logits = run(stories, "cuda", kv, quant, prompts, 60, eager=eager, num_blocks=5 * 60)
+    if kv == "fp8":
+        assert engine.cache.pool.dtype == FP8_DTYPE and engine.cache.kv_scales.k.is_cuda
+    _, want_tokens, want_logits = run(stories, "cpu", kv, quant, prompts, 60, num_blocks=5 * 60)
+    assert_same_until_a_near_tie(tokens, want_tokens, logits, want_logits)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 3, 4, 8])
+@pytest.mark.parametrize("kv,quant", FP8_OPTIONS)
+def test_cuda_backend_equals_torch_backend_with_fp8(tmp_path, head_dim, gqa, kv, quant):
+    """Same GPU, same fp8 pool and weights, only the backend differs; decode at batches 1 and 3
+    (gemv.cu's sizes and cuBLAS's) and a prefill of a long prompt beside short ones."""
+    from pagedcli.backends import TorchBackend
+
+    kv_heads = 2
+    hidden = kv_heads * gqa * head_dim
+    # hf_checkpoint's initializer_range suits its hidden size of 64; wider models get it scaled down
+    # by sqrt(64 / hidden), so that activations keep their size and the model is not chaotic
+    folder = hf_checkpoint(tmp_path / "m", num_attention_heads=kv_heads * gqa, num_key_value_heads=kv_heads,
+                           head_dim=head_dim, hidden_size=hidden, intermediate_size=256, max_position_embeddings=512,
+                           initializer_range=0.15 * (64 / hidden) ** 0.5)
+    for batch in (1, 3):
+        prompts = [list(range(3, 3 + 70)), [5, 6, 7], [9] * 20][:batch]
+        opts = EngineOptions(model=str(folder), device="cuda", dtype="float32", batch=batch, shuffle_blocks=3,
+                             kv_cache_dtype=kv, quantization=quant, eager=True)
+        model = load_model(opts)
+        ours = build_engine(model, opts)
+        reference = build_engine(model, opts)
+        reference.runner.model.backend = TorchBackend(reference.cache, model.source.config)
+        seen = [record_logits(e) for e in (ours, reference)]
+        params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+        a = [s.output_token_ids for s in ours.run_to_completion(prompts, params)]
+        b = [s.output_token_ids for s in reference.run_to_completion(prompts, params)]
+        assert_same_until_a_near_tie(a, b, *([torch.stack(v) for v in x.values()] for x in seen))
+
+
+def test_fp8_pool_on_cuda_holds_twice_the_blocks_of_bf16(stories):
+    blocks = {}
+    for kv in ("auto", "fp8"):
+        opts = EngineOptions(model=str(stories), device="cuda", dtype="bfloat16", kv_cache_dtype=kv, cache_size="64MiB")
+        engine = build_engine(load_model(opts), opts)
+        blocks[kv] = engine.cache.geometry.num_blocks
+        assert engine.cache.pool.numel() * engine.cache.pool.element_size() == engine.cache.geometry.pool_bytes
+    assert blocks["fp8"] == 2 * blocks["auto"]
+
+
+def test_gpu_memory_utilization_gives_an_fp8_pool_twice_the_blocks(stories):
+    """The same share of the GPU, the same bytes for the pool: twice the blocks at a byte an element."""
+    blocks = {}
+    for kv in ("auto", "fp8"):
+        opts = EngineOptions(model=str(stories), device="cuda", dtype="bfloat16", kv_cache_dtype=kv,
+                             gpu_memory_utilization=0.02)  # ~2.8 GB on an H200
+        engine = build_engine(load_model(opts), opts)
+        blocks[kv] = engine.cache.geometry.num_blocks
+        del engine
+    # (the fp8 profiling pass may measure a little more activation memory: torch ops dequantize)
+    assert abs(blocks["fp8"] / blocks["auto"] - 2) < 0.05, blocks
