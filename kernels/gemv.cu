@@ -26,10 +26,16 @@
 // as torch stores it (common.cuh's formulas, as in elementwise.cu), products accumulate in fp32 (as cuBLAS),
 // and the result is rounded to the dtype once; the residual add rounds like torch's bf16 add.
 //
-// Shapes: W [N, K] row-major; `rows` input rows, at most the kernel's M; K % VEC == 0 and every row
-// 16-byte aligned (checked in Python, which falls back to cuBLAS otherwise). Dynamic shared memory:
-// M * K elements.
+// FP8 weights (`--quantization fp8`, pagedcli/model/fp8.py; the gemv8_ kernels): e4m3 values with
+// a float scale per weight row. A 16-byte load then holds 16 weights, which become floats by bit
+// moves and one fp16 conversion each (fp8.cuh), and a row's fp32 sum is multiplied by its scale: the
+// torch reference's fp8_linear, which sums x times the fp8 values in fp32, then scales.
+//
+// Shapes: W [N, K] row-major; `rows` input rows, at most the kernel's M; K % VEC == 0 (fp8: K % 16)
+// and every row 16-byte aligned (checked in Python, which falls back to cuBLAS otherwise). Dynamic
+// shared memory: M * K elements.
 
+#include "fp8.cuh"
 #include "rope_kv.cuh"
 
 #if !defined(GEMV_THREADS) || !defined(GEMV_UNROLL) || !defined(GEMV_MIN_CTAS) || !defined(GEMV_EVICT_FIRST)
@@ -37,7 +43,16 @@
 #endif
 
 #define GEMV_WARPS (GEMV_THREADS / WARP_SIZE)
-#define TILE (WARP_SIZE * VEC * GEMV_UNROLL)  // elements of a row one warp reads per step
+
+// The weights' element: the model dtype (scalar_t), or fp8 e4m3 (Fp8: one byte, with a float scale
+// per weight row; pagedcli/model/fp8.py), 16 of them to a 16-byte load.
+struct Fp8 {
+    unsigned char bits;
+};
+template <typename WT>
+__host__ __device__ constexpr int weight_vec() { return (int)sizeof(uint4) / (int)sizeof(WT); }  // elements of a 16-byte load
+template <typename WT>
+__host__ __device__ constexpr int tile_elems() { return WARP_SIZE * weight_vec<WT>() * GEMV_UNROLL; }  // of a row, one warp step
 
 // What the input rows are, before the product.
 #define IN_PLAIN 0     // x itself
@@ -170,13 +185,34 @@ __device__ __forceinline__ uint4 load_weight(const scalar_t* p) {
 }
 
 // The GEMV_UNROLL vectors of row `row`, tile `tile` that this lane reads (zeros past K).
-__device__ __forceinline__ void load_tile(const scalar_t* __restrict__ W, int row, int tile, int K, int lane,
+template <typename WT>
+__device__ __forceinline__ void load_tile(const WT* __restrict__ W, int row, int tile, int K, int lane,
                                           uint4 (&w)[GEMV_UNROLL]) {
-    const scalar_t* __restrict__ src = W + (size_t)row * K;
+    const WT* __restrict__ src = W + (size_t)row * K;
 #pragma unroll
     for (int u = 0; u < GEMV_UNROLL; ++u) {
-        const int k = tile * TILE + (u * WARP_SIZE + lane) * VEC;
-        w[u] = k < K ? load_weight(src + k) : make_uint4(0, 0, 0, 0);
+        const int k = tile * tile_elems<WT>() + (u * WARP_SIZE + lane) * weight_vec<WT>();
+        w[u] = k < K ? load_weight(reinterpret_cast<const scalar_t*>(src + k)) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// A 16-byte vector of weights as floats: the dtype's VEC elements, or 16 fp8 values times 2^-8 (the
+// row's scale carries the 2^8 back: fp8_scale_of).
+__device__ __forceinline__ void unpack_weights(const uint4& raw, float (&out)[VEC]) { unpack_vec(raw, out); }
+__device__ __forceinline__ void unpack_weights(const uint4& raw, float (&out)[16]) {
+    const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) e4m3x4_scaled(words[i], out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+}
+
+// What a finished row's fp32 sum is multiplied by: nothing for the dtype's weights; the row's scale
+// (and the 2^8 that unpack_weights took out) for fp8.
+template <typename WT>
+__device__ __forceinline__ float row_scale(const float* __restrict__ scales, int row) {
+    if constexpr (sizeof(WT) == 1) {
+        return scales[row] * 256.0f;
+    } else {
+        return 1.0f;
     }
 }
 
@@ -224,11 +260,13 @@ __device__ __forceinline__ void sum_split_k(float (&first)[M], float (&second)[M
 // GEMV_WARPS / split units after it.
 // in: `rows` rows, in_stride elements apart; out: `rows` rows, out_stride elements apart (scalar_t,
 // or float for OUT_FLOAT); norm_weight and eps: for IN_RMS_NORM only; kv: for OUT_ROPE_KV only.
-template <int M, int IN, int OUT>
-__device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int K, int rows, int split,
-                                     const scalar_t* __restrict__ in, long long in_stride,
+// WT: the weights' element (scalar_t, or Fp8 with `scales`: one float per weight row).
+template <int M, int IN, int OUT, typename WT>
+__device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __restrict__ scales, int N, int K,
+                                     int rows, int split, const scalar_t* __restrict__ in, long long in_stride,
                                      const scalar_t* __restrict__ norm_weight, float eps, void* out,
                                      long long out_stride, const RopeKV& kv) {
+    constexpr int TILE = tile_elems<WT>(), W_VEC = weight_vec<WT>();
     constexpr int ROWS_PER_UNIT = OUT == OUT_SILU_MUL || OUT == OUT_ROPE_KV ? 2 : 1;
     extern __shared__ uint4 shared_input[];
     scalar_t* __restrict__ xs = reinterpret_cast<scalar_t*>(shared_input);
@@ -279,25 +317,29 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
 
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const int k = tile * TILE + (u * WARP_SIZE + lane) * VEC;
+            const int k = tile * TILE + (u * WARP_SIZE + lane) * W_VEC;
             if (k < K) {
-                float wf[VEC];
-                unpack_vec(w[u], wf);
+                float wf[W_VEC];
+                unpack_weights(w[u], wf);
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
                     if (M > 1 && m >= rows) break;
-                    float x[VEC];
-                    load_floats<VEC>(xs + (size_t)m * K + k, x);
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) acc[m] = fmaf(wf[j], x[j], acc[m]);
+                    for (int h = 0; h < W_VEC; h += VEC) {  // the input's 16-byte vectors under this load
+                        float x[VEC];
+                        load_floats<VEC>(xs + (size_t)m * K + k + h, x);
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) acc[m] = fmaf(wf[h + j], x[j], acc[m]);
+                    }
                 }
             }
         }
 
         if (next_tile == tile_begin) {  // this warp's slice of a row is complete: reduce across the warp
             float (&total)[M] = acc;  // the warp's sums replace its lanes' (and are zeroed below)
+            const float scale = row_scale<WT>(scales, weight_row(unit, part));
 #pragma unroll
-            for (int m = 0; m < M; ++m) total[m] = warp_sum(acc[m]);
+            for (int m = 0; m < M; ++m) total[m] = warp_sum(acc[m]) * scale;
             if (ROWS_PER_UNIT == 2 && part == 0) {  // kept until the unit's second row is done
 #pragma unroll
                 for (int m = 0; m < M; ++m) first[m] = total[m];
@@ -339,32 +381,52 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ W, int N, int 
 
 // One kernel per (rows, input step, output step): gemv_<M>_<in>_<out>, e.g. gemv_1_rms_norm_store;
 // pagedcli/backends/cuda.py's gemv_kernel_names() lists the same.
+// gemv8_...: the same with fp8 weights and their row scales (the rope_kv kernels likewise).
 #define GEMV_KERNEL(M, IN_NAME, IN, OUT_NAME, OUT)                                                           \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv_##M##_##IN_NAME##_##OUT_NAME( \
         const scalar_t* __restrict__ W, int N, int K, int rows, int split, const scalar_t* __restrict__ in,    \
         long long in_stride, const scalar_t* __restrict__ norm_weight, float eps, void* out, long long out_stride) { \
-        gemv<M, IN, OUT>(W, N, K, rows, split, in, in_stride, norm_weight, eps, out, out_stride, RopeKV{});  \
+        gemv<M, IN, OUT>(W, nullptr, N, K, rows, split, in, in_stride, norm_weight, eps, out, out_stride, RopeKV{}); \
+    }
+#define GEMV8_KERNEL(M, IN_NAME, IN, OUT_NAME, OUT)                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv8_##M##_##IN_NAME##_##OUT_NAME( \
+        const Fp8* __restrict__ W, const float* __restrict__ scales, int N, int K, int rows, int split,         \
+        const scalar_t* __restrict__ in, long long in_stride, const scalar_t* __restrict__ norm_weight, float eps, \
+        void* out, long long out_stride) {                                                                    \
+        gemv<M, IN, OUT>(W, scales, N, K, rows, split, in, in_stride, norm_weight, eps, out, out_stride, RopeKV{}); \
     }
 
 // qkv with RoPE and the K/V write: kv_write.cu's arguments instead of an output.
+#define ROPE_KV_PARAMS                                                                                      \
+    int N, int K, int rows, int split, const scalar_t *__restrict__ in, long long in_stride,                 \
+        const scalar_t *__restrict__ norm_weight, float eps, scalar_t *q_out, unsigned char *pool,           \
+        const int *table, long long table_slot_stride, int max_blocks, const long long *positions,           \
+        const long long *token_seq, const int *slots, const scalar_t *cos_table, const scalar_t *sin_table,  \
+        int max_positions
+#define ROPE_KV_BODY(M, SCALES)                                                                                \
+    const RopeKV kv{q_out, pool, table, table_slot_stride, max_blocks, positions, token_seq, slots, cos_table, \
+                    sin_table, max_positions};                                                               \
+    gemv<M, IN_RMS_NORM, OUT_ROPE_KV>(W, SCALES, N, K, rows, split, in, in_stride, norm_weight, eps, nullptr, 0, kv);
 #define GEMV_ROPE_KV_KERNEL(M)                                                                                \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv_##M##_rms_norm_rope_kv(      \
-        const scalar_t* __restrict__ W, int N, int K, int rows, int split, const scalar_t* __restrict__ in,    \
-        long long in_stride, const scalar_t* __restrict__ norm_weight, float eps, scalar_t* q_out,           \
-        unsigned char* pool, const int* table, long long table_slot_stride, int max_blocks,                   \
-        const long long* positions, const long long* token_seq, const int* slots, const scalar_t* cos_table,  \
-        const scalar_t* sin_table, int max_positions) {                                                        \
-        const RopeKV kv{q_out, pool, table, table_slot_stride, max_blocks, positions, token_seq, slots,       \
-                        cos_table, sin_table, max_positions};                                                  \
-        gemv<M, IN_RMS_NORM, OUT_ROPE_KV>(W, N, K, rows, split, in, in_stride, norm_weight, eps, nullptr, 0, kv); \
+        const scalar_t* __restrict__ W, ROPE_KV_PARAMS) {                                                     \
+        ROPE_KV_BODY(M, nullptr)                                                                                 \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv8_##M##_rms_norm_rope_kv(     \
+        const Fp8* __restrict__ W, const float* __restrict__ scales, ROPE_KV_PARAMS) {                        \
+        ROPE_KV_BODY(M, scales)                                                                                  \
     }
 
 // The combinations a Llama layer uses, for each batch-size bucket up to GEMV_MAX_ROWS.
-#define GEMV_KERNELS(M)                                          \
-    GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, store, OUT_STORE)       \
-    GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, float, OUT_FLOAT)       \
-    GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, silu_mul, OUT_SILU_MUL) \
-    GEMV_KERNEL(M, plain, IN_PLAIN, add, OUT_ADD)                 \
+// (The LM head, the one float output, stays in the model dtype: no gemv8 of it.)
+#define GEMV_KERNELS(M)                                           \
+    GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, store, OUT_STORE)        \
+    GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, float, OUT_FLOAT)        \
+    GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, silu_mul, OUT_SILU_MUL)  \
+    GEMV_KERNEL(M, plain, IN_PLAIN, add, OUT_ADD)                  \
+    GEMV8_KERNEL(M, rms_norm, IN_RMS_NORM, store, OUT_STORE)       \
+    GEMV8_KERNEL(M, rms_norm, IN_RMS_NORM, silu_mul, OUT_SILU_MUL) \
+    GEMV8_KERNEL(M, plain, IN_PLAIN, add, OUT_ADD)                 \
     GEMV_ROPE_KV_KERNEL(M)
 
 GEMV_KERNELS(1)

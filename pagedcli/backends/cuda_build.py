@@ -66,14 +66,18 @@ WARP_SIZE = 32
 
 DTYPE_DEFINES = {torch.bfloat16: "DTYPE_BF16", torch.float16: "DTYPE_F16", torch.float32: "DTYPE_F32"}
 GEMV_OPS = ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")
+GEMV8_OPS = ("rms_norm_store", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")  # fp8 weights: not the LM head
 
 
 
 def gemv_kernel_names():
-    """The kernels gemv.cu defines: one per row bucket and fused op (its GEMV_KERNELS macro)."""
+    """The kernels gemv.cu defines: one per row bucket and fused op, and for fp8 weights (its
+    GEMV_KERNELS macro)."""
     for rows in GEMV_ROW_BUCKETS:
         for op in GEMV_OPS:
             yield f"gemv_{rows}_{op}"
+        for op in GEMV8_OPS:
+            yield f"gemv8_{rows}_{op}"
 
 
 def heads_per_cta(gqa: int) -> int:
@@ -210,9 +214,10 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
     kernel_geometry = replace(geometry, cache_dtype=None) if geometry.kv_fp8 else geometry
     model = tuple(sorted(kernel_geometry.defines().items())) + (("NUM_HEADS", config.num_heads),) + dtype
     plan = KernelPlan()
-    if fp8_weights:
-        plan.fallbacks["linear layers"] = ("`quantization` fp8: no fp8 GEMV/GEMM kernels yet; "
-                                           "torch's float32 product of the fp8 values, times each row's scale")
+    if fp8_weights:  # gemv.cu's gemv8_ kernels serve decode batches up to GEMV_MAX_ROWS
+        plan.fallbacks["linear layers"] = (f"`quantization` fp8 over {GEMV_MAX_ROWS} rows (prefill, larger batches): "
+                                           "no fp8 GEMM kernel yet; torch's float32 product of the fp8 values, "
+                                           "times each row's scale")
     if geometry.kv_fp8:
         for op in ("RoPE and the K/V write", "decode attention", "prefill attention"):
             plan.fallbacks[op] = "`kv_cache_dtype` fp8: no fp8 kernels yet; torch ops quantize and dequantize"

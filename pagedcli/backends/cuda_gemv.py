@@ -9,7 +9,7 @@ import torch
 
 from pagedcli.backends.cuda_build import GEMV_MAX_ROWS, GEMV_MAX_SHARED, GEMV_ROW_BUCKETS, GEMV_THREADS, VEC_BYTES
 from pagedcli.backends.cuda_launch import aligned, ptr
-from pagedcli.model.fp8 import Fp8Weight
+from pagedcli.model.fp8 import FP8_DTYPE, Fp8Weight
 
 
 def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
@@ -17,17 +17,24 @@ def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
     """x (or its RMSNorm) @ weight.T through gemv.cu, followed by what `op` says; None when the
     shapes are not gemv.cu's (too many rows, unaligned, other dtype): the caller uses cuBLAS.
     rope_kv: (layer, batch) for the qkv epilogue, which returns the rotated q. An fp8 weight
-    (model/fp8.py) has no kernel yet: None."""
-    if isinstance(weight, Fp8Weight):
-        return None
+    (model/fp8.py) goes to the gemv8_ kernels, with its row scales (not the LM head's float op)."""
+    fp8 = isinstance(weight, Fp8Weight)
+    scales = weight.scale if fp8 else None
+    if fp8:
+        weight = weight.values
+        if f"gemv8_1_{op}" not in be.kernels or scales.dtype != torch.float32 or not scales.is_contiguous():
+            return None
     N, K = weight.shape
     rows = x.shape[0] if x.dim() == 2 else 0
     paired = op.endswith(("silu_mul", "rope_kv"))  # units of two rows make one output pair
     units = N // 2 if paired else N
-    tensors = [t for t in (x, weight, norm_weight, residual) if t is not None]
+    tensors = [t for t in (x, norm_weight, residual) if t is not None] + ([] if fp8 else [weight])
+    weight_vec = VEC_BYTES // weight.element_size()  # weights to a 16-byte load
     if not (1 <= rows <= GEMV_MAX_ROWS and x.shape[1] == K and not (paired and N % 2)
             and be.fusable(*tensors)
-            and K % be.vec == 0 and weight.is_contiguous() and x.stride(1) == 1
+            and (not fp8 or (weight.dtype == FP8_DTYPE and weight.is_cuda and weight.device.index == be.device_index
+                             and scales.device == weight.device))
+            and K % be.vec == 0 and K % weight_vec == 0 and weight.is_contiguous() and x.stride(1) == 1
             and x.stride(0) * x.element_size() % VEC_BYTES == 0 and aligned(x, weight)
             and (norm_weight is None or (norm_weight.is_contiguous() and aligned(norm_weight)))):
         return None
@@ -44,11 +51,11 @@ def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
     else:
         out = torch.empty((rows, units), dtype=torch.float32 if op.endswith("float") else x.dtype, device=x.device)
     tail = (ptr(out), np.int64(out.stride(0))) if rope_kv is None else be.rope_kv_args(*rope_kv, out)
-    kernel = f"gemv_{bucket}_{op}"
-    split = be.shapes.gemv_split(units, K)
+    kernel = f"gemv{'8' if fp8 else ''}_{bucket}_{op}"
+    split = be.shapes.gemv_split(units, K, weight.element_size())
     ctas = be.shapes.gemv_ctas(units, split)
-    be.launch(kernel, (ctas,), (GEMV_THREADS,), (
-        ptr(weight), np.int32(N), np.int32(K), np.int32(rows), np.int32(split), ptr(x), np.int64(x.stride(0)),
+    be.launch(kernel, (ctas,), (GEMV_THREADS,), (ptr(weight),) + ((ptr(scales),) if fp8 else ()) + (
+        np.int32(N), np.int32(K), np.int32(rows), np.int32(split), ptr(x), np.int64(x.stride(0)),
         ptr(norm_weight), np.float32(eps),
     ) + tail, shared_mem=shared)
     return out

@@ -147,12 +147,14 @@ class LaunchShapes:
                                                torch.zeros(batch_size, dtype=torch.int32, **z))
         return self.argmax_scratch[batch_size]
 
-    def gemv_split(self, units: int, K: int) -> int:
+    def gemv_split(self, units: int, K: int, weight_itemsize: int | None = None) -> int:
         """Warps per unit of gemv.cu: the most of GEMV_SPLITS whose warps still fit in one wave of
         GEMV_CTAS_PER_SM CTAs an SM, each warp with at least one tile of K (Llama-3.2-1B at batch 1:
-        2 for o, down and qkv, 1 for gate/up and the LM head)."""
+        2 for o, down and qkv, 1 for gate/up and the LM head). weight_itemsize: 1 for fp8 weights
+        (16 to a load), else the model dtype's."""
         warp_slots = GEMV_CTAS_PER_SM * self.num_sms * (GEMV_THREADS // 32)
-        tiles = -(-K // (32 * self.vec * GEMV_UNROLL))  # gemv.cu's TILE: a warp's 16-byte loads of one step
+        vec = self.vec if weight_itemsize is None else VEC_BYTES // weight_itemsize
+        tiles = -(-K // (32 * vec * GEMV_UNROLL))  # gemv.cu's tile_elems: a warp's 16-byte loads of one step
         return max(s for s in GEMV_SPLITS if s == 1 or (units * s <= warp_slots and s <= tiles))
 
     def gemv_ctas(self, units: int, split: int) -> int:
