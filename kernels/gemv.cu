@@ -27,8 +27,8 @@
 // and the result is rounded to the dtype once; the residual add rounds like torch's bf16 add.
 //
 // FP8 weights (`--quantization fp8`, pagedcli/model/fp8.py; the gemv8_ kernels): e4m3 values with
-// a float scale per weight row. A 16-byte load then holds 16 weights, which become floats by bit
-// moves and one fp16 conversion each (fp8.cuh), and a row's fp32 sum is multiplied by its scale: the
+// a float scale per weight row. A 16-byte load then holds 16 weights, which become floats through
+// fp16 (fp8.cuh), and a row's fp32 sum is multiplied by its scale: the
 // torch reference's fp8_linear, which sums x times the fp8 values in fp32, then scales.
 //
 // Shapes: W [N, K] row-major; `rows` input rows, at most the kernel's M; K % VEC == 0 (fp8: K % 16)
@@ -196,8 +196,8 @@ __device__ __forceinline__ void load_tile(const WT* __restrict__ W, int row, int
     }
 }
 
-// A 16-byte vector of weights as floats: the dtype's VEC elements, or 16 fp8 values times 2^-8 (the
-// row's scale carries the 2^8 back: fp8_scale_of).
+// A 16-byte vector of weights as floats: the dtype's VEC elements, or 16 fp8 values (times
+// fp8.cuh's E4M3_UNPACK_FACTOR, which row_scale divides out).
 __device__ __forceinline__ void unpack_weights(const uint4& raw, float (&out)[VEC]) { unpack_vec(raw, out); }
 __device__ __forceinline__ void unpack_weights(const uint4& raw, float (&out)[16]) {
     const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -206,11 +206,11 @@ __device__ __forceinline__ void unpack_weights(const uint4& raw, float (&out)[16
 }
 
 // What a finished row's fp32 sum is multiplied by: nothing for the dtype's weights; the row's scale
-// (and the 2^8 that unpack_weights took out) for fp8.
+// (over the factor unpack_weights left in, a power of two: exact) for fp8.
 template <typename WT>
 __device__ __forceinline__ float row_scale(const float* __restrict__ scales, int row) {
     if constexpr (sizeof(WT) == 1) {
-        return scales[row] * 256.0f;
+        return scales[row] * (1.0f / E4M3_UNPACK_FACTOR);
     } else {
         return 1.0f;
     }

@@ -86,7 +86,7 @@ def test_kernels_compile_without_clusters_for_older_gpus():
     config = preset_configs()["llama-3.2-1b"]
     plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=False)
     assert plan.files["paged_attention.cu"][1] == ("paged_attention_decode",)
-    for file in ("paged_attention.cu", "paged_prefill.cu"):
+    for file in ("paged_attention.cu", "paged_prefill.cu", "gemv.cu"):  # gemv.cu: fp8 weights without sm_89's cvt
         ok, err = nvcc(file, plan.files[file][0], arch="sm_80")
         assert ok, err
 
