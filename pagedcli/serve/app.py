@@ -122,7 +122,7 @@ def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Met
         num_tokens = 0
         try:
             while not job.done:
-                for delta in await job.deltas.get():
+                for delta in await job.receive():
                     if (error := failure(delta)) is not None:
                         yield sse(error.body())
                         continue
@@ -142,7 +142,7 @@ def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Met
         gone = asyncio.ensure_future(disconnected(request))
         try:
             while not job.done:
-                got = asyncio.ensure_future(job.deltas.get())
+                got = asyncio.ensure_future(job.receive())
                 await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not got.done():  # the client went away: nobody reads the answer
                     got.cancel()

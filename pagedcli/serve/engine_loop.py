@@ -65,11 +65,15 @@ class Job:
 
     @property
     def done(self) -> bool:
+        """Every answer's last delta has been received."""
         return self.num_open == 0
 
-    def take(self, deltas: list[Delta]) -> None:
+    async def receive(self) -> list[Delta]:
+        """The deltas of the engine's next step (counted as received here, not when they arrive:
+        several steps' may be queued)."""
+        deltas = await self.deltas.get()
         self.num_open -= sum(d.finish_reason is not None for d in deltas)
-        self.deltas.put_nowait(deltas)
+        return deltas
 
 
 class EngineLoop:
@@ -284,4 +288,4 @@ class EngineLoop:
 
 def _deliver(items: list[tuple[Job, list[Delta]]]) -> None:
     for job, deltas in items:
-        job.take(deltas)
+        job.deltas.put_nowait(deltas)

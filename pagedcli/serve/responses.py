@@ -11,6 +11,7 @@ from pagedcli.serve.engine_loop import Delta
 from pagedcli.serve.errors import APIError, server_error
 
 LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf
+COMPACT = (",", ":")  # a chunk a token: no spaces to send
 
 
 def new_id(prefix: str) -> str:
@@ -19,7 +20,8 @@ def new_id(prefix: str) -> str:
 
 def sse(data: dict | str) -> str:
     """One server-sent event: `data: {...}` and a blank line."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))}\n\n"
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=COMPACT)
+    return f"data: {text}\n\n"
 
 
 def failure(delta: Delta) -> APIError | None:
