@@ -97,8 +97,8 @@ def serve(
     finally:
         engine_loop.stop()
         sock.close()
-    said = metrics.summary()
-    say(f"stopped{' by ' + signal.Signals(server.stopped_by).name if server.stopped_by else ''}: {said}", shared)
+    by = f" by {signal.Signals(server.stopped_by).name}" if server.stopped_by else ""
+    notice(f"stopped{by}: {metrics.summary()}")  # (the live view has left the screen)
 
 
 def say(text: str, shared) -> None:

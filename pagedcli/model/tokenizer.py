@@ -147,6 +147,23 @@ class StreamDecoder:
         self.num_seen = len(output_ids)
         return new
 
+    def catch_up_at_once(self, output_ids: list[int]) -> str:
+        """catch_up in two decodes, however many tokens are new, not two a token (a server's
+        client that fell some steps behind gets them in one piece)."""
+        new = output_ids[self.num_seen:]
+        self.num_seen = len(output_ids)
+        if len(new) <= 1:
+            return "".join(self.push(t) for t in new)
+        self.ids += new
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            piece = text[len(prefix):]
+            self.text += piece
+            return piece
+        return ""
+
     def push(self, token: int) -> str:
         self.ids.append(token)
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])

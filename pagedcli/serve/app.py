@@ -103,7 +103,7 @@ def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Met
         if engine_loop.num_waiting >= settings.max_waiting:
             raise too_many_waiting(settings.max_waiting)
         request_id = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
-        job = Job(request_id, Prompts(token_ids, texts, params), asyncio.get_running_loop())
+        job = Job(request_id, Prompts(token_ids, texts, params), asyncio.get_running_loop(), tokenizer)
         shapes = Shapes(chat, settings.model_name, lambda t: tokenizer.decode([t], skip_special_tokens=False),
                         want_logprobs)
         num_prompt_tokens = sum(len(ids) for ids in token_ids)

@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pagedcli.commands.output import answer_text
 from pagedcli.engine.sequence import Sequence
 from pagedcli.errors import allocation_failure
 from pagedcli.model.tokenizer import StreamDecoder
@@ -35,33 +34,42 @@ IDLE_TICK_S = 0.2  # an idle engine thread wakes this often only when a live vie
 
 @dataclass
 class Delta:
-    """What one answer gained in one step."""
+    """What one answer gained: in one step (from the engine thread), or since the client's last
+    read (Job.receive)."""
 
     index: int  # the answer's place in the request (prompt i's answer j: i * n + j)
     token_ids: list[int]
-    text: str
+    text: str | None  # None: not decoded yet (Job.receive decodes); an answer with stop strings
+    # comes with the engine's text, cut before the stop string
     logprobs: list = field(default_factory=list)  # TokenLogprobs, one per new token, when asked for
     finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while it runs
     error: str | None = None
 
+    def extend(self, later: Delta) -> None:
+        self.token_ids += later.token_ids
+        self.text = None if self.text is None or later.text is None else self.text + later.text
+        self.logprobs += later.logprobs
+        self.finish_reason, self.error = later.finish_reason, later.error
+
 
 class Job:
-    """One HTTP request inside the engine: its prompts, and the queue its deltas arrive in (the
-    event loop's side; the engine thread only puts into it, through the event loop)."""
+    """One HTTP request inside the engine: its prompts, and the queue its deltas arrive in. The
+    engine thread only puts into the queue (through the event loop); the event loop reads it,
+    decodes the text and counts the answers that finished."""
 
-    ids = itertools.count()
-
-    def __init__(self, request_id: str, prompts: Prompts, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, prompts: Prompts, loop: asyncio.AbstractEventLoop, tokenizer):
         self.request_id = request_id
         self.prompts = prompts
         self.loop = loop
         self.arrival = time.perf_counter()
         self.deltas: asyncio.Queue[list[Delta]] = asyncio.Queue()
-        self.num_open = prompts.num_answers  # answers not finished (the event loop's count)
+        self.num_open = prompts.num_answers  # answers whose last delta has not been received
+        answers = [ids for ids, params in zip(prompts.token_ids, prompts.params) for _ in params]
+        self.decoders = [StreamDecoder(tokenizer, ids) for ids in answers]
+        self.outputs: list[list[int]] = [[] for _ in answers]  # each answer's tokens received so far
         # the engine thread's
         self.seqs: list[Sequence] = []
         self.sent: list[list[int]] = []  # per answer: tokens, characters, logprobs handed out so far
-        self.decoders: list[StreamDecoder] = []
 
     @property
     def done(self) -> bool:
@@ -69,11 +77,25 @@ class Job:
         return self.num_open == 0
 
     async def receive(self) -> list[Delta]:
-        """The deltas of the engine's next step (counted as received here, not when they arrive:
-        several steps' may be queued)."""
-        deltas = await self.deltas.get()
-        self.num_open -= sum(d.finish_reason is not None for d in deltas)
-        return deltas
+        """What the answers gained since the last call, a delta per answer that gained anything:
+        the engine's next step, or when the client fell behind, every step since, in one piece
+        (the engine never waits for a client)."""
+        steps = [await self.deltas.get()]
+        while not self.deltas.empty():
+            steps.append(self.deltas.get_nowait())
+        merged: dict[int, Delta] = {}
+        for deltas in steps:
+            for d in deltas:
+                if d.index in merged:
+                    merged[d.index].extend(d)
+                else:
+                    merged[d.index] = d
+        for d in merged.values():
+            self.outputs[d.index] += d.token_ids
+            if d.text is None:
+                d.text = self.decoders[d.index].catch_up_at_once(self.outputs[d.index])
+            self.num_open -= d.finish_reason is not None
+        return list(merged.values())
 
 
 class EngineLoop:
@@ -185,8 +207,9 @@ class EngineLoop:
                 engine.abort(seqs)
                 for seq in seqs:
                     self.jobs.pop(seq.id, None)
-                self.metrics.aborted(len(seqs))
                 engine.forget()
+                self.num_engine_waiting = self._engine_waiting()
+                self.metrics.aborted(len(seqs))
         elif kind == "snapshot":
             loop, future = arg
             snap = engine.snapshot()
@@ -195,7 +218,7 @@ class EngineLoop:
             self.stopped = True
 
     def _add(self, job: Job) -> None:
-        engine, tokenizer = self.loaded.engine, self.loaded.tokenizer
+        engine = self.loaded.engine
         with self.lock:
             self.num_pending -= job.prompts.num_answers
         p = job.prompts
@@ -207,7 +230,6 @@ class EngineLoop:
                 self.jobs[seq.id] = (job, len(job.seqs))
                 job.seqs.append(seq)
                 job.sent.append([0, 0, 0])
-                job.decoders.append(StreamDecoder(tokenizer, seq.prompt_token_ids))
         self.num_engine_waiting = self._engine_waiting()
 
     def _engine_waiting(self) -> int:
@@ -248,7 +270,9 @@ class EngineLoop:
     def _delta(self, job: Job, index: int, seq: Sequence, now: float) -> Delta | None:
         sent = job.sent[index]
         tokens = seq.output_token_ids[sent[0]:]
-        text = answer_text(seq, job.decoders[index])[sent[1]:]
+        # the text is decoded by the event loop, once per read; but for stop strings the engine's
+        # (it holds back what may start one, and cuts the text before the one found)
+        text = seq.stop_strings.text(seq.is_finished)[sent[1]:] if seq.stop_strings is not None else None
         logprobs = seq.logprobs[sent[2]:] if seq.params.logprobs is not None else []
         finish = seq.finish_reason if seq.is_finished else None
         if not tokens and not text and finish is None:
@@ -257,7 +281,7 @@ class EngineLoop:
         if finish is not None:
             self.metrics.finished(seq, now)
         sent[0] += len(tokens)
-        sent[1] += len(text)
+        sent[1] += len(text or "")
         sent[2] += len(logprobs)
         return Delta(index, list(tokens), text, list(logprobs), finish, seq.error)
 
