@@ -470,3 +470,31 @@ def test_the_serve_extra_and_the_test_extra_name_the_servers_packages():
     for name in ("fastapi", "uvicorn", "openai", "prometheus_client", "httpx"):
         assert name in extras["test"], name
     assert "pagedcli.serve" in project["tool"]["setuptools"]["packages"]
+
+
+def test_abort_with_a_decode_step_queued_ahead(tiny, make_engine):
+    """The overlap (forced on, as on a GPU): the step queued ahead still holds the aborted row,
+    which the next step drops; the others' tokens are those of a run without either."""
+    from pagedcli.engine.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+    def run(overlap: bool, abort_at: int | None):
+        engine = make_engine(tiny, batch=3).engine
+        engine.overlap = overlap
+        seqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished:
+            engine.step()
+            if engine.num_steps == abort_at:
+                assert engine.in_flight is not None and seqs[1] in engine.in_flight.seqs
+                engine.abort([seqs[1]])
+                assert engine.in_flight is not None, "the others' step ahead stays"
+            check_block_accounting(engine)
+        assert engine.in_flight is None and engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+        return [s.output_token_ids for s in seqs]
+
+    plain = run(False, None)
+    aborted = run(True, 6)
+    assert aborted[0] == plain[0] and aborted[2] == plain[2]
+    assert aborted[1] == plain[1][:len(aborted[1])] and len(aborted[1]) < 20
