@@ -118,10 +118,12 @@ def test_completions_streamed_and_not_are_generates_answers(server):
     assert whole.usage.prompt_tokens == sum(len(r["prompt_token_ids"]) for r in records)
     for prompt, record in zip(PROMPTS, records):
         pieces, usage, finish = [], None, None
+        counted = 0
         for chunk in client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0, stream=True,
-                                               stream_options={"include_usage": True}):
-            if chunk.usage is not None:
-                usage = chunk.usage
+                                               stream_options={"include_usage": True, "continuous_usage_stats": True}):
+            usage = chunk.usage
+            assert usage.completion_tokens >= counted and usage.prompt_tokens == len(record["prompt_token_ids"])
+            counted = usage.completion_tokens
             for c in chunk.choices:
                 pieces.append(c.text)
                 finish = c.finish_reason or finish

@@ -23,6 +23,10 @@ from pagedcli.errors import RunError, UsageError, plural
 from pagedcli.serve import DEFAULT_MAX_WAITING
 
 GRACE_S = 10.0  # seconds the requests in flight get to finish once a signal stops the server
+# The engine thread and the event loop share the GIL. Python hands it to a waiting thread only
+# after this long (5 ms by default): the engine, back from waiting on the GPU while the event loop
+# writes chunks, would wait that long for it, several decode steps on a GPU. (Not measured yet.)
+SWITCH_INTERVAL_S = 0.0005
 # RequestFlags that a request gives itself (its prompt, chat or not, n, logprobs); the rest are the
 # defaults for what a request leaves out
 PER_REQUEST = {"prompts": None, "prompt_file": None, "prompt_separator": r"\n", "chat": None, "system": None,
@@ -92,6 +96,7 @@ def serve(
         bound_host, bound_port = sock.getsockname()[:2]
         say(f"serving {name} at http://{url_host(bound_host)}:{bound_port}/v1 with OpenAI's API "
             f"({plural(loaded.engine.cache.max_slots, 'slot')}; Ctrl-C stops)", shared)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         server = make_server(config)
         server.run(sockets=[sock])
     finally:

@@ -109,12 +109,14 @@ def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Met
         num_prompt_tokens = sum(len(ids) for ids in token_ids)
         headers = {"X-Request-Id": request_id}
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(job, shapes, num_prompt_tokens, include_usage), headers=headers,
+            options = req.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = include_usage and options.continuous_usage_stats
+            return StreamingResponse(stream(job, shapes, num_prompt_tokens, include_usage, continuous), headers=headers,
                                      media_type="text/event-stream")
         return await whole(request, job, shapes, num_prompt_tokens, headers)
 
-    async def stream(job: Job, shapes: Shapes, num_prompt_tokens: int, include_usage: bool):
+    async def stream(job: Job, shapes: Shapes, num_prompt_tokens: int, include_usage: bool, continuous: bool):
         """The SSE body. Cancelled when the client goes away (Starlette listens for it): the
         job is aborted on the way out."""
         engine_loop.submit(job)
@@ -127,7 +129,10 @@ def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Met
                         yield sse(error.body())
                         continue
                     num_tokens += len(delta.token_ids)
-                    yield sse(shapes.chunk(delta, not started[delta.index], include_usage))
+                    chunk = shapes.chunk(delta, not started[delta.index], include_usage)
+                    if continuous:
+                        chunk["usage"] = usage(num_prompt_tokens, num_tokens)
+                    yield sse(chunk)
                     started[delta.index] = True
             if include_usage:
                 yield sse(shapes.usage_chunk(usage(num_prompt_tokens, num_tokens)))

@@ -21,6 +21,8 @@ class Body(BaseModel):
 
 class StreamOptions(Body):
     include_usage: bool = False  # a last chunk with `usage` and no choices
+    continuous_usage_stats: bool = False  # vLLM's: every chunk with the usage so far (a chunk may hold
+    # several tokens when its client fell behind: this counts them)
 
 
 class Sampling(Body):
