@@ -230,6 +230,12 @@ class EngineLoop:
                 self.jobs[seq.id] = (job, len(job.seqs))
                 job.seqs.append(seq)
                 job.sent.append([0, 0, 0])
+        if any(s.error for s in job.seqs):  # refused by the scheduler (the event loop's checks make it a 400 first)
+            engine.abort(job.seqs)  # the whole request fails
+            for seq in job.seqs:
+                self.jobs.pop(seq.id, None)
+            error = next(s.error for s in job.seqs if s.error)
+            self._send({job: [Delta(i, [], "", [], "error", error) for i in range(len(job.seqs))]})
         self.num_engine_waiting = self._engine_waiting()
 
     def _engine_waiting(self) -> int:

@@ -104,10 +104,10 @@ def request_params(req: Sampling, defaults: SamplingParams, scheduler: Scheduler
     prompt_field = "messages" if isinstance(req, ChatRequest) else "prompt"
     params = []
     for ids in token_ids:
-        problem = scheduler.why_unrunnable(len(ids)) or scheduler.unknown_token(ids)
-        if problem:
-            raise bad_request(f"`{prompt_field}`: {problem}", prompt_field,
-                              "context_length_exceeded" if ids and "token id" not in problem else None)
+        if problem := scheduler.why_unrunnable(len(ids)):
+            raise bad_request(f"`{prompt_field}`: {problem}", prompt_field, "context_length_exceeded" if ids else None)
+        if problem := scheduler.unknown_token(ids):
+            raise bad_request(f"`{prompt_field}`: {problem}", prompt_field)
         room = limit - len(ids)
         if "max_tokens" in given and base.max_tokens > room:
             raise bad_request(f"`max_tokens` {base.max_tokens}: the model's maximum length is {plural(limit, 'token')}, "
