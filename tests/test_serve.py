@@ -32,7 +32,8 @@ PROMPTS = ["ROMEO:", "JULIET:\nO Romeo", "First Citizen:\nBefore we proceed any 
 class Served:
     """A server in this process: the app and the engine loop pagedcli serve builds, on uvicorn."""
 
-    def __init__(self, batch: int = 8, max_waiting: int | None = None, api_key: str | None = None, **engine):
+    def __init__(self, batch: int = 8, max_waiting: int | None = None, api_key: str | None = None, model: str = "demo",
+                 **engine):
         import uvicorn
 
         from pagedcli.engine.sequence import SamplingParams
@@ -42,15 +43,16 @@ class Served:
         from pagedcli.serve.metrics import Metrics
 
         def build():
-            loaded = load(EngineOptions(model="demo", device="cpu", batch=batch, shuffle_blocks=7, **engine))
-            loaded.tokenizer.use_chat_template(TEMPLATE)
+            loaded = load(EngineOptions(model=model, device="cpu", batch=batch, shuffle_blocks=7, **engine))
+            if loaded.tokenizer is not None:
+                loaded.tokenizer.use_chat_template(TEMPLATE)
             return loaded
 
         self.metrics = Metrics()
         self.loop = EngineLoop(build, self.metrics)
         self.loaded = self.loop.start()
         self.engine = self.loaded.engine
-        settings = Settings("demo", SamplingParams(), api_key)
+        settings = Settings(model, SamplingParams(), api_key)
         if max_waiting is not None:
             settings.max_waiting = max_waiting
         app = create_app(self.loop, self.loaded, settings, self.metrics)
@@ -369,6 +371,25 @@ def test_the_cache_endpoint_shows_inspect_caches_fields_per_running_request(serv
     assert cache["used_blocks"] == sum(len(layer["blocks"]) for layer in layers), "its blocks are all in use"
     assert layers[0]["blocks"][0]["k_offset"] == layers[0]["blocks"][0]["physical"] * geo.block_bytes
     server.settle()
+
+
+def test_random_weights_are_served_for_token_id_prompts(tiny):
+    """A benchmark through the server with random weights (no tokenizer): token ids in, usage out."""
+    with served(batch=4, model=f"random:{tiny}") as s:
+        client = s.client()
+        got = client.completions.create(model=f"random:{tiny}", prompt=[[5, 6, 7], [8, 9]], max_tokens=7,
+                                        extra_body={"ignore_eos": True})
+        assert got.usage.completion_tokens == 14 and [c.text for c in got.choices] == ["", ""]
+        chunks = list(client.completions.create(model=f"random:{tiny}", prompt=[5, 6, 7], max_tokens=5, stream=True,
+                                                extra_body={"ignore_eos": True},
+                                                stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        assert chunks[-1].usage.completion_tokens == 5
+        for prompt, param in [("a text", "prompt"), ([5, 6], "stop")]:
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(model=f"random:{tiny}", prompt=prompt, max_tokens=3, stop=["x"])
+            assert e.value.body["param"] == param
+        assert httpx.get(s.url + "/v1/cache").json()["running"] == []
+        s.settle()
 
 
 def test_models_and_health(server):

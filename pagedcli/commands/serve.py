@@ -79,11 +79,12 @@ def serve(
         console = Console(file=sys.stdout)
         if console.is_terminal:
             shared = SharedOutput()
-            view = lambda loaded: ServerView(loaded.engine, console, loaded.tokenizer.decode, shared)  # noqa: E731
+            view = lambda loaded: ServerView(loaded.engine, console, loaded.tokenizer and loaded.tokenizer.decode,
+                                                  shared)  # noqa: E731
         else:
             notice("--live: stdout is not a terminal, so no live view")
     metrics = Metrics()
-    engine_loop = EngineLoop(lambda: load_for_text(engine_flags, requests, "serve", None), metrics, view)
+    engine_loop = EngineLoop(lambda: load_model(engine_flags, requests), metrics, view)
     loaded = engine_loop.start()
     try:
         name = loaded.source.name
@@ -104,6 +105,20 @@ def serve(
         sock.close()
     by = f" by {signal.Signals(server.stopped_by).name}" if server.stopped_by else ""
     notice(f"stopped{by}: {metrics.summary()}")  # (the live view has left the screen)
+
+
+def load_model(engine_flags: EngineFlags, requests: RequestFlags):
+    """The model as generate loads it; but one without a tokenizer (random weights, for a
+    benchmark through the server) is served too, for prompts of token ids."""
+    from pagedcli.model.loader import load
+
+    if engine_flags.model is not None and engine_flags.model.startswith("random:"):
+        if requests.chat_template is not None:
+            raise UsageError("--chat-template: random weights have no tokenizer to render it with")
+        notice(f"--model {engine_flags.model} has no tokenizer: prompts as token ids, answers without text "
+               "(count them by usage)")
+        return load(engine_flags.options(), notice)
+    return load_for_text(engine_flags, requests, "serve", None)
 
 
 def say(text: str, shared) -> None:

@@ -41,6 +41,9 @@ def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Met
     tokenizer, scheduler = loaded.tokenizer, loaded.engine.scheduler
     started = int(time.time())
 
+    def token_text(token_id: int) -> str:  # a token's own text, for log-probabilities
+        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else ""
+
     @app.exception_handler(APIError)
     async def api_error(_request: Request, e: APIError):
         return JSONResponse(e.body(), e.status)
@@ -99,13 +102,12 @@ def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Met
                            "model", code="model_not_found")
 
     async def run(request: Request, req, token_ids, texts, chat: bool, want_logprobs: bool):
-        params = request_params(req, settings.defaults, scheduler, token_ids)
+        params = request_params(req, settings.defaults, scheduler, token_ids, tokenizer is not None)
         if engine_loop.num_waiting >= settings.max_waiting:
             raise too_many_waiting(settings.max_waiting)
         request_id = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
         job = Job(request_id, Prompts(token_ids, texts, params), asyncio.get_running_loop(), tokenizer)
-        shapes = Shapes(chat, settings.model_name, lambda t: tokenizer.decode([t], skip_special_tokens=False),
-                        want_logprobs)
+        shapes = Shapes(chat, settings.model_name, token_text, want_logprobs)
         num_prompt_tokens = sum(len(ids) for ids in token_ids)
         headers = {"X-Request-Id": request_id}
         if req.stream:

@@ -9,8 +9,12 @@ import functools
 from pagedcli.commands.inspect_cache import to_json as slot_json
 
 
+def no_text(_ids) -> str:  # a model without a tokenizer (random weights): token ids only
+    return ""
+
+
 def to_json(snap, tokenizer) -> dict:
-    decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=False) if tokenizer is not None else no_text
     geo = snap.geometry
     return {
         "step": snap.step,

@@ -65,7 +65,8 @@ class Job:
         self.deltas: asyncio.Queue[list[Delta]] = asyncio.Queue()
         self.num_open = prompts.num_answers  # answers whose last delta has not been received
         answers = [ids for ids, params in zip(prompts.token_ids, prompts.params) for _ in params]
-        self.decoders = [StreamDecoder(tokenizer, ids) for ids in answers]
+        # (a model without a tokenizer, random weights for a benchmark, answers token ids only: no text)
+        self.decoders = [StreamDecoder(tokenizer, ids) if tokenizer is not None else None for ids in answers]
         self.outputs: list[list[int]] = [[] for _ in answers]  # each answer's tokens received so far
         # the engine thread's
         self.seqs: list[Sequence] = []
@@ -93,7 +94,8 @@ class Job:
         for d in merged.values():
             self.outputs[d.index] += d.token_ids
             if d.text is None:
-                d.text = self.decoders[d.index].catch_up_at_once(self.outputs[d.index])
+                decoder = self.decoders[d.index]
+                d.text = decoder.catch_up_at_once(self.outputs[d.index]) if decoder is not None else ""
             self.num_open -= d.finish_reason is not None
         return list(merged.values())
 

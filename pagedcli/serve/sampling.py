@@ -49,10 +49,15 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> tuple[li
         return [list(prompt)], [None]
     if isinstance(prompt[0], list):
         return [list(p) for p in prompt], [None] * len(prompt)
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer: give `prompt` as token ids", "prompt")
     return [tokenizer.encode(p) for p in prompt], list(prompt)
 
 
 def chat_prompt(req: ChatRequest, tokenizer: Tokenizer, model_name: str) -> tuple[list[list[int]], list[str | None]]:
+    if tokenizer is None:
+        raise bad_request(f"model {model_name} has no tokenizer, so it serves /v1/completions of token ids only",
+                          "messages")
     if not tokenizer.has_chat_template:
         raise bad_request(f"model {model_name} has no chat template, so it serves /v1/completions only "
                           "(or start the server with --chat-template FILE)", "messages")
@@ -76,8 +81,8 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer, model_name: str) -> tupl
     return [tokenizer.encode_rendered(text)], [last]
 
 
-def request_params(req: Sampling, defaults: SamplingParams, scheduler: Scheduler,
-                   token_ids: list[list[int]]) -> list[list[SamplingParams]]:
+def request_params(req: Sampling, defaults: SamplingParams, scheduler: Scheduler, token_ids: list[list[int]],
+                   has_tokenizer: bool = True) -> list[list[SamplingParams]]:
     """The answers' params for each prompt, `n` each: the i-th answer of the request samples
     with seed + i, as generate's answers do, so that it does not depend on its batch mates."""
     given = {f: getattr(req, f) for f in FIELDS if getattr(req, f) is not None}
@@ -93,6 +98,8 @@ def request_params(req: Sampling, defaults: SamplingParams, scheduler: Scheduler
     if req.stop is not None:
         given["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
     base = replace(defaults, **given, logprobs=logprobs)
+    if base.stop and not has_tokenizer:
+        raise bad_request("`stop` needs the text, and this model has no tokenizer", "stop")
     problem = base.problem()
     if problem is not None:
         name, value, why, hint = problem
