@@ -246,6 +246,7 @@ def test_a_client_that_gives_up_waiting_for_a_whole_answer_is_aborted():
         assert s.loop.num_waiting == 0 and len(s.engine.scheduler.running) == 1
         busy.close()
         s.settle()
+        assert (s.metrics.running, s.metrics.used_blocks) == (0, 0), "the gauges saw the abort (and no step after it)"
 
 
 # --- bad requests -----------------------------------------------------------------------------

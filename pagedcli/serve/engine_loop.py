@@ -212,6 +212,7 @@ class EngineLoop:
                 engine.forget()
                 self.num_engine_waiting = self._engine_waiting()
                 self.metrics.aborted(len(seqs))
+                self.metrics.gauges(engine)
         elif kind == "snapshot":
             loop, future = arg
             snap = engine.snapshot()
@@ -272,7 +273,7 @@ class EngineLoop:
         if out.finished:
             engine.forget()
         self.num_engine_waiting = self._engine_waiting()
-        self.metrics.step(engine, out, now)
+        self.metrics.step(engine, now)
         self._send(batches)
 
     def _delta(self, job: Job, index: int, seq: Sequence, now: float) -> Delta | None:
@@ -315,6 +316,7 @@ class EngineLoop:
         self.jobs.clear()
         engine.forget()
         self.num_engine_waiting = 0
+        self.metrics.gauges(engine)
         self._send(batches)
 
 

@@ -85,13 +85,19 @@ class Metrics:
         with self.lock:
             self.num_aborted += n
 
-    def step(self, engine, out, now: float) -> None:
+    def gauges(self, engine) -> None:
+        """The engine's state now: after a step, or an abort (which an idle engine follows by no step)."""
         sched, cache = engine.scheduler, engine.cache
         with self.lock:
             self.running, self.waiting = len(sched.running), len(sched.waiting)
             self.used_blocks = self.total_blocks - cache.num_free_blocks
             self.prompt_tokens, self.cached_prompt_tokens = sched.prompt_tokens, sched.cached_prompt_tokens
-            self.preemptions, self.num_steps = sched.num_preemptions, self.num_steps + 1
+            self.preemptions = sched.num_preemptions
+
+    def step(self, engine, now: float) -> None:
+        self.gauges(engine)
+        with self.lock:
+            self.num_steps += 1
             self.recent.append((now, self.generation_tokens))
             while len(self.recent) > 2 and self.recent[0][0] < now - RATE_WINDOW_S:
                 self.recent.popleft()
