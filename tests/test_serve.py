@@ -522,3 +522,26 @@ def test_abort_with_a_decode_step_queued_ahead(tiny, make_engine):
     aborted = run(True, 6)
     assert aborted[0] == plain[0] and aborted[2] == plain[2]
     assert aborted[1] == plain[1][:len(aborted[1])] and len(aborted[1]) < 20
+
+
+@pytest.mark.parametrize("model", ["demo", "stories"])
+def test_decoding_several_tokens_at_once_gives_the_same_text(model, stories):
+    """A client that fell behind gets its tokens in one piece (StreamDecoder.catch_up_at_once):
+    the text is the one decoded token by token, whatever the pieces."""
+    import random
+
+    from pagedcli.model.source import DEMO_FOLDER
+    from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
+
+    tokenizer = Tokenizer(DEMO_FOLDER if model == "demo" else stories)
+    rng = random.Random(3)
+    for _ in range(20):
+        prompt = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 8))]
+        output = [rng.randrange(tokenizer.vocab_size) for _ in range(40)]
+        one_by_one = StreamDecoder(tokenizer, prompt)
+        one_by_one.catch_up(output)
+        at_once, cut = StreamDecoder(tokenizer, prompt), 0
+        while cut < len(output):
+            cut += rng.randrange(1, 6)
+            at_once.catch_up_at_once(output[:cut])
+        assert at_once.text == one_by_one.text
