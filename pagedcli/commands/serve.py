@@ -79,14 +79,15 @@ def serve(
         console = Console(file=sys.stdout)
         if console.is_terminal:
             shared = SharedOutput()
-            view = lambda loaded: ServerView(loaded.engine, console, loaded.tokenizer and loaded.tokenizer.decode,
-                                                  shared)  # noqa: E731
+
+            def view(loaded):  # made in the engine thread, which draws it
+                return ServerView(loaded.engine, console, loaded.tokenizer and loaded.tokenizer.decode, shared)
         else:
             notice("--live: stdout is not a terminal, so no live view")
     metrics = Metrics()
     engine_loop = EngineLoop(lambda: load_model(engine_flags, requests), metrics, view)
-    loaded = engine_loop.start()
     try:
+        loaded = engine_loop.start()
         name = loaded.source.name
         defaults = sampling_defaults(params, loaded.source.generation_config, given,
                                      f"{name}'s generation_config.json")
