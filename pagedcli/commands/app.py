@@ -1,5 +1,5 @@
 """The command line: the Typer app and its commands (one module each: generate.py,
-chat.py, inspect_cache.py, bench.py); options, messages and exit codes only, the work happens elsewhere."""
+chat.py, inspect_cache.py, bench.py, serve.py); options, messages and exit codes only, the work happens elsewhere."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 from typer.core import TyperGroup
 
 from pagedcli import __version__
-from pagedcli.commands import bench, chat, generate, inspect_cache
+from pagedcli.commands import bench, chat, generate, inspect_cache, serve
 from pagedcli.commands.usage import flags_as_flags, one_line_usage_errors
 
 
@@ -68,6 +68,7 @@ app.command()(generate.generate)
 app.command()(chat.chat)
 app.command("inspect-cache")(inspect_cache.inspect_cache)
 app.command()(bench.bench)
+app.command()(serve.serve)
 
 
 def main() -> None:

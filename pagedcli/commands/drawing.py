@@ -51,8 +51,11 @@ def clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def request_label(seq_id: int, prompt: str | None, width: int = 18) -> str:
-    """`[3] 'Once upon a…'`: the number the text output labels the request with, and its prompt."""
+def request_label(seq_id: int, prompt: str | None, width: int = 18, request_id: str | None = None) -> str:
+    """`[3] 'Once upon a…'`: the number the text output labels the request with, and its prompt;
+    a served request: its client's request id."""
+    if request_id is not None:
+        return clip(one_line(request_id), width + 6)
     return f"[{seq_id + 1}] " + (repr(clip(one_line(prompt), width)) if prompt is not None else "(token ids)")
 
 
@@ -162,7 +165,7 @@ def requests_line(snap: CacheSnapshot, max_prompts: int = 3) -> Text:
                 (f"aborted {snap.num_aborted}   ", "bold yellow") if snap.num_aborted else "", "preemptions ",
                 (f"{snap.num_preemptions}", "bold red" if snap.num_preemptions else ""))
     if snap.waiting:
-        names = [request_label(w.seq_id, w.prompt, 12) for w in snap.waiting[:max_prompts]]
+        names = [request_label(w.seq_id, w.prompt, 12, w.request_id) for w in snap.waiting[:max_prompts]]
         more = len(snap.waiting) - max_prompts
         text.append("   next: " + ", ".join(names) + (f", +{more:,} more" if more > 0 else ""), style="dim")
     return text
@@ -224,7 +227,7 @@ def slot_rows(snap: CacheSnapshot, decode: Decode | None, max_rows: int, width: 
     for s in snap.slots[:max_rows]:
         lines.append(row({
             "slot": str(s.slot),
-            "request": request_label(s.seq_id, s.prompt),
+            "request": request_label(s.seq_id, s.prompt, request_id=s.request_id),
             "logical blocks": block_cells(s, geo.block_size, widths["logical blocks"], owners),
             "last": f"{s.fill(s.num_blocks - 1, geo.block_size)}/{geo.block_size}" if s.num_blocks else "-",
             "tokens": f"{s.num_cached:,}",

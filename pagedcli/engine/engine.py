@@ -94,13 +94,16 @@ class Engine:
         self.sampler = Sampler(cache.max_slots, vocab_size, cache.device)
         self.detokenizer = detokenizer  # for stop strings: the engine does not know the tokenizer
         self.sequences: list[Sequence] = []
+        self.num_added = 0  # requests ever added: the next one's id (forget() keeps ids unique)
+        self.num_forgotten = {"finished": 0, "aborted": 0}  # ended requests let go by forget()
         self.num_steps = 0
         self.overlap = overlap  # queue the next decode step before this one's tokens are on the host
         self.in_flight: QueuedStep | None = None  # a decode step queued ahead, finished by the next step()
         self.num_launched_ahead = 0
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
-        seq = self._watch_stops(Sequence(len(self.sequences), prompt_token_ids, params, prompt))
+        seq = self._watch_stops(Sequence(self.num_added, prompt_token_ids, params, prompt))
+        self.num_added += 1
         self.sequences.append(seq)
         self.scheduler.add(seq)
         return seq
@@ -108,8 +111,9 @@ class Engine:
     def add_parallel(self, prompt_token_ids: list[int], params: list[SamplingParams],
                      prompt: str | None = None) -> list[Sequence]:
         """`len(params)` samples of one prompt that share its blocks (copy-on-write)."""
-        seqs = [self._watch_stops(Sequence(len(self.sequences) + i, prompt_token_ids, p, prompt))
+        seqs = [self._watch_stops(Sequence(self.num_added + i, prompt_token_ids, p, prompt))
                 for i, p in enumerate(params)]
+        self.num_added += len(seqs)
         self.sequences.extend(seqs)
         self.scheduler.add_parallel(seqs[0], seqs[1:])
         return seqs
@@ -229,7 +233,8 @@ class Engine:
         graphs and allocations stay warm. Only between runs: nothing may be unfinished."""
         assert not self.has_unfinished, "reset with requests still running"
         self.sequences.clear()
-        self.num_steps = self.num_launched_ahead = 0
+        self.num_steps = self.num_launched_ahead = self.num_added = 0
+        self.num_forgotten = dict.fromkeys(self.num_forgotten, 0)
         self.scheduler.reset()
         self.cache.reset()
 
@@ -238,6 +243,25 @@ class Engine:
         self.in_flight = None  # its rows end with everyone else's
         self.scheduler.abort_all()
         self.cache.drop_pending_copies()
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """End these requests now (their client went away), as aborted: their slots and blocks go
+        back, the others go on. A decode step queued ahead still computes their rows on the device;
+        the next step() drops them, as it does for a stop token."""
+        for seq in seqs:
+            self.scheduler.abort(seq)
+        if self.in_flight is not None and all(s.is_finished for s in self.in_flight.seqs):
+            self.in_flight = None  # every row of the step ahead is void: nobody waits for it
+
+    def forget(self) -> None:
+        """Let go of the requests that ended (a server runs for ever; its requests must not pile
+        up): the snapshot still counts them."""
+        if not any(s.is_finished for s in self.sequences):
+            return
+        for seq in self.sequences:
+            if seq.is_finished:
+                self.num_forgotten["aborted" if seq.finish_reason == "abort" else "finished"] += 1
+        self.sequences = [s for s in self.sequences if not s.is_finished]
 
     def snapshot(self) -> CacheSnapshot:
         return take_snapshot(self)

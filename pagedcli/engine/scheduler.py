@@ -324,6 +324,22 @@ class Scheduler:
             self.finish(seq)
         self.waiting.clear()
 
+    def abort(self, seq: Sequence) -> None:
+        """Finish one request now, as aborted, wherever it is: running (its slot and blocks go
+        back), waiting, or a parallel sample waiting for its parent's prefill. A parent's samples
+        that wait for its prefill go with it: that prefill will not come."""
+        if seq.is_finished:
+            return
+        for child in self.forks.pop(seq.id, []):
+            self.abort(child)
+        for children in self.forks.values():
+            if seq in children:
+                children.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finish_reason = seq.finish_reason or "abort"
+        self.finish(seq)
+
     def finish(self, seq: Sequence) -> None:
         if seq.slot is not None:
             self._free(seq)

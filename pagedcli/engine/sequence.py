@@ -85,6 +85,7 @@ class Sequence:
     def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None):
         self.id = seq_id
         self.prompt = prompt
+        self.request_id: str | None = None  # the client's name for it (serve), shown by the live view
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params

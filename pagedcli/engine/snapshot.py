@@ -24,6 +24,7 @@ class SlotView:
     tokens_per_s: float
     num_preemptions: int
     prefill_len: int = 0  # part-way through its prefill: the tokens it computes before it samples; else 0
+    request_id: str | None = None  # the client's name for the request (serve)
 
     @property
     def is_prefilling(self) -> bool:
@@ -46,6 +47,7 @@ class WaitingView:
     prompt: str | None
     num_tokens: int
     num_preemptions: int
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,10 +89,11 @@ def take_snapshot(engine) -> CacheSnapshot:
         rate = (len(seq.token_times) - 1) / elapsed if elapsed > 0 else 0.0
         slots.append(SlotView(seq.slot, seq.id, seq.prompt, len(seq.prompt_token_ids), tuple(seq.token_ids),
                               seq.num_cached, table, len(seq.output_token_ids), rate, seq.num_preemptions,
-                              seq.prefill_len if seq.is_prefilling else 0))
-    waiting = tuple(WaitingView(s.id, s.prompt, len(s), s.num_preemptions) for s in sched.waiting)
-    aborted = sum(1 for s in engine.sequences if s.finish_reason == "abort")
-    finished = sum(1 for s in engine.sequences if s.is_finished) - aborted
+                              seq.prefill_len if seq.is_prefilling else 0, seq.request_id))
+    waiting = tuple(WaitingView(s.id, s.prompt, len(s), s.num_preemptions, s.request_id) for s in sched.waiting)
+    aborted = sum(1 for s in engine.sequences if s.finish_reason == "abort") + engine.num_forgotten["aborted"]
+    finished = sum(1 for s in engine.sequences if s.is_finished and s.finish_reason != "abort") \
+        + engine.num_forgotten["finished"]
     return CacheSnapshot(engine.num_steps, cache.geometry, cache.num_free_blocks, tuple(slots), waiting,
                          finished, sched.num_preemptions, cache.max_slots, cache.max_model_len,
                          sched.prefix_hit_rate, cache.num_copied_blocks, aborted)

@@ -147,6 +147,23 @@ class StreamDecoder:
         self.num_seen = len(output_ids)
         return new
 
+    def catch_up_at_once(self, output_ids: list[int]) -> str:
+        """catch_up in two decodes, however many tokens are new, not two a token (a server's
+        client that fell some steps behind gets them in one piece). Where the new bytes are not
+        all whole characters, token by token, as catch_up: the pieces may split differently."""
+        new = output_ids[self.num_seen:]
+        if len(new) > 1:
+            prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+            text = self.tokenizer.decode(self.ids[self.prefix_offset:] + new)
+            if len(text) > len(prefix) and "\ufffd" not in text:
+                self.ids += new
+                self.num_seen = len(output_ids)
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                piece = text[len(prefix):]
+                self.text += piece
+                return piece
+        return self.catch_up(output_ids)
+
     def push(self, token: int) -> str:
         self.ids.append(token)
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])

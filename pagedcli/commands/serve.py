@@ -1,0 +1,210 @@
+"""`pagedcli serve`: the model over HTTP with OpenAI's API, one engine for every client
+(pagedcli/serve/ does the work; this is options, messages and the server's start and end).
+
+SIGINT or SIGTERM stop it cleanly: no new connections, the requests in flight get GRACE_S to
+finish and are aborted after that, the engine gives every block back, exit code 0."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import signal
+import socket
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from pagedcli.commands.exits import friendly_errors, notice, signals_handled
+from pagedcli.commands.generate import load_for_text, request_params, sampling_defaults
+from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
+from pagedcli.errors import RunError, UsageError, plural
+from pagedcli.serve import DEFAULT_MAX_WAITING
+
+GRACE_S = 10.0  # seconds the requests in flight get to finish once a signal stops the server
+# The engine thread and the event loop share the GIL. Python hands it to a waiting thread only
+# after this long (5 ms by default): the engine, back from waiting on the GPU while the event loop
+# writes chunks, would wait that long for it, several decode steps on a GPU. (Not measured yet.)
+SWITCH_INTERVAL_S = 0.0005
+# RequestFlags that a request gives itself (its prompt, chat or not, n, logprobs); the rest are the
+# defaults for what a request leaves out
+PER_REQUEST = {"prompts": None, "prompt_file": None, "prompt_separator": r"\n", "chat": None, "system": None,
+               "samples": 1, "logprobs": None}
+
+
+@friendly_errors
+@flag_group(RequestFlags, "requests", leave_out=PER_REQUEST)
+@flag_group(EngineFlags, "engine_flags")
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free one, said at start).")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(
+        help="Ask every /v1 request for this key (`Authorization: Bearer KEY`).", show_default=False)] = None,
+    max_waiting: Annotated[int, typer.Option(
+        help="Requests waiting for a slot, at most; the next one gets HTTP 429.")] = DEFAULT_MAX_WAITING,
+    live: Annotated[bool, typer.Option("--live", help="Watch the KV cache under the server's traffic, the access "
+                                       "log above it (on a terminal only).")] = False,
+    *, requests: RequestFlags, engine_flags: EngineFlags,
+):
+    """Serve the model with OpenAI's API (completions and chat, streamed or not) to many clients at once."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        from pagedcli.serve import INSTALL_HINT, MISSING
+
+        raise RunError(MISSING, INSTALL_HINT) from None
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port {port}: not a port", "use 1 to 65535, or 0 for any free one")
+    if max_waiting < 1:
+        raise UsageError(f"--max-waiting {max_waiting}: must be at least 1")
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key is empty", "give a key, or leave the option out")
+    params, given = request_params(requests)  # the options' mistakes before the model loads
+    sock = bind(host, port)
+    if api_key is None and not is_loopback(host):
+        notice(f"warning: --host {host} serves anyone who can reach it, and without --api-key nothing is asked of them")
+
+    from pagedcli.serve.app import Settings, create_app
+    from pagedcli.serve.engine_loop import EngineLoop
+    from pagedcli.serve.metrics import Metrics
+
+    shared, view = None, None
+    if live:
+        from rich.console import Console
+
+        from pagedcli.serve.live import ServerView, SharedOutput
+
+        console = Console(file=sys.stdout)
+        if console.is_terminal:
+            shared = SharedOutput()
+
+            def view(loaded):  # made in the engine thread, which draws it
+                return ServerView(loaded.engine, console, loaded.tokenizer and loaded.tokenizer.decode, shared)
+        else:
+            notice("--live: stdout is not a terminal, so no live view")
+    metrics = Metrics()
+    engine_loop = EngineLoop(lambda: load_model(engine_flags, requests), metrics, view)
+    try:
+        loaded = engine_loop.start()
+        name = loaded.source.name
+        defaults = sampling_defaults(params, loaded.source.generation_config, given,
+                                     f"{name}'s generation_config.json")
+        app = create_app(engine_loop, loaded, Settings(name, defaults, api_key, max_waiting), metrics)
+        config = uvicorn.Config(app, log_level="info", log_config=log_config(), lifespan="off",
+                                timeout_graceful_shutdown=GRACE_S, use_colors=False if shared is not None else None)
+        quiet_startup(shared)
+        bound_host, bound_port = sock.getsockname()[:2]
+        say(f"serving {name} at http://{url_host(bound_host)}:{bound_port}/v1 with OpenAI's API "
+            f"({plural(loaded.engine.cache.max_slots, 'slot')}; Ctrl-C stops)", shared)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        server = make_server(config)
+        server.run(sockets=[sock])
+    finally:
+        engine_loop.stop()
+        sock.close()
+    by = f" by {signal.Signals(server.stopped_by).name}" if server.stopped_by else ""
+    notice(f"stopped{by}: {metrics.summary()}")  # (the live view has left the screen)
+
+
+def load_model(engine_flags: EngineFlags, requests: RequestFlags):
+    """The model as generate loads it; but one without a tokenizer (random weights, for a
+    benchmark through the server) is served too, for prompts of token ids."""
+    from pagedcli.model.loader import load
+
+    if engine_flags.model is not None and engine_flags.model.startswith("random:"):
+        if requests.chat_template is not None:
+            raise UsageError("--chat-template: random weights have no tokenizer to render it with")
+        notice(f"--model {engine_flags.model} has no tokenizer: prompts as token ids, answers without text "
+               "(count them by usage)")
+        return load(engine_flags.options(), notice)
+    return load_for_text(engine_flags, requests, "serve", None)
+
+
+def say(text: str, shared) -> None:
+    """A notice, or with the live view on, a line above its frame."""
+    if shared is not None:
+        shared.write(text + "\n")
+    else:
+        notice(text)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that a port in use is one line, before the model loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host}: not an address here ({e.strerror})", "use 127.0.0.1, 0.0.0.0 or ::") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise RunError(f"--host {host} --port {port}: cannot listen there ({e.strerror})",
+                       "another server may have the port: pick another --port, or 0 for any free one") from None
+    sock.listen(2048)
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def log_config() -> dict:
+    """uvicorn's, with the access log on stderr too: stdout is the live view's, or nobody's."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
+
+
+def quiet_startup(shared) -> None:
+    """uvicorn's own start and stop lines say less than ours: only its warnings stay, the access
+    log (a line per request) too; with the live view, above its frame."""
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    log = logging.getLogger("pagedcli.serve")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    if shared is not None:
+        from pagedcli.serve.live import log_above
+
+        log_above(shared, ("uvicorn", "uvicorn.error", "uvicorn.access", "pagedcli.serve"))
+
+
+def make_server(config):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a signal that stops it ends the command with exit code 0 once the
+        shutdown is done (uvicorn raises the signal again, which would end it as killed)."""
+
+        stopped_by: int | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with signals_handled((signal.SIGINT, signal.SIGTERM), self.handle_exit):
+                yield
+
+        def handle_exit(self, sig, frame) -> None:
+            self.stopped_by = sig
+            super().handle_exit(sig, frame)
+
+    return Server(config)

@@ -1,0 +1,18 @@
+"""`pagedcli serve`: an OpenAI-compatible HTTP server over one engine (FastAPI + uvicorn, the
+`serve` extra). One idea a module:
+
+- protocol.py     the request bodies, with OpenAI's field names and types (pydantic)
+- sampling.py     a request's prompt and options -> token ids and SamplingParams, or a 400
+- engine_loop.py  the one engine, stepping in its own thread; every request joins its batch
+- responses.py    OpenAI's response objects and stream chunks
+- metrics.py      Prometheus text, with vLLM's metric names where it has one
+- errors.py       OpenAI's error object
+- app.py          the routes
+- live.py         `serve --live`: the live view over the server's traffic, the access log above it
+
+Nothing here is imported unless the server is started: pagedcli works without fastapi.
+"""
+
+MISSING = "pagedcli serve needs FastAPI and uvicorn"
+INSTALL_HINT = "install them with: pip install 'pagedcli[serve]'"
+DEFAULT_MAX_WAITING = 4096  # requests waiting for a slot before the next is refused (429)

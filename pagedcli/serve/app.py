@@ -1,0 +1,175 @@
+"""The routes: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, and /health,
+/metrics and /v1/cache. Every request becomes a Job in the one engine (engine_loop.py); a
+streamed one sends each delta as a server-sent event the moment the engine hands it over.
+
+A client that goes away (mid-stream, or while a whole answer is computed) has its job aborted,
+which frees its blocks at the engine's next step. Errors are OpenAI's error object (errors.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from pagedcli.engine.sequence import SamplingParams
+from pagedcli.serve import DEFAULT_MAX_WAITING, cache_view
+from pagedcli.serve.engine_loop import EngineLoop, Job
+from pagedcli.serve.errors import APIError, not_found, too_many_waiting, unauthorized
+from pagedcli.serve.metrics import Metrics
+from pagedcli.serve.protocol import ChatRequest, CompletionRequest, parse
+from pagedcli.serve.responses import Answer, Shapes, failure, new_id, sse, usage
+from pagedcli.serve.sampling import Prompts, chat_prompt, completion_prompts, request_params
+
+CLIENT_GONE = 499  # nginx's status for a request whose client closed the connection (logged only)
+
+
+@dataclass
+class Settings:
+    model_name: str
+    defaults: SamplingParams  # for what a request leaves out: the flags, the model's generation_config
+    api_key: str | None = None
+    max_waiting: int = DEFAULT_MAX_WAITING
+
+
+def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Metrics) -> FastAPI:
+    app = FastAPI(title="pagedcli", docs_url=None, redoc_url=None, openapi_url=None)
+    tokenizer, scheduler = loaded.tokenizer, loaded.engine.scheduler
+    started = int(time.time())
+
+    def token_text(token_id: int) -> str:  # a token's own text, for log-probabilities
+        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else ""
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, e: APIError):
+        return JSONResponse(e.body(), e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # 404, 405: OpenAI's shape too
+        error = not_found(request.url.path) if e.status_code == 404 else APIError(str(e.detail), e.status_code)
+        return JSONResponse(error.body(), error.status)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if settings.api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+                e = unauthorized()
+                return JSONResponse(e.body(), e.status)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not engine_loop.thread.is_alive():
+            return Response("the engine has stopped", 503)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": started,
+                                            "owned_by": "pagedcli", "max_model_len": scheduler.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics_text():
+        return PlainTextResponse(metrics.render(engine_loop.num_waiting), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/cache")
+    async def cache():
+        snap = await engine_loop.snapshot()
+        return await asyncio.to_thread(cache_view.to_json, snap, tokenizer)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(await request.body(), CompletionRequest)
+        check_model(req.model)
+        token_ids, texts = completion_prompts(req, tokenizer)
+        return await run(request, req, token_ids, texts, chat=False, want_logprobs=req.logprobs is not None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(await request.body(), ChatRequest)
+        check_model(req.model)
+        token_ids, texts = chat_prompt(req, tokenizer, settings.model_name)
+        return await run(request, req, token_ids, texts, chat=True, want_logprobs=req.logprobs)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != settings.model_name:
+            raise APIError(f"`model` {name!r}: this server serves {settings.model_name!r} (GET /v1/models)", 404,
+                           "model", code="model_not_found")
+
+    async def run(request: Request, req, token_ids, texts, chat: bool, want_logprobs: bool):
+        params = request_params(req, settings.defaults, scheduler, token_ids, tokenizer is not None)
+        if engine_loop.num_waiting >= settings.max_waiting:
+            raise too_many_waiting(settings.max_waiting)
+        request_id = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
+        job = Job(request_id, Prompts(token_ids, texts, params), asyncio.get_running_loop(), tokenizer)
+        shapes = Shapes(chat, settings.model_name, token_text, want_logprobs)
+        num_prompt_tokens = sum(len(ids) for ids in token_ids)
+        headers = {"X-Request-Id": request_id}
+        if req.stream:
+            options = req.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = include_usage and options.continuous_usage_stats
+            return StreamingResponse(stream(job, shapes, num_prompt_tokens, include_usage, continuous), headers=headers,
+                                     media_type="text/event-stream")
+        return await whole(request, job, shapes, num_prompt_tokens, headers)
+
+    async def stream(job: Job, shapes: Shapes, num_prompt_tokens: int, include_usage: bool, continuous: bool):
+        """The SSE body. Cancelled when the client goes away (Starlette listens for it): the
+        job is aborted on the way out."""
+        engine_loop.submit(job)
+        started = [False] * job.prompts.num_answers
+        num_tokens = 0
+        try:
+            while not job.done:
+                for delta in await job.receive():
+                    if (error := failure(delta)) is not None:
+                        yield sse(error.body())
+                        continue
+                    num_tokens += len(delta.token_ids)
+                    chunk = shapes.chunk(delta, not started[delta.index], include_usage)
+                    if continuous:
+                        chunk["usage"] = usage(num_prompt_tokens, num_tokens)
+                    yield sse(chunk)
+                    started[delta.index] = True
+            if include_usage:
+                yield sse(shapes.usage_chunk(usage(num_prompt_tokens, num_tokens)))
+            yield sse("[DONE]")
+        finally:
+            if not job.done:
+                engine_loop.abort(job)
+
+    async def whole(request: Request, job: Job, shapes: Shapes, num_prompt_tokens: int, headers: dict) -> Response:
+        engine_loop.submit(job)
+        answers = [Answer() for _ in range(job.prompts.num_answers)]
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            while not job.done:
+                got = asyncio.ensure_future(job.receive())
+                await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():  # the client went away: nobody reads the answer
+                    got.cancel()
+                    return Response(status_code=CLIENT_GONE)
+                for delta in got.result():
+                    if (error := failure(delta)) is not None:
+                        raise error
+                    answers[delta.index].add(delta)
+        finally:
+            gone.cancel()
+            if not job.done:
+                engine_loop.abort(job)
+        body = shapes.whole(answers, usage(num_prompt_tokens, sum(a.num_tokens for a in answers)))
+        return JSONResponse(body, headers=headers)
+
+    return app
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read: what comes next is
+    the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,43 @@
+"""OpenAI's error object: {"error": {"message", "type", "param", "code"}}, with the HTTP status.
+
+A mistake in a request is a 400 naming the field (`param`) and the value, as the command line's
+one-line errors do; the server and every other request go on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class APIError(Exception):
+    message: str
+    status: int = 400
+    param: str | None = None
+    type: str = "invalid_request_error"
+    code: str | None = None
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(message, 400, param, code=code)
+
+
+def unauthorized() -> APIError:
+    # OpenAI's answer to a wrong key: 401, type invalid_request_error, code invalid_api_key
+    return APIError("Incorrect API key provided (give it as the header `Authorization: Bearer KEY`)", 401,
+                    code="invalid_api_key")
+
+
+def too_many_waiting(limit: int) -> APIError:
+    return APIError(f"the server has {limit} requests waiting already (its --max-waiting); try again shortly", 429,
+                    type="rate_limit_exceeded", code="rate_limit_exceeded")
+
+
+def not_found(path: str) -> APIError:
+    return APIError(f"no route {path}", 404, type="not_found_error")
+
+
+def server_error(message: str) -> APIError:
+    return APIError(message, 500, type="server_error")

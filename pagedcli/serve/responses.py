@@ -1,0 +1,119 @@
+"""OpenAI's response objects, whole (`stream: false`) and as stream chunks, for completions and
+chat, built from the deltas the engine thread hands out (engine_loop.Delta)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from pagedcli.serve.engine_loop import Delta
+from pagedcli.serve.errors import APIError, server_error
+
+LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf
+COMPACT = (",", ":")  # a chunk a token: no spaces to send
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event: `data: {...}` and a blank line."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=COMPACT)
+    return f"data: {text}\n\n"
+
+
+def failure(delta: Delta) -> APIError | None:
+    """An answer that did not end on its own (the engine failed, the server stopped) as an error."""
+    if delta.finish_reason in ("error", "abort"):
+        return server_error(delta.error or f"the answer ended with {delta.finish_reason}")
+    return None
+
+
+class Answer:
+    """One answer put together from its deltas (for `stream: false`, and the usage count)."""
+
+    def __init__(self):
+        self.text = ""
+        self.num_tokens = 0
+        self.logprobs: list[tuple[int, object]] = []  # (token id, TokenLogprobs)
+        self.finish_reason: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.num_tokens += len(delta.token_ids)
+        self.logprobs += list(zip(delta.token_ids, delta.logprobs))
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+class Shapes:
+    """The objects of one request: `chat` or completions, its id, model and creation time."""
+
+    def __init__(self, chat: bool, model: str, token_text, want_logprobs: bool):
+        self.chat = chat
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.model = model
+        self.created = int(time.time())
+        self.token_text = token_text  # id -> its text, special tokens written out
+        self.want_logprobs = want_logprobs
+        self.offsets: dict[int, int] = {}  # completions' text_offset so far, per answer
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    # --- log-probabilities ------------------------------------------------------------------------
+    def logprobs(self, index: int, entries: list[tuple[int, object]], text: str = "") -> dict | None:
+        if not self.want_logprobs:
+            return None
+        if self.chat:
+            def one(token_id: int, lp: float) -> dict:
+                s = self.token_text(token_id)
+                return {"token": s, "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(s.encode())}
+
+            return {"content": [one(t, e.logprob) | {"top_logprobs": [one(i, lp) for i, lp in e.top]}
+                                for t, e in entries]}
+        tokens = [self.token_text(t) for t, _ in entries]
+        offsets, at = [], self.offsets.get(index, 0)
+        for s in tokens:
+            offsets.append(at)
+            at += len(s)
+        self.offsets[index] = at
+        return {"tokens": tokens, "token_logprobs": [max(e.logprob, LOGPROB_FLOOR) for _, e in entries],
+                "top_logprobs": [{self.token_text(i): max(lp, LOGPROB_FLOOR) for i, lp in e.top} for _, e in entries],
+                "text_offset": offsets}
+
+    # --- whole ------------------------------------------------------------------------------------
+    def whole(self, answers: list[Answer], usage: dict) -> dict:
+        choices = []
+        for index, a in enumerate(answers):
+            choice = {"index": index, "logprobs": self.logprobs(index, a.logprobs), "finish_reason": a.finish_reason}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": a.text}
+            else:
+                choice["text"] = a.text
+            choices.append(choice)
+        return self._head("chat.completion" if self.chat else "text_completion") | {"choices": choices, "usage": usage}
+
+    # --- streamed ---------------------------------------------------------------------------------
+    def chunk(self, delta: Delta, first: bool, with_usage: bool) -> dict:
+        """One answer's delta as a chunk (a chat answer's first chunk also says its role)."""
+        logprobs = self.logprobs(delta.index, list(zip(delta.token_ids, delta.logprobs))) if delta.token_ids else None
+        choice = {"index": delta.index, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        if self.chat:
+            choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": delta.text}
+                                                                           if delta.text or first else {})
+        else:
+            choice["text"] = delta.text
+        body = self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
+        if with_usage:
+            body["usage"] = None  # OpenAI's chunks, with include_usage: null until the last one
+        return body
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [], "usage": usage}
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}

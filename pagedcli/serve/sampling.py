@@ -1,0 +1,126 @@
+"""A request's prompt and options, turned into what the engine takes: the prompts' token ids and
+one SamplingParams per answer, or a 400 naming the field.
+
+Each option the request leaves out takes the server's default: its flags, else the model's
+generation_config.json (as `pagedcli generate` does). A request is refused up front when it could
+never run (an empty prompt, one longer than the model's length or the pool, token ids outside the
+vocabulary) or when `max_tokens` asks for more than the model's length leaves after the prompt
+(vLLM's check); without `max_tokens` an answer may run to that length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pagedcli.engine.scheduler import Scheduler
+from pagedcli.engine.sequence import SamplingParams
+from pagedcli.errors import PagedCliError, plural
+from pagedcli.model.tokenizer import Tokenizer
+from pagedcli.serve.errors import bad_request
+from pagedcli.serve.protocol import ChatRequest, CompletionRequest, Sampling
+
+MAX_N = 128  # answers per prompt at most: more would only queue behind one another
+
+# request field -> SamplingParams field (the same name, but for chat's logprobs)
+FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "ignore_eos")
+
+
+@dataclass
+class Prompts:
+    """What the engine runs for one request: each prompt's token ids (and text, for the live
+    view and the cache view) and its answers' params, `n` per prompt."""
+
+    token_ids: list[list[int]]
+    texts: list[str | None]
+    params: list[list[SamplingParams]]
+
+    @property
+    def num_answers(self) -> int:
+        return sum(len(p) for p in self.params)
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> tuple[list[list[int]], list[str | None]]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("`prompt` is an empty list", "prompt")
+    if isinstance(prompt[0], int):  # one prompt of token ids
+        return [list(prompt)], [None]
+    if isinstance(prompt[0], list):
+        return [list(p) for p in prompt], [None] * len(prompt)
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer: give `prompt` as token ids", "prompt")
+    return [tokenizer.encode(p) for p in prompt], list(prompt)
+
+
+def chat_prompt(req: ChatRequest, tokenizer: Tokenizer, model_name: str) -> tuple[list[list[int]], list[str | None]]:
+    if tokenizer is None:
+        raise bad_request(f"model {model_name} has no tokenizer, so it serves /v1/completions of token ids only",
+                          "messages")
+    if not tokenizer.has_chat_template:
+        raise bad_request(f"model {model_name} has no chat template, so it serves /v1/completions only "
+                          "(or start the server with --chat-template FILE)", "messages")
+    if not req.messages:
+        raise bad_request("`messages` is empty", "messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content if m.content is not None else ""
+        if not isinstance(content, str):
+            other = next((p.type for p in content if p.type != "text"), None)
+            if other is not None:
+                raise bad_request(f"`messages[{i}].content`: a part of type {other!r}; this server takes text only",
+                                  f"messages[{i}].content")
+            content = "".join(p.text or "" for p in content)
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    try:
+        text = tokenizer.render_chat(messages)
+    except PagedCliError as e:
+        raise bad_request(str(e), "messages") from None
+    last = next((m["content"] for m in reversed(messages) if m["role"] == "user"), None)
+    return [tokenizer.encode_rendered(text)], [last]
+
+
+def request_params(req: Sampling, defaults: SamplingParams, scheduler: Scheduler, token_ids: list[list[int]],
+                   has_tokenizer: bool = True) -> list[list[SamplingParams]]:
+    """The answers' params for each prompt, `n` each: the i-th answer of the request samples
+    with seed + i, as generate's answers do, so that it does not depend on its batch mates."""
+    given = {f: getattr(req, f) for f in FIELDS if getattr(req, f) is not None}
+    if isinstance(req, ChatRequest):
+        if req.max_completion_tokens is not None:
+            given["max_tokens"] = req.max_completion_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("`top_logprobs` needs `logprobs` true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        logprobs_field = "top_logprobs"
+    else:
+        logprobs, logprobs_field = req.logprobs, "logprobs"
+    if req.stop is not None:
+        given["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    base = replace(defaults, **given, logprobs=logprobs)
+    if base.stop and not has_tokenizer:
+        raise bad_request("`stop` needs the text, and this model has no tokenizer", "stop")
+    problem = base.problem()
+    if problem is not None:
+        name, value, why, hint = problem
+        name = logprobs_field if name == "logprobs" else name
+        raise bad_request(f"`{name}` {value}: {why}" + (f" ({hint})" if hint else ""), name)
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"`n` {req.n}: must be from 1 to {MAX_N}", "n")
+    limit = scheduler.max_model_len
+    prompt_field = "messages" if isinstance(req, ChatRequest) else "prompt"
+    params = []
+    for ids in token_ids:
+        if problem := scheduler.why_unrunnable(len(ids)):
+            raise bad_request(f"`{prompt_field}`: {problem}", prompt_field, "context_length_exceeded" if ids else None)
+        if problem := scheduler.unknown_token(ids):
+            raise bad_request(f"`{prompt_field}`: {problem}", prompt_field)
+        room = limit - len(ids)
+        if "max_tokens" in given and base.max_tokens > room:
+            raise bad_request(f"`max_tokens` {base.max_tokens}: the model's maximum length is {plural(limit, 'token')}, "
+                              f"and the prompt has {plural(len(ids), 'token')}, so at most {room:,} new ones fit",
+                              "max_tokens", "context_length_exceeded")
+        p = base if base.max_tokens <= room else replace(base, max_tokens=room)
+        seeds = [None if p.seed is None else p.seed + len(params) * req.n + j for j in range(req.n)]
+        params.append([replace(p, seed=s) for s in seeds])
+    return params

@@ -1,0 +1,547 @@
+"""`pagedcli serve`: the real server (uvicorn in a thread, or a subprocess) on a free loopback
+port, the built-in model, called through the official `openai` client and plain HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from conftest import ASSETS  # noqa: E402
+from helpers import check_block_accounting, invoke  # noqa: E402
+
+TEMPLATE = ASSETS / "chat" / "chat_template.jinja"
+PROMPTS = ["ROMEO:", "JULIET:\nO Romeo", "First Citizen:\nBefore we proceed any further, hear me speak.", "KING"]
+
+
+class Served:
+    """A server in this process: the app and the engine loop pagedcli serve builds, on uvicorn."""
+
+    def __init__(self, batch: int = 8, max_waiting: int | None = None, api_key: str | None = None, model: str = "demo",
+                 **engine):
+        import uvicorn
+
+        from pagedcli.engine.sequence import SamplingParams
+        from pagedcli.model.loader import EngineOptions, load
+        from pagedcli.serve.app import Settings, create_app
+        from pagedcli.serve.engine_loop import EngineLoop
+        from pagedcli.serve.metrics import Metrics
+
+        def build():
+            loaded = load(EngineOptions(model=model, device="cpu", batch=batch, shuffle_blocks=7, **engine))
+            if loaded.tokenizer is not None:
+                loaded.tokenizer.use_chat_template(TEMPLATE)
+            return loaded
+
+        self.metrics = Metrics()
+        self.loop = EngineLoop(build, self.metrics)
+        self.loaded = self.loop.start()
+        self.engine = self.loaded.engine
+        settings = Settings(model, SamplingParams(), api_key)
+        if max_waiting is not None:
+            settings.max_waiting = max_waiting
+        app = create_app(self.loop, self.loaded, settings, self.metrics)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait until the engine has nothing left (aborts reach it asynchronously), then check
+        that every block is back."""
+        deadline = time.monotonic() + timeout
+        while self.engine.has_unfinished or self.loop.num_waiting or self.engine.scheduler.running:
+            assert time.monotonic() < deadline, "the engine never went idle"
+            time.sleep(0.01)
+        time.sleep(0.05)  # the engine thread finishes its turn
+        check_block_accounting(self.engine)
+        assert self.engine.cache.num_free_blocks == self.engine.cache.geometry.num_blocks
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.loop.stop()
+
+
+@contextmanager
+def served(**opts):
+    s = Served(**opts)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with served() as s:
+        yield s
+
+
+def generate_json(*args) -> list[dict]:
+    code, out, err = invoke("generate", "--model", "demo", "--device", "cpu", "--json", *args)
+    assert code == 0, err
+    return [json.loads(line) for line in out.splitlines()]
+
+
+# --- answers ----------------------------------------------------------------------------------
+def test_completions_streamed_and_not_are_generates_answers(server):
+    records = generate_json("--raw", "--temperature", "0", "--max-tokens", "24", *PROMPTS)
+    client = server.client()
+    whole = client.completions.create(model="demo", prompt=PROMPTS, max_tokens=24, temperature=0)
+    assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == [r["text"] for r in records]
+    assert whole.object == "text_completion"
+    assert whole.usage.completion_tokens == sum(len(r["token_ids"]) for r in records)
+    assert whole.usage.prompt_tokens == sum(len(r["prompt_token_ids"]) for r in records)
+    for prompt, record in zip(PROMPTS, records):
+        pieces, usage, finish = [], None, None
+        counted = 0
+        for chunk in client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                               stream_options={"include_usage": True, "continuous_usage_stats": True}):
+            usage = chunk.usage
+            assert usage.completion_tokens >= counted and usage.prompt_tokens == len(record["prompt_token_ids"])
+            counted = usage.completion_tokens
+            for c in chunk.choices:
+                pieces.append(c.text)
+                finish = c.finish_reason or finish
+        assert "".join(pieces) == record["text"]
+        assert len(pieces) > 5, "streamed token by token, not in one piece"
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(record["prompt_token_ids"]), len(record["token_ids"]))
+        assert finish == record["finish_reason"]
+    server.settle()
+
+
+def test_chat_streamed_and_not_is_generates_chat_answer(server):
+    expected = generate_json("--chat", "--chat-template", str(TEMPLATE), "--temperature", "0", "--max-tokens", "20",
+                             "Who art thou?")[0]
+    client = server.client()
+    messages = [{"role": "user", "content": "Who art thou?"}]
+    whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=20, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected["text"]
+    assert whole.choices[0].finish_reason == expected["finish_reason"]
+    chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected["text"]
+    assert chunks[-1].choices[0].finish_reason == expected["finish_reason"]
+
+
+def test_sampling_options_seeds_n_stop_and_logprobs_are_generates(server):
+    client = server.client()
+    expected = generate_json("--raw", "--temperature", "0.9", "--top-k", "40", "--seed", "5", "--n", "2",
+                             "--max-tokens", "16", "--frequency-penalty", "0.5", "ROMEO:")
+    got = client.completions.create(model="demo", prompt="ROMEO:", temperature=0.9, seed=5, n=2, max_tokens=16,
+                                    frequency_penalty=0.5, extra_body={"top_k": 40})
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [r["text"] for r in expected]
+    stopped = client.completions.create(model="demo", prompt="ROMEO:", temperature=0, max_tokens=40, stop=["\n\n"])
+    assert stopped.choices[0].finish_reason == "stop" and "\n\n" not in stopped.choices[0].text
+    assert stopped.choices[0].text == generate_json("--raw", "--temperature", "0", "--max-tokens", "40", "--stop",
+                                                    "\n\n", "ROMEO:")[0]["text"]
+    lp = client.completions.create(model="demo", prompt="ROMEO:", temperature=0, max_tokens=6, logprobs=3)
+    entries = lp.choices[0].logprobs
+    assert len(entries.tokens) == 6 and len(entries.token_logprobs) == 6
+    assert all(len(top) == 3 and max(top.values()) <= 0 for top in entries.top_logprobs)
+    assert entries.text_offset == [sum(len(t) for t in entries.tokens[:i]) for i in range(6)]
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
+    server.settle()
+
+
+def test_32_concurrent_streams_each_answer_its_solo_run_and_every_block_comes_back(make_engine):
+    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.model.tokenizer import StreamDecoder
+
+    def request(i: int) -> dict:
+        sampled = {"temperature": 0.8, "seed": i} if i % 3 == 0 else {"temperature": 0.0}
+        return dict(prompt=PROMPTS[i % 4] + " " * (i % 5), max_tokens=6 + 2 * (i % 5), **sampled)
+
+    solo_engine = make_engine("demo", batch=8, num_blocks=50)  # the server's engine, each request alone in it
+    solo = []
+    for i in range(32):
+        r = request(i)
+        ids = solo_engine.tokenizer.encode(r.pop("prompt"))
+        seq = solo_engine.engine.add_request(ids, SamplingParams(**r))
+        while solo_engine.engine.has_unfinished:
+            solo_engine.engine.step()
+        solo.append(StreamDecoder(solo_engine.tokenizer, ids).catch_up(seq.output_token_ids))
+
+    with served(batch=8, num_blocks=50) as s:  # a small pool: blocks run short, requests queue and are preempted
+        async def one(aclient, i: int) -> str:
+            pieces = []
+            async for chunk in await aclient.completions.create(model="demo", stream=True, **request(i)):
+                pieces += [c.text for c in chunk.choices]
+            assert len(pieces) > 1
+            return "".join(pieces)
+
+        async def all_at_once():
+            aclient = s.async_client()
+            return await asyncio.gather(*(one(aclient, i) for i in range(32)))
+
+        together = asyncio.run(all_at_once())
+        assert together == solo
+        s.settle()
+        assert s.engine.scheduler.num_preemptions > 0, "the pool was meant to run short"
+        assert s.engine.num_steps < sum(6 + 2 * (i % 5) for i in range(32)) / 2, "they ran in one batch"
+
+
+def test_clients_that_go_away_mid_stream_leave_nothing_behind(server):
+    client = server.client()
+    expected = client.completions.create(model="demo", prompt="KING", max_tokens=64, temperature=0).choices[0].text
+    aborted = server.metrics.num_aborted
+    streams = []
+    for i in range(3):  # they stop reading after a few chunks and hang up
+        stream = client.completions.create(model="demo", prompt=PROMPTS[i], max_tokens=300, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        for _, _chunk in zip(range(3), stream):
+            pass
+        streams.append(stream)
+    other = client.completions.create(model="demo", prompt="KING", max_tokens=64, temperature=0, stream=True)
+    for stream in streams:
+        stream.close()
+    assert "".join(c.choices[0].text for c in other if c.choices) == expected, "the others are unharmed"
+    server.settle()
+    assert server.metrics.num_aborted == aborted + 3
+
+
+def test_a_client_that_gives_up_waiting_for_a_whole_answer_is_aborted():
+    with served(batch=1) as s:
+        client = s.client()
+        busy = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=400, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+        next(iter(busy))  # it holds the only slot
+        with pytest.raises(openai.APITimeoutError):
+            s.client(timeout=0.3).completions.create(model="demo", prompt="KING", max_tokens=50)
+        deadline = time.monotonic() + 5
+        while s.metrics.num_aborted < 1:  # the waiting one, not the running one
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert s.loop.num_waiting == 0 and len(s.engine.scheduler.running) == 1
+        busy.close()
+        s.settle()
+        assert (s.metrics.running, s.metrics.used_blocks) == (0, 0), "the gauges saw the abort (and no step after it)"
+
+
+# --- bad requests -----------------------------------------------------------------------------
+LONG = list(range(5, 605))  # 600 token ids: more than the demo model's 512 positions
+BAD = [
+    (b'{"prompt": "ROMEO:", "max_tokens": 5', None, "not valid JSON"),
+    (b'["ROMEO:"]', None, "must be a JSON object"),
+    (b'{"max_tokens": 5}', "prompt", "`prompt` is required"),
+    (b'{"prompt": "ROMEO:", "max_tokens": "5"}', "max_tokens", "`max_tokens`: \"5\" should be a valid integer"),
+    (b'{"prompt": "ROMEO:", "temperature": true}', "temperature", "should be a valid number"),
+    (b'{"prompt": 17}', "prompt", "`prompt`: 17 is not one of the types it takes"),
+    (b'{"prompt": "ROMEO:", "max_tokens": 600}', "max_tokens", "maximum length is 512 tokens"),
+    (json.dumps({"prompt": LONG}).encode(), "prompt", "the prompt has 600 tokens"),
+    (b'{"prompt": [5, 99999]}', "prompt", "token id 99999 is outside the model's vocabulary"),
+    (b'{"prompt": []}', "prompt", "`prompt` is an empty list"),
+    (b'{"prompt": "ROMEO:", "temperature": -1}', "temperature", "`temperature` -1.0: must be 0"),
+    (b'{"prompt": "ROMEO:", "top_p": 1.5}', "top_p", "`top_p` 1.5: must be in (0, 1]"),
+    (b'{"prompt": "ROMEO:", "logprobs": 50}', "logprobs", "`logprobs` 50: must be from 0 to 20"),
+    (b'{"prompt": "ROMEO:", "n": 0}', "n", "`n` 0"),
+    (b'{"prompt": "ROMEO:", "stop": [""]}', "stop", "must not be empty"),
+    (b'{"prompt": "ROMEO:", "presence_penalty": 3}', "presence_penalty", "must be in [-2, 2]"),
+]
+
+
+@pytest.mark.parametrize("body, param, fragment", BAD, ids=[f[2][:30] for f in BAD])
+def test_a_bad_completion_request_is_a_400_naming_the_field(server, body, param, fragment):
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and fragment in error["message"], error
+
+
+def test_bad_chat_requests_and_other_requests_unharmed(server):
+    client = server.client()
+    running = client.completions.create(model="demo", prompt="KING", max_tokens=80, temperature=0, stream=True)
+    for body, param in [({"messages": []}, "messages"), ({"messages": [{"role": "bot", "content": "x"}]},
+                                                         "messages[0].role"),
+                        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+                        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs")]:
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": "demo"} | body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", prompt="x", max_tokens=10_000)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    expected = client.completions.create(model="demo", prompt="KING", max_tokens=80, temperature=0).choices[0].text
+    assert "".join(c.choices[0].text for c in running) == expected
+    server.settle()
+
+
+def test_past_max_waiting_is_429_and_a_wrong_key_401():
+    with served(batch=1, max_waiting=1, api_key="sekrit") as s:
+        with pytest.raises(openai.AuthenticationError):
+            s.client(api_key="wrong").models.list()
+        assert httpx.get(s.url + "/health").status_code == 200, "only /v1 asks for the key"
+        client = s.client(api_key="sekrit")
+        assert [m.id for m in client.models.list().data] == ["demo"]
+        first = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=300, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True})
+        next(iter(first))  # running
+        second = client.completions.create(model="demo", prompt="KING", max_tokens=5, temperature=0, stream=True)
+        while s.loop.num_waiting < 1:  # (its job is queued once its response starts)
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as e:  # the second waits: a third is one too many
+            client.completions.create(model="demo", prompt="KING", max_tokens=5)
+        assert e.value.status_code == 429 and e.value.body["code"] == "rate_limit_exceeded"
+        first.close()
+        assert "".join(c.choices[0].text for c in second if c.choices), "the waiting one runs once a slot frees"
+        s.settle()
+
+
+# --- what the server shows --------------------------------------------------------------------
+def test_metrics_parse_and_count_what_ran(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def families() -> dict:
+        return {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+
+    before = families()
+    got = server.client().completions.create(model="demo", prompt=PROMPTS[:2], max_tokens=10, temperature=0)
+    server.settle()
+    after = families()
+
+    def value(fams, name, sample=None) -> float:
+        return next(s.value for s in fams[name].samples if s.name == (sample or name))
+
+    for name, kind in [("vllm:num_requests_running", "gauge"), ("vllm:num_requests_waiting", "gauge"),
+                       ("vllm:kv_cache_usage_perc", "gauge"), ("vllm:num_preemptions", "counter"),
+                       ("vllm:generation_tokens", "counter"), ("vllm:time_to_first_token_seconds", "histogram"),
+                       ("vllm:inter_token_latency_seconds", "histogram"), ("pagedcli:kv_blocks_free", "gauge"),
+                       ("pagedcli:prefix_cache_hit_rate", "gauge"), ("vllm:prefix_cache_hits", "counter")]:
+        assert after[name].type == kind, name
+    tokens = "vllm:generation_tokens_total"
+    assert value(after, "vllm:generation_tokens", tokens) - value(before, "vllm:generation_tokens", tokens) \
+        == got.usage.completion_tokens
+    ttft = "vllm:time_to_first_token_seconds_count"
+    assert value(after, "vllm:time_to_first_token_seconds", ttft) - value(before, "vllm:time_to_first_token_seconds",
+                                                                          ttft) == 2
+    assert value(after, "pagedcli:kv_blocks_free") == server.engine.cache.geometry.num_blocks
+    assert value(after, "vllm:num_requests_running") == 0
+
+
+def test_the_cache_endpoint_shows_inspect_caches_fields_per_running_request(server):
+    with httpx.stream("POST", server.url + "/v1/completions", headers={"X-Request-Id": "watch-me"},
+                      json={"prompt": PROMPTS[2], "max_tokens": 300, "stream": True, "ignore_eos": True}) as r:
+        assert r.headers["x-request-id"] == "watch-me"
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        cache = httpx.get(server.url + "/v1/cache").json()
+    running = cache["running"]
+    assert [entry["request_id"] for entry in running] == ["watch-me"]
+    entry = running[0]
+    assert set(entry) == {"request_id", "slot", "step", "geometry", "free_blocks", "used_blocks", "request",
+                          "prompt_token_ids", "output_token_ids", "num_cached", "prefill", "layers"}
+    assert entry["request"]["prompt"] == PROMPTS[2] and entry["output_token_ids"]
+    assert entry["prompt_token_ids"] == server.loaded.tokenizer.encode(PROMPTS[2])
+    geo = server.engine.cache.geometry
+    layers = entry["layers"]
+    assert len(layers) == geo.num_layers
+    assert all(len(layer["blocks"]) >= -(-entry["num_cached"] // geo.block_size) for layer in layers)
+    assert cache["used_blocks"] == sum(len(layer["blocks"]) for layer in layers), "its blocks are all in use"
+    assert layers[0]["blocks"][0]["k_offset"] == layers[0]["blocks"][0]["physical"] * geo.block_bytes
+    server.settle()
+
+
+def test_random_weights_are_served_for_token_id_prompts(tiny):
+    """A benchmark through the server with random weights (no tokenizer): token ids in, usage out."""
+    with served(batch=4, model=f"random:{tiny}") as s:
+        client = s.client()
+        got = client.completions.create(model=f"random:{tiny}", prompt=[[5, 6, 7], [8, 9]], max_tokens=7,
+                                        extra_body={"ignore_eos": True})
+        assert got.usage.completion_tokens == 14 and [c.text for c in got.choices] == ["", ""]
+        chunks = list(client.completions.create(model=f"random:{tiny}", prompt=[5, 6, 7], max_tokens=5, stream=True,
+                                                extra_body={"ignore_eos": True},
+                                                stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        assert chunks[-1].usage.completion_tokens == 5
+        for prompt, param in [("a text", "prompt"), ([5, 6], "stop")]:
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(model=f"random:{tiny}", prompt=prompt, max_tokens=3, stop=["x"])
+            assert e.value.body["param"] == param
+        assert httpx.get(s.url + "/v1/cache").json()["running"] == []
+        s.settle()
+
+
+def test_models_and_health(server):
+    models = server.client().models.list().data
+    assert [(m.id, m.owned_by) for m in models] == [("demo", "pagedcli")]
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+# --- the command ------------------------------------------------------------------------------
+def test_sigterm_finishes_what_runs_and_exits_0(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "pagedcli", "serve", "--model", "demo", "--device", "cpu",
+                             "--port", "0"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line, "the server ended before it served"
+        url = re.search(r"at (http://\S+/v1)", line).group(1)
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        stream = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=40, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+        first = next(iter(stream))
+        proc.send_signal(signal.SIGTERM)
+        rest = list(stream)
+        assert rest[-2].choices[0].finish_reason == "length" and rest[-1].usage.completion_tokens == 40, \
+            "the request in flight is finished"
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "stopped by SIGTERM: 1 answers finished" in err and "Traceback" not in err, err
+        assert first.choices[0].text
+    finally:
+        proc.kill()
+
+
+def test_serve_without_fastapi_is_one_line_and_the_rest_works():
+    code = ("import sys; sys.modules['fastapi'] = None\n"
+            "from pagedcli.commands.app import app\n"
+            "for args in (['serve'], ['generate', '--model', 'demo', '--max-tokens', '3', 'ROMEO:']):\n"
+            "    try:\n        app(args)\n    except SystemExit as e:\n        print('exit', e.code, file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert lines[:2] == ["error: pagedcli serve needs FastAPI and uvicorn (install them with: pip install "
+                         "'pagedcli[serve]')", "exit 1"], out.stderr
+    assert lines[-1] == "exit 0" and out.stdout.startswith("ROMEO:"), out.stderr
+
+
+def test_a_port_in_use_is_said_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = invoke("serve", "--port", str(port))
+    assert code == 1 and "--port" in err and "cannot listen there" in err and len(err.strip().splitlines()) == 1
+
+
+def test_only_loopback_addresses_go_without_a_warning():
+    from pagedcli.commands.serve import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5") and not is_loopback("myhost")
+
+
+# --- the engine's abort -----------------------------------------------------------------------
+def test_abort_ends_one_request_wherever_it_is_and_the_others_go_on(make_engine):
+    from pagedcli.engine.sequence import SamplingParams
+
+    engine = make_engine("demo", batch=2, prefix_caching=False).engine
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    alone = [engine.add_request([0, 5 + i, 9], params) for i in range(2)]
+    while engine.has_unfinished:
+        engine.step()
+    expected = [s.output_token_ids for s in alone]
+    engine.reset()
+    keep = engine.add_request([0, 5, 9], params)
+    running = engine.add_request([0, 7, 9, 11], params)
+    waiting = engine.add_request([0, 8], params)
+    family = engine.add_parallel([0, 3, 4], [replace(params, temperature=1.0, seed=i) for i in range(3)])
+    engine.step()
+    engine.step()
+    engine.abort([running, waiting, family[0]])  # a running one, a waiting one, a parent with waiting samples
+    assert all(s.is_finished and s.finish_reason == "abort" for s in [running, waiting, *family])
+    check_block_accounting(engine)
+    other = engine.add_request([0, 6, 9], params)
+    while engine.has_unfinished:
+        engine.step()
+        check_block_accounting(engine)
+    assert [keep.output_token_ids, other.output_token_ids] == expected
+    assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+    engine.forget()
+    assert engine.sequences == [] and engine.snapshot().num_aborted == 5 and engine.snapshot().num_finished == 2
+    assert engine.add_request([0, 1], params).id == 7, "ids stay unique after forget()"
+
+
+def test_the_serve_extra_and_the_test_extra_name_the_servers_packages():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ASSETS.parents[1] / "pyproject.toml").read_text())
+    extras = {name: " ".join(packages) for name, packages in project["project"]["optional-dependencies"].items()}
+    assert "fastapi" in extras["serve"] and "uvicorn" in extras["serve"]
+    for name in ("fastapi", "uvicorn", "openai", "prometheus_client", "httpx"):
+        assert name in extras["test"], name
+    assert "pagedcli.serve" in project["tool"]["setuptools"]["packages"]
+
+
+def test_abort_with_a_decode_step_queued_ahead(tiny, make_engine):
+    """The overlap (forced on, as on a GPU): the step queued ahead still holds the aborted row,
+    which the next step drops; the others' tokens are those of a run without either."""
+    from pagedcli.engine.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+    def run(overlap: bool, abort_at: int | None):
+        engine = make_engine(tiny, batch=3).engine
+        engine.overlap = overlap
+        seqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished:
+            engine.step()
+            if engine.num_steps == abort_at:
+                assert engine.in_flight is not None and seqs[1] in engine.in_flight.seqs
+                engine.abort([seqs[1]])
+                assert engine.in_flight is not None, "the others' step ahead stays"
+            check_block_accounting(engine)
+        assert engine.in_flight is None and engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
+        return [s.output_token_ids for s in seqs]
+
+    plain = run(False, None)
+    aborted = run(True, 6)
+    assert aborted[0] == plain[0] and aborted[2] == plain[2]
+    assert aborted[1] == plain[1][:len(aborted[1])] and len(aborted[1]) < 20
+
+
+@pytest.mark.parametrize("model", ["demo", "stories"])
+def test_decoding_several_tokens_at_once_gives_the_same_text(model, stories):
+    """A client that fell behind gets its tokens in one piece (StreamDecoder.catch_up_at_once):
+    the text is the one decoded token by token, whatever the pieces."""
+    import random
+
+    from pagedcli.model.source import DEMO_FOLDER
+    from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
+
+    tokenizer = Tokenizer(DEMO_FOLDER if model == "demo" else stories)
+    rng = random.Random(3)
+    for _ in range(20):
+        prompt = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 8))]
+        output = [rng.randrange(tokenizer.vocab_size) for _ in range(40)]
+        one_by_one = StreamDecoder(tokenizer, prompt)
+        one_by_one.catch_up(output)
+        at_once, cut = StreamDecoder(tokenizer, prompt), 0
+        while cut < len(output):
+            cut += rng.randrange(1, 6)
+            at_once.catch_up_at_once(output[:cut])
+        assert at_once.text == one_by_one.text
