@@ -38,6 +38,7 @@ class Behaviour:
     first_delay: float = 0.0  # seconds before a stream's first token
     delay: float = 0.0  # seconds between its tokens
     usage: bool = True  # the last chunk carries usage (as asked by stream_options.include_usage)
+    answer_len: int | None = None  # tokens an answer ends at, whatever was asked (a server blind to ignore_eos)
     faults: dict = field(default_factory=dict)  # request number (0: the warm-up) -> "400", "500", "close", "event"
     api_key: str | None = None
     max_model_len: int | None = None
@@ -73,7 +74,7 @@ def make_app(b: Behaviour):
         if fault in ("400", "500"):
             return JSONResponse({"error": {"message": f"the test refuses request {k}", "type": "invalid_request_error"}},
                                 int(fault))
-        n = body["max_tokens"]
+        n = min(body["max_tokens"], b.answer_len or body["max_tokens"])
 
         def chunk(**fields):
             return "data: " + json.dumps({"id": f"cmpl-{k}", "object": "text_completion", "model": b.model,
@@ -187,6 +188,12 @@ def test_without_usage_the_chunks_are_counted(server):
     code, out, err = bench_url(server(Behaviour(usage=False)), "--batch", "3", "--json")
     assert code == 0, err
     assert json.loads(out)["output_tokens"] == 15
+
+
+def test_answers_shorter_than_asked_are_said(server):
+    code, out, err = bench_url(server(Behaviour(answer_len=3)), "--batch", "2", "--json")
+    assert code == 0 and json.loads(out)["output_tokens"] == 6, err
+    assert "the answers held 4 tokens fewer than asked: the server does not honour ignore_eos" in err
 
 
 @pytest.mark.parametrize("fault, message", [
@@ -318,3 +325,31 @@ def test_the_load_test_tool(server):
     done = load_test()
     assert done.returncode == 1 and "1 of 6 requests failed" in done.stderr, done.stderr
     assert "TTFT" in done.stdout and "ITL" in done.stdout and "p99" in done.stdout
+
+
+def test_bench_url_against_pagedcli_serve():
+    """The real server on the built-in model (skipped until pagedcli.serve is there): every request
+    goes through and runs to its length (the server honours ignore_eos), at the arrivals asked for."""
+    pytest.importorskip("pagedcli.serve.app", reason="needs `pagedcli serve` (pagedcli/serve/)")
+    import re
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "pagedcli", "serve", "--model", "demo", "--device", "cpu",
+                             "--port", "0", "--batch", "4"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line, "the server ended before it served"
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # its access log must not fill the pipe
+        url = re.search(r"at (http://\S+)", line).group(1)  # .../v1, as the server says it
+        code, out, err = invoke("bench", "--url", url, "--batch", "4", "--num-prompts", "6", "--input-len", "8:24",
+                                "--output-len", "12", "--request-rate", "50", "--json")
+        assert code == 0, err
+        row = json.loads(out)
+        assert row["model"] == "demo" and row["errors"] == 0 and row["completed"] == 6
+        assert row["output_tokens"] == 6 * 12 and "fewer than asked" not in err
+        assert row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"] and row["itl_ms"]["p50"] > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

@@ -22,7 +22,6 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 from urllib.parse import urlsplit
@@ -52,7 +51,7 @@ def _client(url: str, api_key: str | None, connections: int):
     try:
         import httpx
     except ImportError:
-        raise UsageError("bench --url needs httpx", 'pip install "pagedcli[serve]"') from None
+        raise UsageError("bench --url needs httpx", "pip install httpx") from None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.AsyncClient(
         base_url=url, headers=headers,
@@ -125,12 +124,11 @@ def prompt_model(served_id: str, wanted: str | None):
     ids of --model, else of the model the server names when it is one here (`demo`, `random:<preset>`,
     a folder, a cached Hub model: nothing is downloaded for a name only guessed from the server);
     the tokenizer too for --prompt-file. A stand-in for measure.Model with what requests_for reads."""
-    from pagedcli.model.source import _cached_snapshot, resolve_model
+    from pagedcli.model.source import found_here, resolve_model
     from pagedcli.model.tokenizer import Tokenizer
 
     spec = wanted or served_id
-    if wanted is None and not (spec == "demo" or spec.startswith("random:") or Path(spec).expanduser().is_dir()
-                               or _cached_snapshot(spec) is not None):
+    if wanted is None and not found_here(spec):
         raise UsageError(f"the server serves {served_id!r}, not a model found here: the prompts are drawn from its "
                          f"vocabulary", "pass the same model with --model (a folder, Hub id, demo or random:<preset>)")
     source = resolve_model(spec)
@@ -153,6 +151,7 @@ class Outcome:
 
 
 def completion_body(model: str, r: Request, ignore_eos: bool) -> dict:
+    # greedy, as the in-process bench samples (OpenAI's default temperature is 1)
     body = {"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:  # vLLM's extensions; a server that knows neither may end answers early (fewer tokens counted)
