@@ -283,6 +283,19 @@ def test_the_model_the_prompts_are_drawn_for(server, stories):
     assert all(0 <= t < vocab for t in b.bodies[1]["prompt"]) and b.bodies[1]["model"] == "some-org/not-here"
 
 
+def test_prompt_file_lines_are_sent_as_the_in_process_bench_feeds_them(server, tmp_path):
+    from pagedcli.model.source import resolve_model
+    from pagedcli.model.tokenizer import Tokenizer
+
+    (tmp_path / "p.txt").write_text("ROMEO:\nJULIET: what light\n")
+    b = Behaviour()
+    code, _, err = bench_url(server(b), "--batch", "3", "--prompt-file", str(tmp_path / "p.txt"), "--json")
+    assert code == 0, err
+    tokenizer = Tokenizer(resolve_model("demo").folder)
+    lines = ["ROMEO:", "JULIET: what light", "ROMEO:"]
+    assert [s["prompt"] for s in b.bodies[1:]] == [tokenizer.encode(line) for line in lines]
+
+
 def test_a_workload_longer_than_the_server_takes_is_refused_before_sending(server):
     b = Behaviour(max_model_len=12)
     code, _, err = bench_url(server(b))

@@ -119,11 +119,12 @@ def pick_model(cards: list[dict], wanted: str | None, notice: Callable[[str], No
     return cards[0]
 
 
-def prompt_model(served_id: str, wanted: str | None):
+def prompt_model(served_id: str, wanted: str | None, with_tokenizer: bool = False):
     """What random prompts are drawn from (as the in-process bench draws them): the vocabulary and stop
     ids of --model, else of the model the server names when it is one here (`demo`, `random:<preset>`,
     a folder, a cached Hub model: nothing is downloaded for a name only guessed from the server);
-    the tokenizer too for --prompt-file. A stand-in for measure.Model with what requests_for reads."""
+    the tokenizer too (`with_tokenizer`: for --prompt-file). A stand-in for measure.Model with what
+    requests_for reads."""
     from pagedcli.model.source import found_here, resolve_model
     from pagedcli.model.tokenizer import Tokenizer
 
@@ -132,7 +133,8 @@ def prompt_model(served_id: str, wanted: str | None):
         raise UsageError(f"the server serves {served_id!r}, not a model found here: the prompts are drawn from its "
                          f"vocabulary", "pass the same model with --model (a folder, Hub id, demo or random:<preset>)")
     source = resolve_model(spec)
-    return SimpleNamespace(source=source, tokenizer=Tokenizer(source.folder) if source.has_tokenizer else None)
+    tokenizer = Tokenizer(source.folder) if with_tokenizer and source.has_tokenizer else None
+    return SimpleNamespace(source=source, tokenizer=tokenizer)
 
 
 # --- one request ---------------------------------------------------------------------------------
@@ -270,13 +272,13 @@ class Server:
 
 
 async def connect(url: str, api_key: str | None, concurrency: int, wanted_model: str | None,
-                  notice: Callable[[str], None]) -> Server:
+                  notice: Callable[[str], None], with_tokenizer: bool = False) -> Server:
     url = base_url(url)
     client = _client(url, api_key, concurrency)
     try:
         card = pick_model(await served_models(client, url), wanted_model, notice)
         length = card.get("max_model_len")  # vLLM's card says it; OpenAI's does not
-        prompts = prompt_model(card["id"], wanted_model)
+        prompts = prompt_model(card["id"], wanted_model, with_tokenizer)
     except BaseException:
         await client.aclose()
         raise
@@ -336,7 +338,7 @@ def run(url: str, api_key: str | None, batches: list[int], w: Workload, wanted_m
     every batch size's figures as it ends."""
 
     async def main() -> list[dict]:
-        server = await connect(url, api_key, max(batches), wanted_model, notice)
+        server = await connect(url, api_key, max(batches), wanted_model, notice, w.prompt_file is not None)
         results = []
         try:
             for batch in batches:
