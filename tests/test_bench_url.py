@@ -169,6 +169,7 @@ def test_the_served_figures_and_the_requests_sent(server):
     assert 0.15 <= row["ttft_ms"]["p50"] / 1e3 and 0.15 + 0.27 <= row["ttft_ms"]["p99"] / 1e3 < 0.15 + 0.27 + 0.3
     assert 0.03 <= row["itl_ms"]["p50"] / 1e3 < 0.03 + 0.05
     assert 2 * (0.15 + 4 * 0.03) <= row["elapsed_s"] < 2 * (0.15 + 4 * 0.03) + 0.5
+    assert 0 < row["client_cpu_fraction"] < 0.5  # the client mostly waits for this server
 
 
 def test_requests_arrive_as_the_seeded_poisson_process(server):

@@ -34,6 +34,9 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # the longest wait for a stream's next chunk: a long queue before the first token is no fault
 PROGRESS_EVERY_S = 0.25  # the progress callback's period (not a call per token: 40k tokens/s on a GPU)
 WARM_UP_TOKENS = 4
+# the client's CPU time over the run's wall time past which its figures may be its own limit: parsing
+# the streams is Python in one process (some 30 us a chunk through httpx on a slow core)
+CLIENT_BUSY = 0.9
 
 
 # --- the server ----------------------------------------------------------------------------------
@@ -205,12 +208,12 @@ async def stream_completion(client, body: dict, arrival: float, on_token: Callab
 
 # --- a run ---------------------------------------------------------------------------------------
 async def send_all(client, bodies: list[dict], times: list[float], concurrency: int,
-                   progress: Callable[[int, int], None] | None = None) -> tuple[list[Outcome], float, float]:
+                   progress: Callable[[int, int], None] | None = None) -> tuple[list[Outcome], float, float, float]:
     """Every body sent at its arrival time (seconds after the start), at most `concurrency` open at
-    once: the outcomes in order, the start and the end (perf_counter)."""
+    once: the outcomes in order, the start and the end (perf_counter), and this process's CPU seconds."""
     gate = asyncio.Semaphore(concurrency)
     received = finished = 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
 
     def on_token():
         nonlocal received
@@ -235,10 +238,10 @@ async def send_all(client, bodies: list[dict], times: list[float], concurrency: 
     finally:
         if reporter:
             reporter.cancel()
-    end = time.perf_counter()
+    end, cpu = time.perf_counter(), time.process_time() - cpu
     if progress:
         progress(received, finished)
-    return outcomes, start, end
+    return outcomes, start, end, cpu
 
 
 def figures(outcomes: list[Outcome], elapsed: float) -> dict:
@@ -301,17 +304,21 @@ async def run_batch(server: Server, batch: int, w: Workload, progress=None, noti
         raise RunError(f"{server.url}/v1/completions refused the bench's request: {first.error}",
                        "--url must name an OpenAI-compatible server that takes token ids as the prompt")
     bodies = [completion_body(server.model, r, w.ignore_eos) for r in requests]
-    outcomes, start, end = await send_all(server.client, bodies, arrival_times(n, w.request_rate, w.seed), batch,
+    outcomes, start, end, cpu = await send_all(server.client, bodies, arrival_times(n, w.request_rate, w.seed), batch,
                                           progress and (lambda received, finished: progress(received, asked, finished)))
     result = {"batch": batch, "num_prompts": n,
               "input_len": w.input_len if w.prompt_file is None else "file", "output_len": w.output_len,
               "request_rate": None if math.isinf(w.request_rate) else w.request_rate,  # as the in-process bench's
-              **figures(outcomes, end - start), "model": server.model, "url": server.url}
+              **figures(outcomes, end - start), "client_cpu_fraction": cpu / (end - start),
+              "model": server.model, "url": server.url}
     if result["errors"] == n:
         raise RunError(f"every request failed, the first: {result['first_error']}")
     if result["errors"]:
         notice(f"batch {batch}: {result['errors']} of {plural(n, 'request')} failed (left out of the figures), "
                f"the first: {result['first_error']}")
+    if result["client_cpu_fraction"] > CLIENT_BUSY:
+        notice(f"batch {batch}: this client was busy {result['client_cpu_fraction']:.0%} of the run: the figures may be "
+               "its limit, not the server's (docs/bench-url.md)")
     short = sum(r.max_tokens for r in requests) - result["output_tokens"]
     if w.ignore_eos and not result["errors"] and short > 0:
         notice(f"batch {batch}: the answers held {plural(short, 'token')} fewer than asked: the server does not "
