@@ -183,6 +183,27 @@ def test_requests_arrive_as_the_seeded_poisson_process(server):
     assert json.loads(out)["request_rate"] == 20
 
 
+def test_many_streams_are_spread_over_client_processes(server, monkeypatch):
+    """Past STREAMS_PER_PROCESS, forked client processes (here three, of 2, 2 and 1 streams) send the
+    same requests at the same arrivals, from one start, and the figures gather all of them."""
+    from pagedcli.bench import served
+
+    monkeypatch.setattr(served, "STREAMS_PER_PROCESS", 2)
+    assert served.shares(5) == [2, 2, 1] and served.shares(2) == [2]
+    b = Behaviour(delay=0.01)
+    code, out, err = bench_url(server(b), "--batch", "5", "--num-prompts", "9", "--request-rate", "30",
+                               "--seed", "4", "--json")
+    assert code == 0, err
+    row = json.loads(out)
+    assert row["completed"] == 9 and row["errors"] == 0 and row["output_tokens"] == 45
+    expected = requests_for(prompt_model("demo", None), Workload(num_prompts=9, input_len="8", output_len="5",
+                                                                 seed=4), 5)
+    assert sorted(body["prompt"] for body in b.bodies[1:]) == sorted(r.prompt_token_ids for r in expected)
+    received = sorted(b.received[1:])
+    assert max(abs(t - received[0] - d) for t, d in zip(received, arrival_times(9, 30, 4))) < 0.05
+    assert b.peak_open <= 5 and 0 < row["client_cpu_fraction"] < 0.5 and row["ttft_ms"]["p50"] is not None
+
+
 def test_without_usage_the_chunks_are_counted(server):
     """A server that gives no usage: one token a chunk, the empty-text one too, not the one that
     only ends the answer (there is none here: the last token's chunk carries finish_reason)."""

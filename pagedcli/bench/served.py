@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import multiprocessing
+import signal
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -34,8 +36,10 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # the longest wait for a stream's next chunk: a long queue before the first token is no fault
 PROGRESS_EVERY_S = 0.25  # the progress callback's period (not a call per token: 40k tokens/s on a GPU)
 WARM_UP_TOKENS = 4
-# the client's CPU time over the run's wall time past which its figures may be its own limit: parsing
-# the streams is Python in one process (some 30 us a chunk through httpx on a slow core)
+# Parsing the streams is Python, some 30 us a chunk through httpx on a slow core: more streams than
+# this are spread over processes, each its share (a GPU server writes more chunks than one parses)
+STREAMS_PER_PROCESS = 16
+# a client process's CPU time over the run's wall time past which the figures may be the client's limit
 CLIENT_BUSY = 0.9
 
 
@@ -208,12 +212,14 @@ async def stream_completion(client, body: dict, arrival: float, on_token: Callab
 
 # --- a run ---------------------------------------------------------------------------------------
 async def send_all(client, bodies: list[dict], times: list[float], concurrency: int,
-                   progress: Callable[[int, int], None] | None = None) -> tuple[list[Outcome], float, float, float]:
-    """Every body sent at its arrival time (seconds after the start), at most `concurrency` open at
-    once: the outcomes in order, the start and the end (perf_counter), and this process's CPU seconds."""
+                   progress: Callable[[int, int], None] | None = None,
+                   start: float | None = None) -> tuple[list[Outcome], float, float, float]:
+    """Every body sent at its arrival time (seconds after `start`, default now), at most `concurrency`
+    open at once: the outcomes in order, the start and the end (perf_counter), and this process's CPU
+    seconds."""
     gate = asyncio.Semaphore(concurrency)
     received = finished = 0
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu = start or time.perf_counter(), time.process_time()
 
     def on_token():
         nonlocal received
@@ -244,6 +250,89 @@ async def send_all(client, bodies: list[dict], times: list[float], concurrency: 
     return outcomes, start, end, cpu
 
 
+def shares(concurrency: int) -> list[int]:
+    """The streams each client process opens at most: one process up to STREAMS_PER_PROCESS, else
+    as few as hold them, evenly."""
+    k = math.ceil(concurrency / STREAMS_PER_PROCESS)
+    return [concurrency // k + (i < concurrency % k) for i in range(k)]
+
+
+async def send_spread(url: str, api_key: str | None, bodies: list[dict], times: list[float], concurrency: int,
+                      progress: Callable[[int, int], None] | None = None) -> tuple[list[Outcome], float, float, float]:
+    """send_all in one forked process per share of the streams, request i in process i % k, all from
+    one start (perf_counter is the system's monotonic clock, the same in every process): the outcomes
+    in order, the start, the last end, and the busiest process's CPU seconds."""
+    k = len(parts := shares(concurrency))
+    context = multiprocessing.get_context("fork")  # (spawn would import the command line's main module again)
+    workers = []
+    try:
+        for i, share in enumerate(parts):
+            here, there = context.Pipe()
+            process = context.Process(target=_client_process, daemon=True,
+                                      args=(there, url, api_key, bodies[i::k], times[i::k], share))
+            process.start()
+            there.close()
+            workers.append((process, here))
+        for _, conn in workers:
+            _expect(conn, "ready")
+        start = time.perf_counter()
+        for _, conn in workers:
+            conn.send(start)
+        results, counts = [None] * k, [(0, 0)] * k
+        while None in results:
+            for i, (_, conn) in enumerate(workers):
+                while results[i] is None and conn.poll():
+                    message = _expect(conn, "progress", "done")
+                    if message[0] == "progress":
+                        counts[i] = message[1:]
+                    else:
+                        results[i] = message[1:]
+            if progress:
+                progress(sum(c[0] for c in counts), sum(c[1] for c in counts))
+            await asyncio.sleep(PROGRESS_EVERY_S / 5)  # (the figures are the processes' own times)
+    finally:
+        for process, conn in workers:
+            process.kill()
+            process.join()
+            conn.close()
+    outcomes = [None] * len(bodies)
+    for i, (outs, _, _) in enumerate(results):
+        outcomes[i::k] = outs
+    return outcomes, start, max(end for _, end, _ in results), max(cpu for _, _, cpu in results)
+
+
+def _expect(conn, *kinds: str) -> tuple:
+    """The next message of a client process, one of `kinds`; its failure as a RunError."""
+    try:
+        message = conn.recv() if conn.poll(60) else ("failed", "it did not start within 60 s")
+    except EOFError:
+        message = ("failed", "it ended unexpectedly")
+    if message[0] not in kinds:
+        raise RunError(f"a client process failed: {message[1]}")
+    return message
+
+
+def _client_process(conn, url: str, api_key: str | None, bodies: list[dict], times: list[float],
+                    concurrency: int) -> None:
+    """One forked client: ready, then its requests from the start it is sent; what happened, as messages."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it ends these)
+
+    async def main():
+        client = _client(url, api_key, concurrency)
+        conn.send(("ready",))
+        start = conn.recv()
+        outcomes, _, end, cpu = await send_all(client, bodies, times, concurrency,
+                                               lambda received, finished: conn.send(("progress", received, finished)),
+                                               start)
+        await client.aclose()
+        conn.send(("done", outcomes, end, cpu))
+
+    try:
+        asyncio.run(main())
+    except BaseException as e:  # said by the parent, as one line
+        conn.send(("failed", _first_line(e)))
+
+
 def figures(outcomes: list[Outcome], elapsed: float) -> dict:
     """tokens/s, requests/s, TTFT and ITL of the requests that succeeded; the failures counted."""
     done = [o for o in outcomes if o.error is None]
@@ -268,6 +357,7 @@ class Server:
     """A server made ready for runs: its address, its client, the model asked for, the prompts' source."""
 
     url: str
+    api_key: str | None
     client: object
     model: str
     max_model_len: int | None
@@ -285,7 +375,7 @@ async def connect(url: str, api_key: str | None, concurrency: int, wanted_model:
     except BaseException:
         await client.aclose()
         raise
-    return Server(url, client, card["id"], length if isinstance(length, int) else None, prompts)
+    return Server(url, api_key, client, card["id"], length if isinstance(length, int) else None, prompts)
 
 
 async def run_batch(server: Server, batch: int, w: Workload, progress=None, notice=lambda _: None) -> dict:
@@ -304,12 +394,16 @@ async def run_batch(server: Server, batch: int, w: Workload, progress=None, noti
         raise RunError(f"{server.url}/v1/completions refused the bench's request: {first.error}",
                        "--url must name an OpenAI-compatible server that takes token ids as the prompt")
     bodies = [completion_body(server.model, r, w.ignore_eos) for r in requests]
-    outcomes, start, end, cpu = await send_all(server.client, bodies, arrival_times(n, w.request_rate, w.seed), batch,
-                                          progress and (lambda received, finished: progress(received, asked, finished)))
+    times = arrival_times(n, w.request_rate, w.seed)
+    told = progress and (lambda received, finished: progress(received, asked, finished))
+    if len(shares(batch)) == 1:
+        outcomes, start, end, cpu = await send_all(server.client, bodies, times, batch, told)
+    else:
+        outcomes, start, end, cpu = await send_spread(server.url, server.api_key, bodies, times, batch, told)
     result = {"batch": batch, "num_prompts": n,
               "input_len": w.input_len if w.prompt_file is None else "file", "output_len": w.output_len,
               "request_rate": None if math.isinf(w.request_rate) else w.request_rate,  # as the in-process bench's
-              **figures(outcomes, end - start), "client_cpu_fraction": cpu / (end - start),
+              **figures(outcomes, end - start), "client_cpu_fraction": cpu / (end - start),  # the busiest process's
               "model": server.model, "url": server.url}
     if result["errors"] == n:
         raise RunError(f"every request failed, the first: {result['first_error']}")
@@ -317,7 +411,7 @@ async def run_batch(server: Server, batch: int, w: Workload, progress=None, noti
         notice(f"batch {batch}: {result['errors']} of {plural(n, 'request')} failed (left out of the figures), "
                f"the first: {result['first_error']}")
     if result["client_cpu_fraction"] > CLIENT_BUSY:
-        notice(f"batch {batch}: this client was busy {result['client_cpu_fraction']:.0%} of the run: the figures may be "
+        notice(f"batch {batch}: a client process was busy {result['client_cpu_fraction']:.0%} of the run: the figures may be "
                "its limit, not the server's (docs/bench-url.md)")
     short = sum(r.max_tokens for r in requests) - result["output_tokens"]
     if w.ignore_eos and not result["errors"] and short > 0:
