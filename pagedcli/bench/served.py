@@ -396,7 +396,7 @@ async def run_batch(server: Server, batch: int, w: Workload, progress=None, noti
     bodies = [completion_body(server.model, r, w.ignore_eos) for r in requests]
     times = arrival_times(n, w.request_rate, w.seed)
     told = progress and (lambda received, finished: progress(received, asked, finished))
-    if len(shares(batch)) == 1:
+    if len(shares(batch)) == 1 or "fork" not in multiprocessing.get_all_start_methods():  # (Windows: one process)
         outcomes, start, end, cpu = await send_all(server.client, bodies, times, batch, told)
     else:
         outcomes, start, end, cpu = await send_spread(server.url, server.api_key, bodies, times, batch, told)
