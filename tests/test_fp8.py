@@ -19,7 +19,7 @@ from pagedcli.engine.sequence import SamplingParams
 from pagedcli.errors import RunError, UsageError
 from pagedcli.model.config import CacheGeometry, ModelConfig
 from pagedcli.model.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight, fp8_linear, quantize_weight, to_fp8
-from pagedcli.model.loader import EngineOptions, build_engine, load, load_model
+from pagedcli.model.loader import EngineOptions, load, load_model
 from pagedcli.model.source import DEMO_FOLDER
 
 GIB = 1 << 30

@@ -39,12 +39,6 @@ VARIANTS = {
     "attention: cluster min span 128": {"CLUSTER_MIN_SPAN": 128},
     "gemv: 512 threads, 2 CTAs per SM": {"GEMV_THREADS": 512, "GEMV_MIN_CTAS": 2, "GEMV_CTAS_PER_SM": 2},
     "gemv: 2 loads a lane (twice the tiles)": {"GEMV_UNROLL": 2},
-},
-    "gemm: splits for 2 CTAs an SM": {"GEMM_CTAS_PER_SM": 2},
-    "gemm: block_n 64": {"GEMM_BLOCK_N": 64},
-    "gemm: block_n 256": {"GEMM_BLOCK_N": 256},
-    "gemm: 3 stages": {"GEMM_STAGES": 3},
-    "gemm: 6 stages": {"GEMM_STAGES": 6},
 }
 
 

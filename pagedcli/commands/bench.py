@@ -3,6 +3,7 @@ or a sweep; the measuring is pagedcli.bench's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -42,6 +43,11 @@ def bench(
     quality_text: Annotated[Optional[Path], typer.Option(help="With --quality: the held-out text (default: the "
                                                          "built-in model's held-out slice).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per batch size on stdout.")] = False,
+    url: Annotated[Optional[str], typer.Option(
+        help="Drive the OpenAI-compatible server running there (`pagedcli serve`, e.g. http://127.0.0.1:8000) "
+        "instead of an engine in this process: the same workloads, --batch streams at once, timed at the client. "
+        "--model then only names the model the prompts are drawn for (default: the server's).")] = None,
+    api_key: Annotated[Optional[str], typer.Option(help="With --url: the server's key (bearer token).")] = None,
     *, engine_flags: EngineFlags,
 ):
     """Measure speed, memory and bandwidth against the hardware's roofline."""
@@ -65,13 +71,22 @@ def bench(
                          "leave it out to send every request at the start")
     if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):
         raise UsageError(f"--bandwidth {bandwidth}: must be a positive number of GB/s", "leave it out to measure it")
-    if plot_file is not None:
-        plot_file = bench_plot.plot_path(plot_file)
     workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file, prefix_len, request_rate)
     b.parse_len(input_len, "--input-len"), b.parse_len(output_len, "--output-len")
     if quality:
+        if url is not None:
+            raise UsageError("--quality measures an engine in this process", "leave --url out, or --quality")
         _quality_bench(engine_flags, quality_text, num_prompts or DEFAULT_QUALITY_PROMPTS, output_len, json_output)
         return
+    if url is not None:
+        _in_process_only(engine_flags, {"--compare": compare, "--kernel": kernel or None, "--bandwidth": bandwidth,
+                                        "--plot": plot_file})
+        _bench_served(url, api_key, batches, workload, engine_flags.model, json_output)
+        return
+    if api_key is not None:
+        raise UsageError("--api-key is the key of a server bench drives", "give --url too, or leave --api-key out")
+    if plot_file is not None:
+        plot_file = bench_plot.plot_path(plot_file)
     opts = engine_flags.options(batch=max(batches))
     loaded = load_model(opts, notice)
     if kernel:
@@ -109,6 +124,45 @@ def bench(
     if plot_file is not None:
         bench_plot.plot(results, plot_file)
         notice(f"plot saved to {plot_file}")
+
+
+def _in_process_only(engine_flags: EngineFlags, given: dict) -> None:
+    """With --url the server's engine runs: a flag that sets up or measures one in this process would
+    be silently ignored, so it is refused (--model stays: it names the prompts' vocabulary)."""
+    from pagedcli.commands.options import FLAGS
+
+    for field in dataclasses.fields(EngineFlags):
+        if field.name not in ("model", "batch") and getattr(engine_flags, field.name) != field.default:
+            given[FLAGS[field.name]] = getattr(engine_flags, field.name)
+    for flag, value in given.items():
+        if value is not None:
+            raise UsageError(f"{flag} is for the in-process bench; with --url the server's engine runs",
+                             "set the engine's options on `pagedcli serve`, or leave --url out")
+
+
+def _bench_served(url: str, api_key: str | None, batches: list[int], workload, model: str | None,
+                  json_output: bool) -> None:
+    """bench --url: each batch size's figures from the server (pagedcli.bench.served)."""
+    from pagedcli.bench import served
+    from pagedcli.commands.bench_view import Progress, print_tables, served_table
+
+    results = []
+
+    def each(result: dict) -> None:
+        results.append(result)
+        if json_output:
+            print(json.dumps(result), flush=True)
+
+    try:
+        with Progress(err) as progress:
+            served.run(url, api_key, batches, workload, model, lambda n: progress.task(f"batch {n}", "{:,} answered"),
+                       notice, each)
+    except KeyboardInterrupt:  # as in-process: the batch sizes that finished are kept
+        if results and not json_output:
+            print_tables(served_table(results))
+        raise
+    if not json_output:
+        print_tables(served_table(results))
 
 
 def _announce(loaded, opts, workload, batches: list[int], runs: int, say) -> None:

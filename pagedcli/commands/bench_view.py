@@ -38,10 +38,11 @@ class Progress:
         if self.bar:
             self.bar.__exit__(*exc)
 
-    def task(self, description: str):
-        """The callback for one batch size: (tokens done, tokens asked for, steps)."""
+    def task(self, description: str, counted: str = "step {:,}"):
+        """The callback for one batch size: (tokens done, tokens asked for, count), the count shown
+        through `counted` (in-process: the step; against a server: the answers done)."""
         if self.bar:
-            task = self.bar.add_task(description, total=None, step=0)
+            task = self.bar.add_task(description, total=None, step=0, counted=counted)
             return lambda done, total, step: self.bar.update(task, completed=done, total=total, step=step)
         start = last = self.clock()
         said = None
@@ -51,8 +52,8 @@ class Progress:
             now = self.clock()
             if (now - last >= PLAIN_EVERY_S or (done == total and step)) and said != (done, total, step):
                 last, said = now, (done, total, step)
-                self.console.print(f"{description}: {done:,}/{total:,} tokens, step {step:,}, {now - start:,.0f} s",
-                                   highlight=False, soft_wrap=True)
+                self.console.print(f"{description}: {done:,}/{total:,} tokens, {counted.format(step)}, "
+                                   f"{now - start:,.0f} s", highlight=False, soft_wrap=True)
 
         return line
 
@@ -63,7 +64,8 @@ class StepsColumn(rp.ProgressColumn):
     def render(self, task) -> Text:
         if task.total is None:
             return Text("building the engine")
-        return Text(f"{task.completed:,.0f}/{task.total:,.0f} tokens, step {task.fields.get('step', 0):,}")
+        counted = task.fields.get("counted", "step {:,}")
+        return Text(f"{task.completed:,.0f}/{task.total:,.0f} tokens, {counted.format(task.fields.get('step', 0))}")
 
 
 def print_tables(tables: RenderableType, console: Console | None = None) -> None:
@@ -195,3 +197,22 @@ def quality_table(rows, model: str, dtype: str, device: str, num_tokens: int) ->
                       f"{r.perplexity:.3f}", f"{100 * r.perplexity_change:+.2f}%" if i else "-",
                       f"{100 * r.greedy_match:.1f}%", f"{r.identical_prompts}/{r.num_prompts}")
     return table
+
+
+def served_table(results: list[dict]) -> Table:
+    """bench --url: what a client of the server measured, in the in-process table's terms where they
+    apply (the roofline and the cache are the server's, out of the client's sight)."""
+    r0 = results[0]
+    t = Table(title=f"{r0['model']} served at {r0['url']}", title_justify="left",
+              caption=f"prompts {r0['input_len']} tokens, {r0['output_len']} new, {_arrivals(r0)}; batch: streams "
+                      "open at once; TTFT from each request's arrival, ITL between stream chunks",
+              caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("batch", "tokens/s", "requests/s", "TTFT\np50 ms", "TTFT\np99 ms", "ITL\np50 ms", "ITL\np99 ms",
+                "errors"):
+        t.add_column(col, justify="right", min_width=_widest(col))
+    for r in results:
+        t.add_row(str(r["batch"]), _f(r["output_tokens_per_s"], "{:,.0f}"), _f(r["requests_per_s"], "{:,.2f}"),
+                  _f(r["ttft_ms"]["p50"], "{:.2f}"), _f(r["ttft_ms"]["p99"], "{:.2f}"),
+                  _f(r["itl_ms"]["p50"], "{:.3f}"), _f(r["itl_ms"]["p99"], "{:.3f}"),
+                  f"{r['errors']:,} of {r['num_prompts']:,}" if r["errors"] else "0")
+    return t

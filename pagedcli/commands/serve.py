@@ -70,7 +70,7 @@ def serve(
     from pagedcli.serve.engine_loop import EngineLoop
     from pagedcli.serve.metrics import Metrics
 
-    shared, view = None, None
+    shared, view = None, None  # view: makes the live view (in the engine thread, which draws it)
     if live:
         from rich.console import Console
 
@@ -80,7 +80,7 @@ def serve(
         if console.is_terminal:
             shared = SharedOutput()
 
-            def view(loaded):  # made in the engine thread, which draws it
+            def view(loaded):  # noqa: F811 (the None above, replaced)
                 return ServerView(loaded.engine, console, loaded.tokenizer and loaded.tokenizer.decode, shared)
         else:
             notice("--live: stdout is not a terminal, so no live view")

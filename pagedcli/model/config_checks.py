@@ -93,7 +93,7 @@ def _check_rope(rope, key: str, source: str) -> None:
     if rope is None:
         return
     if not isinstance(rope, dict):
-        _fail(source, key, rope, "is not an object", f'write it as {{"rope_type": ..., "factor": ...}}, or null')
+        _fail(source, key, rope, "is not an object", 'write it as {"rope_type": ..., "factor": ...}, or null')
     for name in ("rope_type", "type"):
         if rope.get(name) is not None and not isinstance(rope[name], str):
             _fail(source, f"{key}.{name}", rope[name], "is not a name", 'e.g. "llama3", or "default" for none')

@@ -70,6 +70,13 @@ def resolve_model(spec: str | None, notice: Callable[[str], None] = lambda _: No
     return _from_folder(_download(spec), spec)
 
 
+def found_here(spec: str) -> bool:
+    """Whether `spec` names a model resolve_model finds without a download: `demo`, `random:...`, a
+    folder, or a Hub id in the local cache."""
+    return (spec == "demo" or spec.startswith("random:") or Path(spec).expanduser().is_dir()
+            or (HUB_ID.fullmatch(spec) is not None and _cached_snapshot(spec) is not None))
+
+
 HUB_ID = re.compile(r"([\w.-]+/)?[\w.-]+")  # namespace/name, or a bare name (gpt2, distilgpt2)
 
 

@@ -14,7 +14,6 @@ stream, CuPy's current device, CUDA graphs) belongs to the thread that steps."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
