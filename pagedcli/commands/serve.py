@@ -25,8 +25,9 @@ from pagedcli.serve import DEFAULT_MAX_WAITING
 GRACE_S = 10.0  # seconds the requests in flight get to finish once a signal stops the server
 # The engine thread and the event loop share the GIL. Python hands it to a waiting thread only
 # after this long (5 ms by default): the engine, back from waiting on the GPU while the event loop
-# writes chunks, would wait that long for it, several decode steps on a GPU. (Not measured yet.)
-SWITCH_INTERVAL_S = 0.0005
+# writes chunks, would wait that long for it, several decode steps on a GPU (docs/serve.md has the
+# H200's figures for 0.1, 0.5 and 5 ms).
+SWITCH_INTERVAL_S = 0.0001
 # RequestFlags that a request gives itself (its prompt, chat or not, n, logprobs); the rest are the
 # defaults for what a request leaves out
 PER_REQUEST = {"prompts": None, "prompt_file": None, "prompt_separator": r"\n", "chat": None, "system": None,
