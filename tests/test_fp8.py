@@ -352,3 +352,16 @@ def test_bench_counts_fp8_bytes_in_the_pool_and_the_roofline(stories):
     model = load_model(options(stories, quantization="fp8"))
     assert fp8["weight_bytes_per_step"] == model.weights.nbytes < plain["weight_bytes_per_step"]
     assert fp8["roofline_step_ms"] < plain["roofline_step_ms"]
+
+
+@pytest.mark.parametrize("args, flag", [(["--quality", "--batch", "4"], "--batch"),
+                                        (["--quality", "--request-rate", "3"], "--request-rate"),
+                                        (["--quality", "--url", "http://127.0.0.1:1"], "--url"),
+                                        (["--quality-text", "x.txt"], "--quality-text")])
+def test_quality_refuses_the_speed_flags_and_its_text_wants_it(args, flag):
+    """--quality measures perplexity, not speed: a speed-only flag would be silently ignored, so it
+    is a usage error naming the flag (as --url refuses the in-process ones); --quality-text alone too."""
+    from helpers import assert_one_line, invoke
+
+    code, _, err = invoke("bench", "--model", "demo", *args)
+    assert_one_line(code, err, 2, flag)

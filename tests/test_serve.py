@@ -402,6 +402,37 @@ def test_models_and_health(server):
 
 
 # --- the command ------------------------------------------------------------------------------
+def test_the_answers_id_is_the_request_id_header(server):
+    """One id a request: the body's `id` is the X-Request-Id header, given or made."""
+    body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 2}
+    given = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "mine-1"})
+    assert given.headers["x-request-id"] == "mine-1" and given.json()["id"] == "mine-1"
+    made = httpx.post(server.url + "/v1/completions", json=body)
+    assert made.json()["id"] == made.headers["x-request-id"] and made.json()["id"].startswith("cmpl")
+
+
+def test_a_command_that_fails_fails_its_request_alone_and_a_dead_engine_is_503(monkeypatch):
+    """A request whose adding raises (a bug) gets a 500, the engine thread goes on and the next
+    request is answered; once the thread is gone, requests get 503 at once instead of hanging."""
+    with served() as s:
+        real_add = type(s.loop)._add
+
+        def add(self, job):
+            if job.request_id == "poison":
+                raise RuntimeError("a bug")
+            return real_add(self, job)
+
+        monkeypatch.setattr(type(s.loop), "_add", add)
+        body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 3}
+        bad = httpx.post(s.url + "/v1/completions", json=body, headers={"X-Request-Id": "poison"}, timeout=10)
+        assert bad.status_code == 500 and "a bug" in bad.json()["error"]["message"]
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=10).status_code == 200
+        s.settle()
+        s.loop.stop()  # the engine thread ends
+        gone = httpx.post(s.url + "/v1/completions", json=body, timeout=10)
+        assert gone.status_code == 503 and gone.json()["error"]["type"] == "server_error"
+
+
 def test_sigterm_finishes_what_runs_and_exits_0(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "pagedcli", "serve", "--model", "demo", "--device", "cpu",
                              "--port", "0"], stderr=subprocess.PIPE, text=True)

@@ -26,8 +26,13 @@ def norm_matmul(be, x, norm_weight, weight, eps, bias=None):
 def attention_inputs(be, layer: int, x, norm_weight, qkv, eps, batch, bias=None):
     """RMSNorm(x) @ qkv.T (+ bias), then RoPE on q and k and k, v into the cache: the rotated
     queries, [T, heads, head_dim]."""
-    T, c = x.shape[0], be.config
-    qkv_out = norm_matmul(be, x, norm_weight, qkv, eps, bias)
+    return rope_write_qkv(be, layer, norm_matmul(be, x, norm_weight, qkv, eps, bias), batch)
+
+
+def rope_write_qkv(be, layer: int, qkv_out, batch):
+    """The qkv projection's output split into q, k and v, then RoPE on q and k, and k, v into the
+    cache: the rotated queries, [T, heads, head_dim]."""
+    T, c = qkv_out.shape[0], be.config
     q, k, v = qkv_out.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
     return be.rope_write_kv(layer, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
                             v.view(T, c.num_kv_heads, c.head_dim), batch)

@@ -13,9 +13,9 @@ What runs where:
                       sequence's rows in one launch, K/V read through the block table);
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs.
 
-FP8 (model/fp8.py) has no kernels yet: with an fp8 pool the K/V write and both attentions are the
-torch backend's (which quantize and dequantize), and Fp8Weights take composed.linear's torch
-product; `fallbacks` says so, and the loader tells the user.
+FP8 (model/fp8.py): Fp8Weights go through gemv.cu's gemv8_ kernels at up to GEMV_MAX_ROWS rows and
+composed.linear's torch product beyond; an fp8 pool's K/V write and both attentions are the torch
+backend's (which quantize and dequantize). `fallbacks` says so, and the loader tells the user.
 
 Kernels are compiled once per geometry (the `-D` defines from `CacheGeometry.defines()`, plus the
 head count and the dtype) and cached in-process; CuPy also caches the binaries on disk. Every
@@ -140,8 +140,10 @@ class CudaBackend:
         return q_out
 
     def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None):
-        if bias is not None or not self.rope.static or self.kv_fp8:  # gemv.cu: no bias, fixed cos/sin, no fp8 pool
+        if bias is not None:  # gemv.cu adds no bias
             return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch, bias)
+        if not self.rope.static or self.kv_fp8:  # gemv.cu's epilogue reads fixed cos/sin tables, writes no fp8
+            return composed.rope_write_qkv(self, layer, self.norm_linear(x, norm_weight, qkv, eps), batch)
         geo = self.cache.geometry
         T = x.shape[0] if x.dim() == 2 else 0
         if T == batch.positions.shape[0] and qkv.shape[0] == (self.num_heads + 2 * geo.num_kv_heads) * self.head_dim:

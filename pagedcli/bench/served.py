@@ -8,7 +8,8 @@ would feed (measure.requests_for, so the two runs send the same prompts and leng
 requests are open at once; with a `request_rate` they arrive as the in-process bench's seeded Poisson
 process (arrivals.py). A request's time to first token counts from its arrival, a wait for a free
 client included, as the in-process bench counts a wait for a free slot; inter-token latency is the
-time between the stream's chunks (one a token from `pagedcli serve`).
+time between the stream's chunks (`pagedcli serve` sends a chunk a step, with the tokens of the steps
+since a lagging client's last read merged into one).
 
 A server that is not there, or does not answer as an OpenAI server does, is one RunError; a request
 that fails (an HTTP error, an error event, a connection lost) is counted and its message kept, and
@@ -219,7 +220,7 @@ async def send_all(client, bodies: list[dict], times: list[float], concurrency: 
     seconds."""
     gate = asyncio.Semaphore(concurrency)
     received = finished = 0
-    start, cpu = start or time.perf_counter(), time.process_time()
+    start, cpu = time.perf_counter() if start is None else start, time.process_time()
 
     def on_token():
         nonlocal received

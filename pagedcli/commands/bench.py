@@ -74,10 +74,17 @@ def bench(
     workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file, prefix_len, request_rate)
     b.parse_len(input_len, "--input-len"), b.parse_len(output_len, "--output-len")
     if quality:
-        if url is not None:
-            raise UsageError("--quality measures an engine in this process", "leave --url out, or --quality")
+        speed_only = {"--batch": batch != "2", "--input-len": input_len != "128", "--prompt-file": prompt_file,
+                      "--request-rate": math.isfinite(request_rate), "--compare": compare, "--kernel": kernel,
+                      "--plot": plot_file, "--prefix-len": prefix_len, "--url": url, "--bandwidth": bandwidth}
+        for flag, given in speed_only.items():
+            if given:
+                raise UsageError(f"{flag} is for the speed bench; --quality measures perplexity and greedy agreement",
+                                 f"leave out {flag}, or --quality")
         _quality_bench(engine_flags, quality_text, num_prompts or DEFAULT_QUALITY_PROMPTS, output_len, json_output)
         return
+    if quality_text is not None:
+        raise UsageError("--quality-text is the held-out text of --quality", "give --quality too")
     if url is not None:
         _in_process_only(engine_flags, {"--compare": compare, "--kernel": kernel or None, "--bandwidth": bandwidth,
                                         "--plot": plot_file})

@@ -63,7 +63,7 @@ class CacheSnapshot:
     max_model_len: int
     prefix_hit_rate: float = 0.0  # prompt tokens served from cached blocks / prompt tokens admitted
     num_copied_blocks: int = 0  # copy-on-write copies so far
-    num_aborted: int = 0  # ended by abort_all (Ctrl-C): cut short, or never run
+    num_aborted: int = 0  # ended by abort_all (Ctrl-C) or abort (a client gone): cut short, or never run
 
     @property
     def num_used_blocks(self) -> int:

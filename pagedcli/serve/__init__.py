@@ -6,6 +6,7 @@
 - engine_loop.py  the one engine, stepping in its own thread; every request joins its batch
 - responses.py    OpenAI's response objects and stream chunks
 - metrics.py      Prometheus text, with vLLM's metric names where it has one
+- cache_view.py   /v1/cache: the cache snapshot as inspect-cache's JSON, per running request
 - errors.py       OpenAI's error object
 - app.py          the routes
 - live.py         `serve --live`: the live view over the server's traffic, the access log above it

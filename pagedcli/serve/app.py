@@ -101,7 +101,7 @@ def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Met
             raise too_many_waiting(settings.max_waiting)
         request_id = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
         job = Job(request_id, Prompts(token_ids, texts, params), asyncio.get_running_loop(), tokenizer)
-        shapes = Shapes(chat, settings.model_name, token_text, want_logprobs)
+        shapes = Shapes(chat, request_id, settings.model_name, token_text, want_logprobs)
         num_prompt_tokens = sum(len(ids) for ids in token_ids)
         headers = {"X-Request-Id": request_id}
         if req.stream:

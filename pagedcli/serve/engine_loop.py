@@ -24,6 +24,7 @@ from typing import Callable
 from pagedcli.engine.sequence import Sequence
 from pagedcli.errors import allocation_failure
 from pagedcli.model.tokenizer import StreamDecoder
+from pagedcli.serve.errors import APIError
 from pagedcli.serve.metrics import Metrics
 from pagedcli.serve.sampling import Prompts
 
@@ -100,12 +101,13 @@ class Job:
 
 
 class EngineLoop:
-    def __init__(self, build: Callable[[], object], metrics: Metrics, view: Callable[[object], object] | None = None):
-        """`build()`: the Loaded model and engine, made in the engine thread; `view(loaded)`: a
+    def __init__(self, build: Callable[[], object], metrics: Metrics,
+                 make_view: Callable[[object], object] | None = None):
+        """`build()`: the Loaded model and engine, made in the engine thread; `make_view(loaded)`: a
         live view to draw while it runs (live.py), or None."""
         self.build = build
         self.metrics = metrics
-        self.make_view = view
+        self.make_view = make_view
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="pagedcli-engine", daemon=True)
         self.ready = threading.Event()
@@ -116,6 +118,7 @@ class EngineLoop:
         self.num_pending = 0  # answers added to the inbox and not yet to the engine
         self.num_engine_waiting = 0  # answers waiting in the engine after its last step
         self.stopped = False
+        self.last_out = None  # the last step's StepOutput, for the live view's next frame
 
     # --- the event loop's side ------------------------------------------------------------------
     def start(self):
@@ -133,9 +136,15 @@ class EngineLoop:
         return self.num_pending + self.num_engine_waiting
 
     def submit(self, job: Job) -> None:
+        self._check_alive()
         with self.lock:
             self.num_pending += job.prompts.num_answers
         self.inbox.put(("add", job))
+
+    def _check_alive(self) -> None:
+        """A command for a thread that is gone would wait for ever: 503 at once instead."""
+        if not self.thread.is_alive():
+            raise APIError("the engine has stopped; restart the server", 503, type="server_error")
 
     def abort(self, job: Job) -> None:
         """The client went away: its answers end now and their blocks go back."""
@@ -143,6 +152,7 @@ class EngineLoop:
 
     async def snapshot(self):
         """The cache as the engine has it between two steps (engine/snapshot.py)."""
+        self._check_alive()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.inbox.put(("snapshot", (loop, future)))
@@ -188,8 +198,6 @@ class EngineLoop:
             if view is not None:
                 view.__exit__(None, None, None)
 
-    last_out = None
-
     def _drain(self) -> None:
         while True:
             try:
@@ -199,8 +207,32 @@ class EngineLoop:
             self._handle(*command)
 
     def _handle(self, kind: str, arg) -> None:
+        """One command; one that fails (a bug) fails its own request, and the thread goes on."""
+        try:
+            self._command(kind, arg)
+        except Exception as e:
+            log.exception("serving a %s command failed", kind)
+            if kind == "add":
+                engine = self.loaded.engine
+                engine.abort([s for s in arg.seqs if not s.is_finished])
+                for seq in arg.seqs:
+                    self.jobs.pop(seq.id, None)
+                engine.forget()
+                self._fail(arg, f"the server could not take the request: {e}")
+            elif kind == "snapshot":
+                loop, future = arg
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(e))
+
+    def _fail(self, job: Job, why: str) -> None:
+        """Every answer of `job` ends with an error, told `why`."""
+        count = max(len(job.seqs), job.prompts.num_answers)
+        self._send({job: [Delta(i, [], "", [], finish_reason="error", error=why) for i in range(count)]})
+
+    def _command(self, kind: str, arg) -> None:
         engine = self.loaded.engine
         if kind == "add":
+            with self.lock:  # out of the inbox, whatever adding it does
+                self.num_pending -= arg.prompts.num_answers
             self._add(arg)
         elif kind == "abort":
             seqs = [s for s in arg.seqs if not s.is_finished]
@@ -221,8 +253,6 @@ class EngineLoop:
 
     def _add(self, job: Job) -> None:
         engine = self.loaded.engine
-        with self.lock:
-            self.num_pending -= job.prompts.num_answers
         p = job.prompts
         for ids, text, params in zip(p.token_ids, p.texts, p.params):
             seqs = [engine.add_request(ids, params[0], text)] if len(params) == 1 else engine.add_parallel(ids, params, text)
@@ -236,8 +266,7 @@ class EngineLoop:
             engine.abort(job.seqs)  # the whole request fails
             for seq in job.seqs:
                 self.jobs.pop(seq.id, None)
-            error = next(s.error for s in job.seqs if s.error)
-            self._send({job: [Delta(i, [], "", [], "error", error) for i in range(len(job.seqs))]})
+            self._fail(job, next(s.error for s in job.seqs if s.error))
         self.num_engine_waiting = self._engine_waiting()
 
     def _engine_waiting(self) -> int:
@@ -250,7 +279,6 @@ class EngineLoop:
         except Exception as e:  # a bug or a failed allocation: every request so far ends, the server goes on
             oom = allocation_failure(e)
             log.exception("engine step failed") if oom is None else log.error(str(oom))
-            engine.abort_all()
             self._end_all(f"the engine failed: {oom or e}", "error")
             return
         if out.idle:  # nothing could run (cannot happen with the checks up front): do not spin
@@ -309,7 +337,7 @@ class EngineLoop:
         engine.abort_all()
         batches: dict[Job, list[Delta]] = {}
         for seq_id, (job, index) in self.jobs.items():
-            batches.setdefault(job, []).append(Delta(index, [], "", [], reason, why))
+            batches.setdefault(job, []).append(Delta(index, [], "", [], finish_reason=reason, error=why))
         if self.jobs:
             self.metrics.aborted(len(self.jobs))
         self.jobs.clear()

@@ -11,7 +11,7 @@ from pagedcli.serve.engine_loop import Delta
 from pagedcli.serve.errors import APIError, server_error
 
 LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf
-COMPACT = (",", ":")  # a chunk a token: no spaces to send
+COMPACT = (",", ":")  # a chunk a step and stream: no spaces to send
 
 
 def new_id(prefix: str) -> str:
@@ -48,11 +48,12 @@ class Answer:
 
 
 class Shapes:
-    """The objects of one request: `chat` or completions, its id, model and creation time."""
+    """The objects of one request: `chat` or completions, its id (the X-Request-Id header's too),
+    model and creation time."""
 
-    def __init__(self, chat: bool, model: str, token_text, want_logprobs: bool):
+    def __init__(self, chat: bool, request_id: str, model: str, token_text, want_logprobs: bool):
         self.chat = chat
-        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.id = request_id
         self.model = model
         self.created = int(time.time())
         self.token_text = token_text  # id -> its text, special tokens written out
