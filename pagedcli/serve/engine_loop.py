@@ -221,7 +221,7 @@ class EngineLoop:
                 self._fail(arg, f"the server could not take the request: {e}")
             elif kind == "snapshot":
                 loop, future = arg
-                loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(e))
+                loop.call_soon_threadsafe(lambda error=e: future.done() or future.set_exception(error))
 
     def _fail(self, job: Job, why: str) -> None:
         """Every answer of `job` ends with an error, told `why`."""
