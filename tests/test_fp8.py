@@ -18,7 +18,7 @@ from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.sequence import SamplingParams
 from pagedcli.errors import RunError, UsageError
 from pagedcli.model.config import CacheGeometry, ModelConfig
-from pagedcli.model.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight, fp8_linear, quantize_weight, to_fp8
+from pagedcli.model.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight, fp8_linear, quantize_weight, raw, to_fp8
 from pagedcli.model.loader import EngineOptions, load, load_model
 from pagedcli.model.source import DEMO_FOLDER
 
@@ -259,9 +259,19 @@ def test_checkpoint_k_and_v_scales_reach_the_pool(stories, tmp_path):
         tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.5 + i)
         tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.arange(1, c.num_kv_heads + 1, dtype=torch.float32) * 0.25
     save_file(tensors, folder / "model.safetensors")
-    scales = load(options(folder, kv_cache_dtype="fp8")).engine.cache.kv_scales
+    scaled = load(options(folder, kv_cache_dtype="fp8"))
+    scales = scaled.engine.cache.kv_scales
     assert scales.k[:, 0].tolist() == [0.5 + i for i in range(c.num_layers)] and (scales.k == scales.k[:, :1]).all()
     assert scales.v[2].tolist() == [0.25 * (h + 1) for h in range(c.num_kv_heads)]
+    # the pool stores x / scale and reads stored * scale: other bytes than scale 1's, the same values
+    # read back (a write or a read that forgot the scale would be off by it)
+    ids = list(range(5, 70))
+    plain = load(options(stories, kv_cache_dtype="fp8"))
+    want = all_logits(load(options(stories)), ids)
+    got, got_plain = all_logits(scaled, ids), all_logits(plain, ids)
+    assert not torch.equal(raw(scaled.engine.cache.pool), raw(plain.engine.cache.pool))
+    error, error_plain = (got - want).abs().mean().item(), (got_plain - want).abs().mean().item()
+    assert error < 2 * error_plain + 0.02, (error, error_plain)
 
 
 # --- refusals ------------------------------------------------------------------------------------
