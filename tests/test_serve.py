@@ -306,6 +306,9 @@ def test_past_max_waiting_is_429_and_a_wrong_key_401():
         assert httpx.get(s.url + "/health").status_code == 200, "only /v1 asks for the key"
         client = s.client(api_key="sekrit")
         assert [m.id for m in client.models.list().data] == ["demo"]
+        s.loop.num_pending = 1  # a request on its way to the engine takes the free slot: it does not wait
+        assert s.loop.num_free_slots == 1 and s.loop.num_waiting == 0
+        s.loop.num_pending = 0
         first = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=300, temperature=0, stream=True,
                                           extra_body={"ignore_eos": True})
         next(iter(first))  # running
@@ -452,8 +455,42 @@ def test_sigterm_finishes_what_runs_and_exits_0(tmp_path):
             "the request in flight is finished"
         assert proc.wait(30) == 0
         err = proc.stderr.read()
-        assert "stopped by SIGTERM: 1 answers finished" in err and "Traceback" not in err, err
+        assert "stopped by SIGTERM: 1 answer finished" in err and "Traceback" not in err, err
         assert first.choices[0].text
+    finally:
+        proc.kill()
+
+
+def test_a_second_signal_ends_what_runs_with_an_ending_each_client_reads():
+    """Past the grace (here: at once, a second SIGINT), the answers in flight are aborted by the
+    engine, not cut by uvicorn: a stream gets an error event and [DONE], a whole answer a 503 in
+    OpenAI's shape; no traceback, exit 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "pagedcli", "serve", "--model", "demo", "--device", "cpu",
+                             "--port", "0"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line, "the server ended before it served"
+        url = re.search(r"at (http://\S+)/v1", line).group(1)
+        body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 500, "ignore_eos": True}  # seconds on a CPU
+        whole = {}
+        waiting = threading.Thread(target=lambda: whole.update(r=httpx.post(url + "/v1/completions", json=body,
+                                                                              timeout=30)))
+        waiting.start()
+        with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True}, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: {")  # it runs
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+            events = [x for x in lines if x.startswith("data: ")]
+        waiting.join(30)
+        assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "shutting down" in events[-2], events[-3:]
+        assert whole["r"].status_code == 503 and "shutting down" in whole["r"].json()["error"]["message"]
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "stopped by SIGINT" in err, err
     finally:
         proc.kill()
 

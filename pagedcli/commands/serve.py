@@ -12,6 +12,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 from typing import Annotated, Optional
 
 import typer
@@ -23,6 +24,7 @@ from pagedcli.errors import RunError, UsageError, plural
 from pagedcli.serve import DEFAULT_MAX_WAITING
 
 GRACE_S = 10.0  # seconds the requests in flight get to finish once a signal stops the server
+CLOSE_S = 5.0  # then, after they are aborted, seconds their handlers get to write their endings
 # The engine thread and the event loop share the GIL. Python hands it to a waiting thread only
 # after this long (5 ms by default): the engine, back from waiting on the GPU while the event loop
 # writes chunks, would wait that long for it, several decode steps on a GPU (docs/serve.md has the
@@ -94,13 +96,14 @@ def serve(
                                      f"{name}'s generation_config.json")
         app = create_app(engine_loop, loaded, Settings(name, defaults, api_key, max_waiting), metrics)
         config = uvicorn.Config(app, log_level="info", log_config=log_config(), lifespan="off",
-                                timeout_graceful_shutdown=GRACE_S, use_colors=False if shared is not None else None)
+                                timeout_graceful_shutdown=GRACE_S + CLOSE_S,
+                                use_colors=False if shared is not None else None)
         quiet_startup(shared)
         bound_host, bound_port = sock.getsockname()[:2]
         say(f"serving {name} at http://{url_host(bound_host)}:{bound_port}/v1 with OpenAI's API "
             f"({plural(loaded.engine.cache.max_slots, 'slot')}; Ctrl-C stops)", shared)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        server = make_server(config)
+        server = make_server(config, engine_loop)
         server.run(sockets=[sock])
     finally:
         engine_loop.stop()
@@ -190,12 +193,15 @@ def quiet_startup(shared) -> None:
         log_above(shared, ("uvicorn", "uvicorn.error", "uvicorn.access", "pagedcli.serve"))
 
 
-def make_server(config):
+def make_server(config, engine_loop):
     import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn's server, but a signal that stops it ends the command with exit code 0 once the
-        shutdown is done (uvicorn raises the signal again, which would end it as killed)."""
+        shutdown is done (uvicorn raises the signal again, which would end it as killed). The
+        requests in flight get GRACE_S to finish; then (or at a second signal, at once) the engine
+        aborts them, so that each client still gets its answer's ending (an error event and [DONE],
+        or a 503) before uvicorn's own deadline, CLOSE_S later, would cut the connections."""
 
         stopped_by: int | None = None
 
@@ -205,7 +211,13 @@ def make_server(config):
                 yield
 
         def handle_exit(self, sig, frame) -> None:
+            if self.stopped_by is not None:  # a second signal: end what runs now
+                engine_loop.end_all()
+                return
             self.stopped_by = sig
+            deadline = threading.Timer(GRACE_S, engine_loop.end_all)
+            deadline.daemon = True
+            deadline.start()
             super().handle_exit(sig, frame)
 
     return Server(config)

@@ -117,6 +117,7 @@ class EngineLoop:
         self.lock = threading.Lock()
         self.num_pending = 0  # answers added to the inbox and not yet to the engine
         self.num_engine_waiting = 0  # answers waiting in the engine after its last step
+        self.num_free_slots = 0  # slots no answer held after the engine's last step
         self.stopped = False
         self.last_out = None  # the last step's StepOutput, for the live view's next frame
 
@@ -132,8 +133,9 @@ class EngineLoop:
 
     @property
     def num_waiting(self) -> int:
-        """Answers not running yet: in the inbox or in the engine's waiting queue."""
-        return self.num_pending + self.num_engine_waiting
+        """Answers that wait for a slot: in the engine's waiting queue, and those in the inbox that
+        the free slots will not take."""
+        return self.num_engine_waiting + max(0, self.num_pending - self.num_free_slots)
 
     def submit(self, job: Job) -> None:
         self._check_alive()
@@ -158,6 +160,10 @@ class EngineLoop:
         self.inbox.put(("snapshot", (loop, future)))
         return await future
 
+    def end_all(self) -> None:
+        """Every answer still open ends now ("abort": the server is shutting down); thread-safe."""
+        self.inbox.put(("end_all", None))
+
     def stop(self) -> None:
         """Abort what still runs, stop the thread and wait for it (idempotent)."""
         if self.thread.is_alive():
@@ -173,6 +179,7 @@ class EngineLoop:
             self.ready.set()
             return
         engine = self.loaded.engine
+        self._count_waiting()
         self.metrics.describe(engine, self.loaded.source.name)
         view = self.make_view(self.loaded) if self.make_view else None
         self.ready.set()
@@ -241,13 +248,15 @@ class EngineLoop:
                 for seq in seqs:
                     self.jobs.pop(seq.id, None)
                 engine.forget()
-                self.num_engine_waiting = self._engine_waiting()
+                self._count_waiting()
                 self.metrics.aborted(len(seqs))
                 self.metrics.gauges(engine)
         elif kind == "snapshot":
             loop, future = arg
             snap = engine.snapshot()
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(snap))
+        elif kind == "end_all":
+            self._end_all("the server is shutting down", "abort")
         elif kind == "stop":
             self.stopped = True
 
@@ -267,11 +276,13 @@ class EngineLoop:
             for seq in job.seqs:
                 self.jobs.pop(seq.id, None)
             self._fail(job, next(s.error for s in job.seqs if s.error))
-        self.num_engine_waiting = self._engine_waiting()
+        self._count_waiting()
 
-    def _engine_waiting(self) -> int:
-        sched = self.loaded.engine.scheduler
-        return len(sched.waiting) + sum(len(c) for c in sched.forks.values())
+    def _count_waiting(self) -> None:
+        engine = self.loaded.engine
+        sched = engine.scheduler
+        self.num_engine_waiting = len(sched.waiting) + sum(len(c) for c in sched.forks.values())
+        self.num_free_slots = max(0, engine.cache.max_slots - len(sched.running))
 
     def _step(self, engine) -> None:
         try:
@@ -299,7 +310,7 @@ class EngineLoop:
                 del self.jobs[seq.id]
         if out.finished:
             engine.forget()
-        self.num_engine_waiting = self._engine_waiting()
+        self._count_waiting()
         self.metrics.step(engine, now)
         self._send(batches)
 
@@ -342,7 +353,7 @@ class EngineLoop:
             self.metrics.aborted(len(self.jobs))
         self.jobs.clear()
         engine.forget()
-        self.num_engine_waiting = 0
+        self._count_waiting()
         self.metrics.gauges(engine)
         self._send(batches)
 

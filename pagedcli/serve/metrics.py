@@ -12,6 +12,8 @@ import threading
 import time
 from collections import deque
 
+from pagedcli.errors import plural
+
 # vLLM's buckets (its v1 metrics), with finer ones below 10 ms for inter-token latency on a GPU
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -106,7 +108,8 @@ class Metrics:
     def summary(self) -> str:
         with self.lock:
             done = sum(self.finished_by.values())
-            return f"{done:,} answers finished, {self.num_aborted:,} aborted, {self.generation_tokens:,} tokens generated"
+            return (f"{plural(done, 'answer')} finished, {self.num_aborted:,} aborted, "
+                    f"{plural(self.generation_tokens, 'token')} generated")
 
     def tokens_per_s(self, now: float) -> float:
         if len(self.recent) < 2 or self.recent[-1][0] < now - RATE_WINDOW_S:

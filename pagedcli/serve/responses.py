@@ -26,8 +26,10 @@ def sse(data: dict | str) -> str:
 
 def failure(delta: Delta) -> APIError | None:
     """An answer that did not end on its own (the engine failed, the server stopped) as an error."""
-    if delta.finish_reason in ("error", "abort"):
-        return server_error(delta.error or f"the answer ended with {delta.finish_reason}")
+    if delta.finish_reason == "abort":  # the server is shutting down: try again later
+        return APIError(delta.error or "the server is shutting down", 503, type="server_error")
+    if delta.finish_reason == "error":
+        return server_error(delta.error or "the answer ended with an error")
     return None
 
 
