@@ -275,6 +275,10 @@ def test_checkpoint_k_and_v_scales_reach_the_pool(stories, tmp_path):
 
 
 # --- refusals ------------------------------------------------------------------------------------
+def test_vllms_other_name_fp8_e4m3_is_fp8():
+    assert EngineOptions(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8"
+
+
 @pytest.mark.parametrize("flag,value", [("--kv-cache-dtype", "fp16"), ("--quantization", "int4")])
 def test_an_unknown_fp8_option_is_one_line(stories, flag, value):
     code, out, err = invoke("generate", "--model", str(stories), "--device", "cpu", flag, value, "hi")

@@ -268,6 +268,10 @@ BAD = [
     (b'{"prompt": "ROMEO:", "n": 0}', "n", "`n` 0"),
     (b'{"prompt": "ROMEO:", "stop": [""]}', "stop", "must not be empty"),
     (b'{"prompt": "ROMEO:", "presence_penalty": 3}', "presence_penalty", "must be in [-2, 2]"),
+    # OpenAI's fields this server does not do: said, not ignored
+    (b'{"prompt": "ROMEO:", "echo": true}', "echo", "`echo` (the prompt in the answer) is not supported"),
+    (b'{"prompt": "ROMEO:", "best_of": 3}', "best_of", "`best_of` 3: not supported"),
+    (b'{"prompt": "ROMEO:", "suffix": "x"}', "suffix", "`suffix`"),
 ]
 
 
@@ -304,6 +308,8 @@ def test_past_max_waiting_is_429_and_a_wrong_key_401():
         with pytest.raises(openai.AuthenticationError):
             s.client(api_key="wrong").models.list()
         assert httpx.get(s.url + "/health").status_code == 200, "only /v1 asks for the key"
+        lower = httpx.get(s.url + "/v1/models", headers={"Authorization": "bearer sekrit"})
+        assert lower.status_code == 200, "the scheme's case does not count (RFC 7235)"
         client = s.client(api_key="sekrit")
         assert [m.id for m in client.models.list().data] == ["demo"]
         s.loop.num_pending = 1  # a request on its way to the engine takes the free slot: it does not wait

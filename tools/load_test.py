@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(r))
     else:
         rate = "all at the start" if r["request_rate"] is None else f"{r['request_rate']:g}/s"
-        print(f"{r['num_prompts']} requests to {r['model']} at {r['url']}, {rate}, {a.concurrency} at once: "
+        print(f"{r['num_prompts']} requests to {r['model']} at {r['url']}, {rate}, {min(a.concurrency, r['num_prompts'])} at once: "
               f"{r['elapsed_s']:.1f} s, {r['output_tokens_per_s']:,.0f} tokens/s, {r['requests_per_s']:.2f} requests/s, "
               f"{r['errors']} errors")
         for name in ("ttft_ms", "itl_ms"):

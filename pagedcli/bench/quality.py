@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagedcli.model.files import read_given_text
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.sequence import SamplingParams
 from pagedcli.errors import UsageError, plural
@@ -55,10 +56,7 @@ def quality_text(path: Path | None, source: ModelSource) -> str:
         if source.folder is None or source.folder.resolve() != DEMO_FOLDER.resolve():
             raise UsageError(f"--quality needs held-out text for {source.name}", "give it with --quality-text FILE")
         path = DEMO_FOLDER / HELDOUT_FILE
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--quality-text {path}: cannot be read as UTF-8 text ({type(e).__name__})") from None
+    return read_given_text(path, f"--quality-text {path}", "give a text file")
 
 
 def windows_of(ids: list[int], window: int) -> list[list[int]]:

@@ -137,6 +137,9 @@ def prompt_model(served_id: str, wanted: str | None, with_tokenizer: bool = Fals
     from pagedcli.model.tokenizer import Tokenizer
 
     spec = wanted or served_id
+    if wanted is not None and wanted != served_id and found_here(served_id):
+        raise UsageError(f"--model {wanted}: the server serves {served_id!r}, which is here too: the prompts must be "
+                         "drawn from the served model's vocabulary", "leave --model out")
     if wanted is None and not found_here(spec):
         raise UsageError(f"the server serves {served_id!r}, not a model found here: the prompts are drawn from its "
                          f"vocabulary", "pass the same model with --model (a folder, Hub id, demo or random:<preset>)")

@@ -7,6 +7,7 @@ finish and are aborted after that, the engine gives every block back, exit code 
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import logging
 import signal
@@ -147,8 +148,11 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as e:
         sock.close()
-        raise RunError(f"--host {host} --port {port}: cannot listen there ({e.strerror})",
-                       "another server may have the port: pick another --port, or 0 for any free one") from None
+        hint = ("another server may have the port: pick another --port, or 0 for any free one"
+                if e.errno == errno.EADDRINUSE else
+                "the address is not this machine's: use 127.0.0.1, 0.0.0.0 (every address) or one of its own"
+                if e.errno == errno.EADDRNOTAVAIL else None)
+        raise RunError(f"--host {host} --port {port}: cannot listen there ({e.strerror})", hint) from None
     sock.listen(2048)
     return sock
 

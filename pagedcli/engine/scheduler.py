@@ -128,7 +128,7 @@ class Scheduler:
         if prompt_len + 1 > limit:
             what, hint = (("the whole pool holds", "use a larger `cache_size` or `num_blocks`") if pool_tokens <= limit
                           else ("the maximum length is", "shorten the prompt"))
-            return (f"the prompt has {plural(prompt_len, 'token')} and needs room for {prompt_len + 1} with one new token, but "
+            return (f"the prompt has {plural(prompt_len, 'token')} and needs room for {prompt_len + 1:,} with one new token, but "
                     f"{what} {limit} ({hint})")
         return None
 
@@ -137,8 +137,8 @@ class Scheduler:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None) if self.vocab_size else None
         if bad is None:
             return None
-        return (f"token id {bad} is outside the model's vocabulary of {self.vocab_size} "
-                "(the model folder's tokenizer does not match its weights)")
+        return (f"token id {bad} is outside the model's vocabulary of {self.vocab_size:,} (ids 0 to "
+                f"{self.vocab_size - 1:,}; ids from a tokenizer that is not this model's)")
 
     @property
     def has_unfinished(self) -> bool:

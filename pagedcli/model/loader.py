@@ -50,11 +50,13 @@ class EngineOptions:
     seed: int = 0  # random weights
 
     def __post_init__(self):  # checked here, so before anything slow is loaded
+        if self.kv_cache_dtype == "fp8_e4m3":  # vLLM's other name for it
+            self.kv_cache_dtype = "fp8"
         if self.batch < 1:
             raise UsageError(f"`batch` {self.batch}: needs at least one slot", "use `batch` 1 or more")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise UsageError(f"`kv_cache_dtype` {self.kv_cache_dtype!r} is not known",
-                             "use auto (the model's dtype) or fp8")
+                             "use auto (the model's dtype) or fp8 (also fp8_e4m3)")
         if self.quantization not in QUANTIZATIONS:
             raise UsageError(f"`quantization` {self.quantization!r} is not known", f"use {' or '.join(QUANTIZATIONS)}")
         if self.batch > MAX_ID:

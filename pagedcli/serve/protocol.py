@@ -50,6 +50,10 @@ class CompletionRequest(Sampling):
     # a text, several texts, token ids, or several lists of token ids (OpenAI's four forms)
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = None  # the chosen token's and this many likeliest tokens' log-probabilities
+    # OpenAI's fields that this server does not do: read, so that asking for them is a 400, not ignored
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
 
 
 class ContentPart(Body):

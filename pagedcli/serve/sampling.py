@@ -40,6 +40,12 @@ class Prompts:
 
 
 def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> tuple[list[list[int]], list[str | None]]:
+    if req.echo:
+        raise bad_request("`echo` (the prompt in the answer) is not supported here", "echo")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(f"`best_of` {req.best_of}: not supported here (answers are not ranked); use `n`", "best_of")
+    if req.suffix:
+        raise bad_request("`suffix` (text after the insertion) is not supported here", "suffix")
     prompt = req.prompt
     if isinstance(prompt, str):
         prompt = [prompt]
