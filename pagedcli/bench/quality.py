@@ -14,15 +14,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from pagedcli.model.files import read_given_text
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.sequence import SamplingParams
 from pagedcli.errors import UsageError, plural
-from pagedcli.model.loader import EngineOptions, Model, build_engine, load_model
+from pagedcli.model.files import read_given_text
+from pagedcli.model.loader import EngineOptions, build_engine, load_model
 from pagedcli.model.source import DEMO_FOLDER, ModelSource, resolve_model
 
 WINDOW_TOKENS = 256  # tokens a perplexity window holds (the demo model's training windows)
@@ -97,9 +98,9 @@ def agreement(base: list[list[int]], other: list[list[int]], num_tokens: int) ->
 
 
 def measure_quality(opts: EngineOptions, text_path: Path | None, num_prompts: int, num_tokens: int,
-                    notice=lambda _: None, progress=lambda _: None) -> tuple[list[QualityRow], Model]:
+                    notice=lambda _: None, progress=lambda _: None) -> tuple[list[QualityRow], SimpleNamespace]:
     """The table's rows, one per VARIANTS entry, each on the model loaded with its options; and
-    the baseline's model (for the table's title)."""
+    the baseline's source, device and dtype (for the table's title)."""
     text = quality_text(text_path, resolve_model(opts.model))  # refused before anything loads
     rows, base_ppl, base_tokens, base = [], None, None, None
     variants = [(name, kv, quant, opts.dtype) for name, kv, quant in VARIANTS]
@@ -128,6 +129,7 @@ def measure_quality(opts: EngineOptions, text_path: Path | None, num_prompts: in
         match, identical = agreement(base_tokens, tokens, num_tokens) if tokens else (float("nan"), 0)
         rows.append(QualityRow(name, str(model.dtype).removeprefix("torch."), kv, quant, ppl, ppl / base_ppl - 1,
                                match, identical, len(prompts), model.weights.nbytes))
-        base = base or model
-        del engine
+        if base is None:  # what the table's title needs; the weights go (each variant loads its own)
+            base = SimpleNamespace(source=model.source, device=model.device, dtype=model.dtype)
+        del engine, model
     return rows, base

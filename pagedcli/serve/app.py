@@ -177,8 +177,8 @@ class BearerKey:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             scheme, _, token = given.partition(b" ")
             if not hmac.compare_digest(scheme.lower() + b" " + token, self.expected):
-                e = unauthorized()
-                await JSONResponse(e.body(), e.status)(scope, receive, send)
+                e = unauthorized(given=bool(given))
+                await JSONResponse(e.body(), e.status, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -24,10 +24,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(message, 400, param, code=code)
 
 
-def unauthorized() -> APIError:
+def unauthorized(given: bool = True) -> APIError:
     # OpenAI's answer to a wrong key: 401, type invalid_request_error, code invalid_api_key
-    return APIError("Incorrect API key provided (give it as the header `Authorization: Bearer KEY`)", 401,
-                    code="invalid_api_key")
+    what = "Incorrect API key provided" if given else "This server needs an API key"
+    return APIError(f"{what} (give it as the header `Authorization: Bearer KEY`)", 401, code="invalid_api_key")
 
 
 def too_many_waiting(limit: int) -> APIError:
