@@ -28,6 +28,7 @@ from pagedcli.model.source import DEMO_FOLDER, ModelSource, resolve_model
 
 WINDOW_TOKENS = 256  # tokens a perplexity window holds (the demo model's training windows)
 PROMPT_TOKENS = 16  # tokens a greedy-agreement prompt holds
+DEFAULT_PROMPTS = 8  # greedy-agreement prompts when --num-prompts is not given
 HELDOUT_FILE = "heldout.txt"  # the built-in model's held-out slice, in its folder (data/demo/README.md)
 
 # (name, kv_cache_dtype, quantization); the first is the baseline the others are held against

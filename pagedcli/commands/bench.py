@@ -81,7 +81,7 @@ def bench(
             if given:
                 raise UsageError(f"{flag} is for the speed bench; --quality measures perplexity and greedy agreement",
                                  f"leave out {flag}, or --quality")
-        _quality_bench(engine_flags, quality_text, num_prompts or DEFAULT_QUALITY_PROMPTS, output_len, json_output)
+        _quality_bench(engine_flags, quality_text, num_prompts, output_len, json_output)
         return
     if quality_text is not None:
         raise UsageError("--quality-text is the held-out text of --quality", "give --quality too")
@@ -195,17 +195,15 @@ def duration(seconds: float) -> str:
     return f"about {seconds / 3600:.1f} h"
 
 
-DEFAULT_QUALITY_PROMPTS = 8
-
-
-def _quality_bench(engine_flags: EngineFlags, text_path: Path | None, num_prompts: int, output_len: str,
+def _quality_bench(engine_flags: EngineFlags, text_path: Path | None, num_prompts: int | None, output_len: str,
                    json_output: bool) -> None:
     from dataclasses import asdict
 
     from pagedcli.bench import measure as b
-    from pagedcli.bench.quality import measure_quality
+    from pagedcli.bench.quality import DEFAULT_PROMPTS, measure_quality
     from pagedcli.commands.bench_view import print_tables, quality_table
 
+    num_prompts = num_prompts or DEFAULT_PROMPTS
     lo, hi = b.parse_len(output_len, "--output-len")
     if lo != hi:
         raise UsageError(f"--output-len {output_len}: --quality compares one length of greedy tokens", "give one number")

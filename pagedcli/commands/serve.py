@@ -46,7 +46,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(
         help="Ask every /v1 request for this key (`Authorization: Bearer KEY`).", show_default=False)] = None,
     max_waiting: Annotated[int, typer.Option(
-        help="Requests waiting for a slot, at most; the next one gets HTTP 429.")] = DEFAULT_MAX_WAITING,
+        help="Answers waiting for a slot (n a request), at most; the next request gets HTTP 429.")] = DEFAULT_MAX_WAITING,
     live: Annotated[bool, typer.Option("--live", help="Watch the KV cache under the server's traffic, the access "
                                        "log above it (on a terminal only).")] = False,
     *, requests: RequestFlags, engine_flags: EngineFlags,

@@ -16,4 +16,4 @@ Nothing here is imported unless the server is started: pagedcli works without fa
 
 MISSING = "pagedcli serve needs FastAPI and uvicorn"
 INSTALL_HINT = "install them with: pip install 'pagedcli[serve]'"
-DEFAULT_MAX_WAITING = 4096  # requests waiting for a slot before the next is refused (429)
+DEFAULT_MAX_WAITING = 4096  # answers (n a request) waiting for a slot before the next request is refused (429)

@@ -31,7 +31,7 @@ def unauthorized(given: bool = True) -> APIError:
 
 
 def too_many_waiting(limit: int) -> APIError:
-    return APIError(f"the server has {limit} requests waiting already (its --max-waiting); try again shortly", 429,
+    return APIError(f"the server has {limit} answers waiting for a slot already (its --max-waiting); try again shortly", 429,
                     type="rate_limit_exceeded", code="rate_limit_exceeded")
 
 
