@@ -112,3 +112,24 @@ def run_greedy(loaded, prompt_list, steps):
 def blocks_of(cache, slot: int, layer: int) -> list[int]:
     """The physical blocks `slot` holds in `layer`, in logical order."""
     return cache.table[slot, layer, : cache.num_blocks_of_slot[slot]].tolist()
+
+
+def start_server(*args):
+    """`pagedcli serve --model demo --device cpu --port 0 ARGS...` as a process, and the URL it says it
+    serves (http://127.0.0.1:PORT/v1), once it does. The caller stops it (and reads its stderr, or
+    the access log fills the pipe)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.Popen([sys.executable, "-m", "pagedcli", "serve", "--model", "demo", "--device", "cpu",
+                             "--port", "0", *args], cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE,
+                            text=True)
+    line = ""
+    while "serving" not in line:
+        line = proc.stderr.readline()
+        if not line:
+            proc.kill()
+            raise AssertionError("the server ended before it served")
+    return proc, re.search(r"at (http://\S+/v1)", line).group(1)

@@ -365,18 +365,13 @@ def test_the_load_test_tool(server):
 def test_bench_url_against_pagedcli_serve():
     """The real server on the built-in model: every request goes through and runs to its length
     (the server honours ignore_eos), at the arrivals asked for."""
-    import re
     import signal
 
-    proc = subprocess.Popen([sys.executable, "-m", "pagedcli", "serve", "--model", "demo", "--device", "cpu",
-                             "--port", "0", "--batch", "4"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    from helpers import start_server
+
+    proc, url = start_server("--batch", "4")  # .../v1, as the server says it
     try:
-        line = ""
-        while "serving" not in line:
-            line = proc.stderr.readline()
-            assert line, "the server ended before it served"
         threading.Thread(target=proc.stderr.read, daemon=True).start()  # its access log must not fill the pipe
-        url = re.search(r"at (http://\S+)", line).group(1)  # .../v1, as the server says it
         code, out, err = invoke("bench", "--url", url, "--batch", "4", "--num-prompts", "6", "--input-len", "8:24",
                                 "--output-len", "12", "--request-rate", "50", "--json")
         assert code == 0, err

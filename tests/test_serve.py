@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import socket
 import subprocess
@@ -23,7 +22,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from conftest import ASSETS  # noqa: E402
-from helpers import check_block_accounting, invoke  # noqa: E402
+from helpers import check_block_accounting, invoke, start_server  # noqa: E402
 
 TEMPLATE = ASSETS / "chat" / "chat_template.jinja"
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo", "First Citizen:\nBefore we proceed any further, hear me speak.", "KING"]
@@ -443,14 +442,8 @@ def test_a_command_that_fails_fails_its_request_alone_and_a_dead_engine_is_503(m
 
 
 def test_sigterm_finishes_what_runs_and_exits_0(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "pagedcli", "serve", "--model", "demo", "--device", "cpu",
-                             "--port", "0"], stderr=subprocess.PIPE, text=True)
+    proc, url = start_server()
     try:
-        line = ""
-        while "serving" not in line:
-            line = proc.stderr.readline()
-            assert line, "the server ended before it served"
-        url = re.search(r"at (http://\S+/v1)", line).group(1)
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         stream = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=40, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
@@ -471,14 +464,9 @@ def test_a_second_signal_ends_what_runs_with_an_ending_each_client_reads():
     """Past the grace (here: at once, a second SIGINT), the answers in flight are aborted by the
     engine, not cut by uvicorn: a stream gets an error event and [DONE], a whole answer a 503 in
     OpenAI's shape; no traceback, exit 0."""
-    proc = subprocess.Popen([sys.executable, "-m", "pagedcli", "serve", "--model", "demo", "--device", "cpu",
-                             "--port", "0"], stderr=subprocess.PIPE, text=True)
+    proc, url = start_server()
+    url = url.removesuffix("/v1")
     try:
-        line = ""
-        while "serving" not in line:
-            line = proc.stderr.readline()
-            assert line, "the server ended before it served"
-        url = re.search(r"at (http://\S+)/v1", line).group(1)
         body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 500, "ignore_eos": True}  # seconds on a CPU
         whole = {}
         waiting = threading.Thread(target=lambda: whole.update(r=httpx.post(url + "/v1/completions", json=body,
