@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedcli.backends.cuda_build import GEMV_MAX_ROWS, GEMV_MAX_SHARED, GEMV_ROW_BUCKETS, GEMV_THREADS, VEC_BYTES
+from pagedcli.backends.cuda_build import (GEMV8_OPS, GEMV_MAX_ROWS, GEMV_MAX_SHARED, GEMV_ROW_BUCKETS, GEMV_THREADS,
+                                          VEC_BYTES)
 from pagedcli.backends.cuda_launch import aligned, ptr
 from pagedcli.model.fp8 import FP8_DTYPE, Fp8Weight
 
@@ -22,7 +23,7 @@ def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
     scales = weight.scale if fp8 else None
     if fp8:
         weight = weight.values
-        if f"gemv8_1_{op}" not in be.kernels or scales.dtype != torch.float32 or not scales.is_contiguous():
+        if op not in GEMV8_OPS or scales.dtype != torch.float32 or not scales.is_contiguous():
             return None
     N, K = weight.shape
     rows = x.shape[0] if x.dim() == 2 else 0

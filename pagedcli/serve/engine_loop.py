@@ -220,15 +220,23 @@ class EngineLoop:
         except Exception as e:
             log.exception("serving a %s command failed", kind)
             if kind == "add":
-                engine = self.loaded.engine
-                engine.abort([s for s in arg.seqs if not s.is_finished])
-                for seq in arg.seqs:
-                    self.jobs.pop(seq.id, None)
-                engine.forget()
+                self._drop(arg)
                 self._fail(arg, f"the server could not take the request: {e}")
             elif kind == "snapshot":
                 loop, future = arg
                 loop.call_soon_threadsafe(lambda error=e: future.done() or future.set_exception(error))
+
+    def _drop(self, job: Job) -> int:
+        """The engine ends `job`'s answers still open, and lets go of them: how many it ended."""
+        engine = self.loaded.engine
+        seqs = [s for s in job.seqs if not s.is_finished]
+        if seqs:
+            engine.abort(seqs)
+        for seq in job.seqs:
+            self.jobs.pop(seq.id, None)
+        engine.forget()
+        self._count_waiting()
+        return len(seqs)
 
     def _fail(self, job: Job, why: str) -> None:
         """Every answer of `job` ends with an error, told `why`."""
@@ -242,14 +250,9 @@ class EngineLoop:
                 self.num_pending -= arg.prompts.num_answers
             self._add(arg)
         elif kind == "abort":
-            seqs = [s for s in arg.seqs if not s.is_finished]
-            if seqs:
-                engine.abort(seqs)
-                for seq in seqs:
-                    self.jobs.pop(seq.id, None)
-                engine.forget()
-                self._count_waiting()
-                self.metrics.aborted(len(seqs))
+            aborted = self._drop(arg)
+            if aborted:
+                self.metrics.aborted(aborted)
                 self.metrics.gauges(engine)
         elif kind == "snapshot":
             loop, future = arg
@@ -272,9 +275,7 @@ class EngineLoop:
                 job.seqs.append(seq)
                 job.sent.append([0, 0, 0])
         if any(s.error for s in job.seqs):  # refused by the scheduler (the event loop's checks make it a 400 first)
-            engine.abort(job.seqs)  # the whole request fails
-            for seq in job.seqs:
-                self.jobs.pop(seq.id, None)
+            self._drop(job)  # the whole request fails
             self._fail(job, next(s.error for s in job.seqs if s.error))
         self._count_waiting()
 
