@@ -165,10 +165,12 @@ def test_the_served_figures_and_the_requests_sent(server):
     assert row["batch"] == 2 and row["num_prompts"] == 4 and row["completed"] == 4 and row["errors"] == 0
     assert row["model"] == "demo" and row["request_rate"] is None and row["first_error"] is None
     assert row["output_tokens"] == 20 and row["output_tokens_per_s"] == pytest.approx(20 / row["elapsed_s"])
-    # two waves of two: the second wave waits a whole stream (0.15 + 4 x 0.03 s) for a free client
-    assert 0.15 <= row["ttft_ms"]["p50"] / 1e3 and 0.15 + 0.27 <= row["ttft_ms"]["p99"] / 1e3 < 0.15 + 0.27 + 0.3
-    assert 0.03 <= row["itl_ms"]["p50"] / 1e3 < 0.03 + 0.05
-    assert 2 * (0.15 + 4 * 0.03) <= row["elapsed_s"] < 2 * (0.15 + 4 * 0.03) + 0.5
+    # two waves of two: the second wave waits a whole stream (0.15 + 4 x 0.03 s) for a free client;
+    # the upper bounds leave room for a loaded 2-core CI machine (they catch a client that waits on
+    # its own, not a slow one)
+    assert 0.15 <= row["ttft_ms"]["p50"] / 1e3 and 0.15 + 0.27 <= row["ttft_ms"]["p99"] / 1e3 < 0.15 + 0.27 + 1.0
+    assert 0.03 <= row["itl_ms"]["p50"] / 1e3 < 0.03 + 0.15
+    assert 2 * (0.15 + 4 * 0.03) <= row["elapsed_s"] < 2 * (0.15 + 4 * 0.03) + 1.5
     assert 0 < row["client_cpu_fraction"] < 0.5  # the client mostly waits for this server
 
 
@@ -179,7 +181,7 @@ def test_requests_arrive_as_the_seeded_poisson_process(server):
     assert code == 0, err
     sent = [t - b.received[1] for t in b.received[1:]]
     due = arrival_times(8, 20, 3)
-    assert max(abs(s - d) for s, d in zip(sent, due)) < 0.05, (sent, due)
+    assert max(abs(s - d) for s, d in zip(sent, due)) < 0.1, (sent, due)  # (a loaded CI machine runs late)
     assert json.loads(out)["request_rate"] == 20
 
 
@@ -200,7 +202,7 @@ def test_many_streams_are_spread_over_client_processes(server, monkeypatch):
                                                                  seed=4), 5)
     assert sorted(body["prompt"] for body in b.bodies[1:]) == sorted(r.prompt_token_ids for r in expected)
     received = sorted(b.received[1:])
-    assert max(abs(t - received[0] - d) for t, d in zip(received, arrival_times(9, 30, 4))) < 0.05
+    assert max(abs(t - received[0] - d) for t, d in zip(received, arrival_times(9, 30, 4))) < 0.1
     assert b.peak_open <= 5 and 0 < row["client_cpu_fraction"] < 0.5 and row["ttft_ms"]["p50"] is not None
 
 
