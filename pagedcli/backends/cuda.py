@@ -87,6 +87,10 @@ class CudaBackend:
         self.prefill_kernel, self.prefill_shared, self.prefill_rows = (plan.attention_prefill, plan.prefill_shared,
                                                                        plan.prefill_rows)
         self._prefill_tiles: tuple | None = None  # this prefill step's work list (cuda_launch.prefill_tiles)
+        # a prefill step can be replayed from a CUDA graph (engine/prefill_graphs.py) when nothing in
+        # it is decided from the step's host lists: our prefill kernel with the tiles the caller
+        # staged, RoPE from fixed tables, no torch fallback for the K/V write or the fp8 weights
+        self.captures_prefill = self.prefill_kernel and self.rope.static and not self.kv_fp8 and not fp8_weights
         self.shapes = LaunchShapes(cache, self.num_heads, self.heads_per_cta, self.vec, self.num_sms, self.cluster)
         d = self.device_index
         self.kernels = {}
@@ -115,8 +119,8 @@ class CudaBackend:
         torch_prefill = batch.is_prefill and not self.prefill_kernel
         self.reference.prepare_indices(batch, attention=torch_prefill, rope=not self.rope.static or self.kv_fp8)
         if batch.is_prefill and self.prefill_kernel:
-            self._prefill_tiles = prefill_tiles(batch.num_new, batch.context_lens_host, self.prefill_rows,
-                                                self.cache.device)
+            self._prefill_tiles = batch.prefill_tiles if batch.prefill_tiles is not None else prefill_tiles(
+                batch.num_new, batch.context_lens_host, self.prefill_rows, self.cache.device)
         elif not batch.is_prefill:
             self.shapes.scratch_for(batch.slots.shape[0])
 

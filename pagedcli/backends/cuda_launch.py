@@ -45,7 +45,9 @@ class Launcher:
     def __call__(self, kernel: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
         import cupy
 
-        handle = torch.cuda.current_stream(self.device_index).cuda_stream
+        # the raw handle: torch.cuda.current_stream() builds a Stream object, ~10 us a launch, which
+        # an eager prefill step's ~80 launches felt (docs/performance.md, "Under arrivals")
+        handle = torch._C._cuda_getCurrentRawStream(self.device_index)
         stream = self._streams.get(handle)
         if stream is None:
             with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; older ones lack the successor
@@ -55,20 +57,33 @@ class Launcher:
             self.kernels[kernel](grid, block, args, shared_mem=shared_mem)
 
 
-def prefill_tiles(num_new: list[int], context_lens: list[int], rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """paged_prefill.cu's work list for a step: a tile per `rows` new tokens of a sequence,
-    as (sequence, first row), the tiles that read the most keys first (a causal tile's keys end at
-    its last row: launched early, the long ones do not trail the rest); and each sequence's first
-    token in the step. One host-to-device copy (batch.to_device)."""
+def prefill_tile_lists(num_new: list[int], context_lens: list[int], rows: int) -> tuple[list[int], list[int], list[int]]:
+    """paged_prefill.cu's work list for a step: a tile per `rows` new tokens of a sequence, as its
+    sequence and first row, the tiles that read the most keys first (a causal tile's keys end at its
+    last row: launched early, the long ones do not trail the rest); and each sequence's first token
+    in the step."""
     tiles = [(ctx - n + r + min(rows, n - r), b, r)
              for b, (n, ctx) in enumerate(zip(num_new, context_lens)) for r in range(0, n, rows)]
     tiles.sort(key=lambda t: -t[0])
     starts = [0]
     for n in num_new[:-1]:
         starts.append(starts[-1] + n)
+    return [t[1] for t in tiles], [t[2] for t in tiles], starts
+
+
+def max_prefill_tiles(num_tokens: int, num_seqs: int, rows: int) -> int:
+    """The most tiles `num_tokens` new tokens of `num_seqs` sequences make: each sequence's last
+    tile may be partial."""
+    return -(-num_tokens // rows) + min(num_seqs, num_tokens)
+
+
+def prefill_tiles(num_new: list[int], context_lens: list[int], rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """prefill_tile_lists as (tile_seq, tile_row, seq_start, num_new) int32 tensors on `device`, in
+    one host-to-device copy (batch.to_device)."""
+    seq, row, starts = prefill_tile_lists(num_new, context_lens, rows)
     int32 = torch.int32
-    t = to_device({"seq": ([t[1] for t in tiles], int32), "row": ([t[2] for t in tiles], int32),
-                   "start": (starts, int32), "num_new": (list(num_new), int32)}, device)
+    t = to_device({"seq": (seq, int32), "row": (row, int32), "start": (starts, int32),
+                   "num_new": (list(num_new), int32)}, device)
     return t["seq"], t["row"], t["start"], t["num_new"]
 
 

@@ -29,6 +29,9 @@ class StepBatch:
     last_index: torch.Tensor  # [S] int64, S <= B: the sampling rows' last tokens
     num_new: list[int]  # host copies, for shapes
     context_lens_host: list[int]
+    # paged_prefill.cu's work list (tile_seq, tile_row, seq_start, num_new) when the caller staged it
+    # in tensors of its own (a captured prefill step, prefill_graphs.py); None: the backend makes it
+    prefill_tiles: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def build(cls, is_prefill: bool, slots: list[int], token_ids: list[list[int]], num_cached: list[int],
@@ -36,18 +39,25 @@ class StepBatch:
         """`token_ids[b]` are sequence b's new tokens, which start at position `num_cached[b]`;
         `samples[b]`: whether it samples this step (default: every one does)."""
         num_new = [len(t) for t in token_ids]
-        flat, positions, token_seq, last = [], [], [], []
-        for b, (ids, start) in enumerate(zip(token_ids, num_cached)):
-            flat.extend(ids)
-            positions.extend(range(start, start + len(ids)))
-            token_seq.extend([b] * len(ids))
-            if samples is None or samples[b]:
-                last.append(len(flat) - 1)
+        flat, positions, token_seq, last = pack(token_ids, num_cached, samples)
         ctx = [c + n for c, n in zip(num_cached, num_new)]
         int64, int32 = torch.int64, torch.int32
         tensors = to_device({"token_ids": (flat, int64), "positions": (positions, int64), "token_seq": (token_seq, int64),
                              "last_index": (last, int64), "slots": (slots, int32), "context_lens": (ctx, int32)}, device)
         return cls(is_prefill=is_prefill, **tensors, num_new=num_new, context_lens_host=ctx)
+
+
+def pack(token_ids: list[list[int]], num_cached: list[int], samples: list[bool] | None = None):
+    """The packed lists of a step: every new token, its position, its sequence, and the index of
+    each sampling sequence's last token (StepBatch's fields of the same names)."""
+    flat, positions, token_seq, last = [], [], [], []
+    for b, (ids, start) in enumerate(zip(token_ids, num_cached)):
+        flat.extend(ids)
+        positions.extend(range(start, start + len(ids)))
+        token_seq.extend([b] * len(ids))
+        if samples is None or samples[b]:
+            last.append(len(flat) - 1)
+    return flat, positions, token_seq, last
 
 
 def to_device(arrays: dict[str, tuple[list[int], torch.dtype]], device: torch.device) -> dict[str, torch.Tensor]:

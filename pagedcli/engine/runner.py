@@ -4,6 +4,8 @@ On a GPU with our CUDA backend, decode steps replay CUDA graphs captured per bat
 the step's inputs go to the graph's static tensors in one host-to-device copy (the tensors are views
 of one staging buffer, so nothing inside the graph copies them), the graph replays every kernel of
 the forward pass and the greedy argmax at once, and the logits and tokens of the real rows come out.
+Prefill-kind steps of up to prefill_graphs.MAX_GRAPH_TOKENS tokens do the same per token bucket
+(prefill_graphs.py); larger ones run eagerly.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.cache import KVCache
+from pagedcli.engine.prefill_graphs import PrefillGraphs
 from pagedcli.model.network import Llama
 from pagedcli.engine.sequence import Sequence
 
@@ -23,18 +26,22 @@ def graph_buckets(max_slots: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, cache: KVCache, use_graphs: bool = False):
+    def __init__(self, model: Llama, cache: KVCache, use_graphs: bool = False, max_step_tokens: int = 0):
+        """max_step_tokens: the most new tokens a prefill-kind step feeds (the scheduler's budget)."""
         self.model = model
         self.cache = cache
         self.device = cache.device
         self.graphs = DecodeGraphs(model, cache) if use_graphs else None
+        self.prefill_graphs = (PrefillGraphs(model, cache, max_step_tokens)
+                               if use_graphs and max_step_tokens and getattr(model.backend, "captures_prefill", False)
+                               else None)
 
     def capture_graphs(self) -> None:
         """Capture every bucket's graph now rather than on first use (benchmarks: keep capture
         out of the timed run)."""
-        if self.graphs is not None:
-            for n in self.graphs.buckets:
-                self.graphs.graph(n)
+        for graphs in (self.graphs, self.prefill_graphs):
+            for n in graphs.buckets if graphs is not None else ():
+                graphs.graph(n)
 
     def execute(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None,
                 num_new: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,9 +62,11 @@ class ModelRunner:
         slots = [s.slot for s in seqs]
         if is_prefill:
             num_new = num_new or [len(s) - s.num_cached for s in seqs]
-            batch = StepBatch.build(True, slots, [s.tokens_between(s.num_cached, s.num_cached + n) for s, n in zip(seqs, num_new)],
-                                    [s.num_cached for s in seqs], self.device,
-                                    [s.num_cached + n == len(s) for s, n in zip(seqs, num_new)])
+            token_ids = [s.tokens_between(s.num_cached, s.num_cached + n) for s, n in zip(seqs, num_new)]
+            num_cached, samples = [s.num_cached for s in seqs], [s.num_cached + n == len(s) for s, n in zip(seqs, num_new)]
+            if self.prefill_graphs is not None and self.prefill_graphs.fits(sum(num_new)):
+                return self.prefill_graphs.replay(slots, token_ids, num_cached, samples)
+            batch = StepBatch.build(True, slots, token_ids, num_cached, self.device, samples)
         else:  # the new token's position is the count of tokens cached (with `feed`, one more)
             if feed is None:
                 tokens, num_cached = [s.last_token for s in seqs], [len(s) - 1 for s in seqs]

@@ -180,7 +180,8 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
     else:
         backend = TorchBackend(cache, config)
     llama = Llama(config, model.weights, backend)
-    runner = ModelRunner(llama, cache, use_graphs=device.type == "cuda" and not opts.eager)
+    runner = ModelRunner(llama, cache, use_graphs=device.type == "cuda" and not opts.eager,
+                         max_step_tokens=opts.batched_tokens(device))
     tokenizer = model.tokenizer
     detokenizer = (lambda prompt_ids: StreamDecoder(tokenizer, prompt_ids)) if tokenizer is not None else None
     return Engine(runner, cache, model.source.stop_ids, overlap=opts.overlap and device.type == "cuda",

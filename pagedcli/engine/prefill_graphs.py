@@ -1,0 +1,131 @@
+"""CUDA graphs for prefill-kind steps: a prompt chunk beside the decoding sequences' tokens.
+
+With chunked prefill most steps under load carry a chunk, and such a step, run eagerly, spends
+~6 ms of host time launching its ~150 kernels and GEMMs (docs/performance.md, "Under arrivals"):
+far more than its GPU time at small chunks, and every decoding sequence waits for it. So a
+prefill-kind step of up to MAX_GRAPH_TOKENS new tokens replays a graph captured for the next
+token bucket up, as vLLM does, with the step's inputs padded to the bucket:
+
+- tokens past the step's own sit at position -1 (no K/V written, as the decode graphs' padding)
+  and belong to a padding sequence, row `max_slots` of the per-sequence arrays, with no new tokens
+  and no context;
+- the prefill kernel's work list (its tiles) is staged here, padded with tiles of the padding
+  sequence, which find no rows and no keys and leave at once;
+- the logits are those of the first `min(max_slots, bucket)` sampling rows (the padded ones repeat
+  token 0's row and are not returned).
+
+The step's lists go to the graph's static tensors in one host-to-device copy from pinned memory.
+One staging buffer is enough: a prefill step is never queued ahead of the host (engine.py), so the
+copy of the one before has been waited for before this one is staged. Larger steps run eagerly:
+their GPU time covers their host time. The graphs share one memory pool, apart from the decode
+graphs' (runner.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedcli.backends.cuda_launch import max_prefill_tiles, prefill_tile_lists
+from pagedcli.engine.batch import StepBatch, pack
+from pagedcli.engine.cache import KVCache
+
+MAX_GRAPH_TOKENS = 2048  # beyond, a step's GPU time exceeds its eager host time (see the docstring)
+BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+
+
+class PrefillGraphs:
+    def __init__(self, model, cache: KVCache, max_tokens: int):
+        self.model, self.cache = model, cache
+        self.rows = model.backend.prefill_rows  # new tokens a tile of the prefill kernel covers
+        self.max_seqs = cache.max_slots
+        self.pad = self.max_seqs  # the padding sequence's row
+        self.buckets = [b for b in BUCKETS if b < min(max_tokens, MAX_GRAPH_TOKENS)]
+        self.buckets.append(min(max_tokens, MAX_GRAPH_TOKENS))
+        T, B = self.buckets[-1], self.max_seqs + 1
+        int64, int32 = torch.int64, torch.int32
+        self.layout = (("token_ids", int64, T), ("positions", int64, T), ("token_seq", int64, T),
+                       ("last_index", int64, min(self.max_seqs, T)), ("slots", int32, B), ("context_lens", int32, B),
+                       ("tile_seq", int32, max_prefill_tiles(T, self.max_seqs, self.rows)),
+                       ("tile_row", int32, max_prefill_tiles(T, self.max_seqs, self.rows)),
+                       ("seq_start", int32, B), ("num_new", int32, B))
+        nbytes = sum(n * dtype.itemsize for _, dtype, n in self.layout)
+        self.host = torch.zeros(nbytes, dtype=torch.uint8).pin_memory()
+        self.host_np = {name: t.numpy() for name, t in self._views(self.host).items()}
+        self.staged = torch.zeros(nbytes, dtype=torch.uint8, device=cache.device)
+        self.inputs = self._views(self.staged)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captured: dict[int, tuple[torch.cuda.CUDAGraph, StepBatch, torch.Tensor, torch.Tensor]] = {}
+
+    def _views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        views, at = {}, 0
+        for name, dtype, n in self.layout:  # every view starts 8-byte aligned
+            views[name] = buffer[at:at + n * dtype.itemsize].view(dtype)
+            at += -(-n * dtype.itemsize // 8) * 8
+        return views
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.buckets[-1]
+
+    def _batch(self, n: int) -> StepBatch:
+        """Bucket n's static batch: views of the staged inputs."""
+        x = self.inputs
+        tiles = max_prefill_tiles(n, self.max_seqs, self.rows)
+        return StepBatch(is_prefill=True, token_ids=x["token_ids"][:n], positions=x["positions"][:n],
+                         token_seq=x["token_seq"][:n], slots=x["slots"], context_lens=x["context_lens"],
+                         last_index=x["last_index"][:min(self.max_seqs, n)], num_new=[], context_lens_host=[],
+                         prefill_tiles=(x["tile_seq"][:tiles], x["tile_row"][:tiles], x["seq_start"], x["num_new"]))
+
+    def _stage_padding(self) -> None:
+        """Every input a padding one: a replay then writes nothing to the pool."""
+        h = self.host_np
+        h["token_ids"][:], h["positions"][:], h["token_seq"][:], h["last_index"][:] = 0, -1, self.pad, 0
+        for name in ("slots", "context_lens", "seq_start", "num_new", "tile_row"):
+            h[name][:] = 0
+        h["tile_seq"][:] = self.pad
+        self.staged.copy_(self.host)
+
+    def _forward(self, batch: StepBatch):
+        logits = self.model.forward(batch)
+        return logits, self.model.greedy(logits)
+
+    def _capture(self, n: int):
+        batch = self._batch(n)
+        self._stage_padding()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up outside the graph (cuBLAS, scratch buffers)
+            self._forward(batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits, tokens = self._forward(batch)
+        torch.cuda.synchronize()
+        return graph, batch, logits, tokens
+
+    def graph(self, n: int):
+        if n not in self.captured:
+            self.captured[n] = self._capture(n)
+        return self.captured[n]
+
+    def replay(self, slots: list[int], token_ids: list[list[int]], num_cached: list[int],
+               samples: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's logits and greedy tokens, a row per sequence that samples, in order."""
+        flat, positions, token_seq, last = pack(token_ids, num_cached, samples)
+        T, b, S = len(flat), len(slots), len(last)
+        n = next(size for size in self.buckets if size >= T)
+        graph, _, logits, greedy = self.graph(n)
+        num_new = [len(ids) for ids in token_ids]
+        context = [c + k for c, k in zip(num_cached, num_new)]
+        tile_seq, tile_row, starts = prefill_tile_lists(num_new, context, self.rows)
+        k, tiles = len(tile_seq), max_prefill_tiles(n, self.max_seqs, self.rows)
+        h = self.host_np
+        h["token_ids"][:T], h["positions"][:T], h["token_seq"][:T] = flat, positions, token_seq
+        h["token_ids"][T:n], h["positions"][T:n], h["token_seq"][T:n] = 0, -1, self.pad
+        h["last_index"][:S], h["last_index"][S:] = last, 0
+        for name, values in (("slots", slots), ("context_lens", context), ("seq_start", starts), ("num_new", num_new)):
+            h[name][:b], h[name][b:] = values, 0
+        h["tile_seq"][:k], h["tile_row"][:k] = tile_seq, tile_row
+        h["tile_seq"][k:tiles], h["tile_row"][k:tiles] = self.pad, 0
+        self.staged.copy_(self.host, non_blocking=True)
+        graph.replay()
+        return logits[:S], greedy[:S]
