@@ -200,23 +200,3 @@ def test_a_steps_new_tokens_are_sliced_across_prompt_and_output():
     for start in range(8):
         for stop in range(start, 8):
             assert seq.tokens_between(start, stop) == seq.token_ids[start:stop]
-
-
-def test_prefill_work_gives_decoding_rows_to_the_decode_kernel_and_covers_every_prompt_row():
-    """A step of two prompt chunks and two decoding rows (cuda_launch.prefill_work, what the CUDA
-    backend and the prefill graphs stage): every new row of a prompt lies in exactly one tile, the
-    longest-reaching tiles first; each one-token row goes to the decode kernel with its own token's
-    row; without a decode kernel the one-token rows get tiles too."""
-    from pagedcli.backends.cuda_launch import max_prefill_tiles, prefill_work
-
-    num_new, context = [1, 70, 1, 16], [40, 70, 9, 116]
-    seq, row, starts, decode_seq, decode_row = prefill_work(num_new, context, 32, decode_rows=True)
-    assert starts == [0, 1, 71, 72]
-    assert decode_seq == [0, 2] and decode_row == [0, 71]
-    covered = sorted((b, r) for b, r0 in zip(seq, row) for r in range(r0, min(r0 + 32, num_new[b])))
-    assert covered == [(1, r) for r in range(70)] + [(3, r) for r in range(16)]
-    reach = [context[b] - num_new[b] + r0 + min(32, num_new[b] - r0) for b, r0 in zip(seq, row)]
-    assert reach == sorted(reach, reverse=True)
-    assert len(seq) <= max_prefill_tiles(sum(num_new), len(num_new), 32)
-    seq, _, _, decode_seq, _ = prefill_work(num_new, context, 32, decode_rows=False)
-    assert decode_seq == [] and sorted(set(seq)) == [0, 1, 2, 3]

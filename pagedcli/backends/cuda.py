@@ -119,15 +119,8 @@ class CudaBackend:
         torch_prefill = batch.is_prefill and not self.prefill_kernel
         self.reference.prepare_indices(batch, attention=torch_prefill, rope=not self.rope.static or self.kv_fp8)
         if batch.is_prefill and self.prefill_kernel:
-            work = batch.prefill_tiles if batch.prefill_tiles is not None else prefill_tiles(
-                batch.num_new, batch.context_lens_host, self.prefill_rows, self.cache.device,
-                decode_rows=self.attention_kernel)
-            decode_seq, decode_row = work[4], work[5]
-            # the decoding rows' slots and contexts, and their queries' rows: a graph's padding rows
-            # point past the step's tokens, at a scratch row of the output, and read row 0's query
-            last = max(batch.token_ids.shape[0] - 1, 0)
-            self._prefill_tiles = work + (batch.slots[decode_seq], batch.context_lens[decode_seq],
-                                          decode_row.clamp(max=last))
+            self._prefill_tiles = batch.prefill_tiles if batch.prefill_tiles is not None else prefill_tiles(
+                batch.num_new, batch.context_lens_host, self.prefill_rows, self.cache.device)
         elif not batch.is_prefill:
             self.shapes.scratch_for(batch.slots.shape[0])
 
@@ -185,45 +178,32 @@ class CudaBackend:
             return decode_attention_full_width(q, self.cache.pool, self.cache.device_table[:, layer], batch.slots,
                                                batch.context_lens, self.max_context,
                                                *((scales.k[layer], scales.v[layer]) if scales is not None else ()))
-        return self._decode_attend(layer, q, batch.slots, batch.context_lens)
-
-    def _decode_attend(self, layer: int, q: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        """paged_attention.cu: each row of q is the newest token of its sequence (its slot and its
-        context length, keys and all)."""
         q = q.contiguous()
         out = torch.empty_like(q)
-        B = q.shape[0]
         if B == 0:
             return out
         splits, part_out, part_max, part_sum, counters = self.shapes.scratch_for(B)
         table, slot_stride, _ = self._layer_table(layer)
         kernel = "paged_attention_decode_cluster" if self.shapes.uses_clusters(B) else "paged_attention_decode"
         self.launch(kernel, (self.num_heads // self.heads_per_cta, B, splits), (ATTN_THREADS,), (
-            ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(slots), ptr(context_lens),
+            ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(batch.slots), ptr(batch.context_lens),
             np.int32(self.max_context), ptr(part_out), ptr(part_max), ptr(part_sum), ptr(counters),
             self.scale_log2,
         ))
         return out
 
     def _prefill_attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """paged_prefill.cu's tiles for the prompts' rows, paged_attention.cu for the decoding rows
-        (prefill_work)."""
-        tile_seq, tile_row, seq_start, num_new, _, decode_row, decode_slots, decode_context, decode_q = self._prefill_tiles
+        tile_seq, tile_row, seq_start, num_new = self._prefill_tiles
         q = q.contiguous()
-        T, D = q.shape[0], decode_row.shape[0]
-        out = torch.empty((T + (D > 0),) + q.shape[1:], dtype=q.dtype, device=q.device)  # (+ the scratch row)
-        if T == 0:
-            return out[:T]
-        if tile_seq.shape[0]:
-            table, slot_stride, _ = self._layer_table(layer)
-            self.launch("paged_prefill_attention", (tile_seq.shape[0] * self.num_heads,), (PREFILL_WARPS * 32,), (
-                ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(tile_seq), ptr(tile_row),
-                ptr(seq_start), ptr(num_new), ptr(batch.context_lens), ptr(batch.slots), self.scale_log2,
-            ), shared_mem=self.prefill_shared)
-        if D:
-            out.index_copy_(0, decode_row, self._decode_attend(layer, q.index_select(0, decode_q), decode_slots,
-                                                               decode_context))
-        return out[:T]
+        out = torch.empty_like(q)
+        if q.shape[0] == 0:
+            return out
+        table, slot_stride, _ = self._layer_table(layer)
+        self.launch("paged_prefill_attention", (tile_seq.shape[0] * self.num_heads,), (PREFILL_WARPS * 32,), (
+            ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(tile_seq), ptr(tile_row),
+            ptr(seq_start), ptr(num_new), ptr(batch.context_lens), ptr(batch.slots), self.scale_log2,
+        ), shared_mem=self.prefill_shared)
+        return out
 
     def rms_norm(self, x, weight, eps):
         hidden = x.shape[-1]

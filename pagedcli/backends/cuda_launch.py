@@ -57,24 +57,18 @@ class Launcher:
             self.kernels[kernel](grid, block, args, shared_mem=shared_mem)
 
 
-def prefill_work(num_new: list[int], context_lens: list[int], rows: int, decode_rows: bool):
-    """A prefill-kind step's attention work, as lists: paged_prefill.cu's tiles, a tile per `rows`
-    new tokens of a sequence, as its sequence and first row, the tiles that read the most keys
-    first (a causal tile's keys end at its last row: launched early, the long ones do not trail the
-    rest); each sequence's first token in the step; and with `decode_rows`, the sequences that feed
-    one token (the decoding ones beside the prompts) and their token's row, which get no tile: the
-    decode kernel serves them, reading their keys once for every head of a KV group, where a tile
-    (one per query head, 16 rows or more) would read them once per head, for one row. Returns
-    (tile_seq, tile_row, seq_start, decode_seq, decode_row)."""
-    one = [decode_rows and n == 1 for n in num_new]
+def prefill_tile_lists(num_new: list[int], context_lens: list[int], rows: int) -> tuple[list[int], list[int], list[int]]:
+    """paged_prefill.cu's work list for a step: a tile per `rows` new tokens of a sequence, as its
+    sequence and first row, the tiles that read the most keys first (a causal tile's keys end at its
+    last row: launched early, the long ones do not trail the rest); and each sequence's first token
+    in the step."""
     tiles = [(ctx - n + r + min(rows, n - r), b, r)
-             for b, (n, ctx) in enumerate(zip(num_new, context_lens)) if not one[b] for r in range(0, n, rows)]
+             for b, (n, ctx) in enumerate(zip(num_new, context_lens)) for r in range(0, n, rows)]
     tiles.sort(key=lambda t: -t[0])
     starts = [0]
     for n in num_new[:-1]:
         starts.append(starts[-1] + n)
-    decode_seq = [b for b, single in enumerate(one) if single]
-    return [t[1] for t in tiles], [t[2] for t in tiles], starts, decode_seq, [starts[b] for b in decode_seq]
+    return [t[1] for t in tiles], [t[2] for t in tiles], starts
 
 
 def max_prefill_tiles(num_tokens: int, num_seqs: int, rows: int) -> int:
@@ -83,16 +77,14 @@ def max_prefill_tiles(num_tokens: int, num_seqs: int, rows: int) -> int:
     return -(-num_tokens // rows) + min(num_seqs, num_tokens)
 
 
-def prefill_tiles(num_new: list[int], context_lens: list[int], rows: int, device: torch.device,
-                  decode_rows: bool) -> tuple[torch.Tensor, ...]:
-    """prefill_work as (tile_seq, tile_row, seq_start, num_new, decode_seq, decode_row) int32
-    tensors on `device` (decode_row int64), in one host-to-device copy (batch.to_device)."""
-    seq, row, starts, decode_seq, decode_row = prefill_work(num_new, context_lens, rows, decode_rows)
+def prefill_tiles(num_new: list[int], context_lens: list[int], rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """prefill_tile_lists as (tile_seq, tile_row, seq_start, num_new) int32 tensors on `device`, in
+    one host-to-device copy (batch.to_device)."""
+    seq, row, starts = prefill_tile_lists(num_new, context_lens, rows)
     int32 = torch.int32
-    t = to_device({"decode_row": (decode_row, torch.int64), "seq": (seq, int32), "row": (row, int32),
-                   "start": (starts, int32), "num_new": (list(num_new), int32), "decode_seq": (decode_seq, int32)},
-                  device)
-    return t["seq"], t["row"], t["start"], t["num_new"], t["decode_seq"], t["decode_row"]
+    t = to_device({"seq": (seq, int32), "row": (row, int32), "start": (starts, int32),
+                   "num_new": (list(num_new), int32)}, device)
+    return t["seq"], t["row"], t["start"], t["num_new"]
 
 
 def resident_ctas(kernel, threads: int, device_index: int, fallback: int) -> int:

@@ -9,10 +9,8 @@ token bucket up, as vLLM does, with the step's inputs padded to the bucket:
 - tokens past the step's own sit at position -1 (no K/V written, as the decode graphs' padding)
   and belong to a padding sequence, row `max_slots` of the per-sequence arrays, with no new tokens
   and no context;
-- the attention's work (cuda_launch.prefill_work) is staged here: the prefill kernel's tiles,
-  padded with tiles of the padding sequence, which find no rows and no keys and leave at once; and
-  the decoding rows, padded with rows of the padding sequence (no keys) whose output goes to a
-  scratch row past the bucket's tokens;
+- the prefill kernel's work list (its tiles) is staged here, padded with tiles of the padding
+  sequence, which find no rows and no keys and leave at once;
 - the logits are those of the first `min(max_slots, bucket)` sampling rows (the padded ones repeat
   token 0's row and are not returned).
 
@@ -27,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedcli.backends.cuda_launch import max_prefill_tiles, prefill_work
+from pagedcli.backends.cuda_launch import max_prefill_tiles, prefill_tile_lists
 from pagedcli.engine.batch import StepBatch, pack
 from pagedcli.engine.cache import KVCache
 
@@ -39,7 +37,6 @@ class PrefillGraphs:
     def __init__(self, model, cache: KVCache, max_tokens: int):
         self.model, self.cache = model, cache
         self.rows = model.backend.prefill_rows  # new tokens a tile of the prefill kernel covers
-        self.decode_rows = model.backend.attention_kernel  # one-token rows go to the decode kernel
         self.max_seqs = cache.max_slots
         self.pad = self.max_seqs  # the padding sequence's row
         self.buckets = [b for b in BUCKETS if b < min(max_tokens, MAX_GRAPH_TOKENS)]
@@ -47,8 +44,7 @@ class PrefillGraphs:
         T, B = self.buckets[-1], self.max_seqs + 1
         int64, int32 = torch.int64, torch.int32
         self.layout = (("token_ids", int64, T), ("positions", int64, T), ("token_seq", int64, T),
-                       ("last_index", int64, min(self.max_seqs, T)), ("decode_row", int64, min(self.max_seqs, T)),
-                       ("slots", int32, B), ("context_lens", int32, B), ("decode_seq", int32, min(self.max_seqs, T)),
+                       ("last_index", int64, min(self.max_seqs, T)), ("slots", int32, B), ("context_lens", int32, B),
                        ("tile_seq", int32, max_prefill_tiles(T, self.max_seqs, self.rows)),
                        ("tile_row", int32, max_prefill_tiles(T, self.max_seqs, self.rows)),
                        ("seq_start", int32, B), ("num_new", int32, B))
@@ -73,20 +69,19 @@ class PrefillGraphs:
     def _batch(self, n: int) -> StepBatch:
         """Bucket n's static batch: views of the staged inputs."""
         x = self.inputs
-        tiles, rows = max_prefill_tiles(n, self.max_seqs, self.rows), min(self.max_seqs, n)
+        tiles = max_prefill_tiles(n, self.max_seqs, self.rows)
         return StepBatch(is_prefill=True, token_ids=x["token_ids"][:n], positions=x["positions"][:n],
                          token_seq=x["token_seq"][:n], slots=x["slots"], context_lens=x["context_lens"],
-                         last_index=x["last_index"][:rows], num_new=[], context_lens_host=[],
-                         prefill_tiles=(x["tile_seq"][:tiles], x["tile_row"][:tiles], x["seq_start"], x["num_new"],
-                                        x["decode_seq"][:rows], x["decode_row"][:rows]))
+                         last_index=x["last_index"][:min(self.max_seqs, n)], num_new=[], context_lens_host=[],
+                         prefill_tiles=(x["tile_seq"][:tiles], x["tile_row"][:tiles], x["seq_start"], x["num_new"]))
 
-    def _stage_padding(self, n: int) -> None:
-        """Every input of bucket n a padding one: a replay then writes nothing to the pool."""
+    def _stage_padding(self) -> None:
+        """Every input a padding one: a replay then writes nothing to the pool."""
         h = self.host_np
         h["token_ids"][:], h["positions"][:], h["token_seq"][:], h["last_index"][:] = 0, -1, self.pad, 0
         for name in ("slots", "context_lens", "seq_start", "num_new", "tile_row"):
             h[name][:] = 0
-        h["tile_seq"][:], h["decode_seq"][:], h["decode_row"][:] = self.pad, self.pad, n
+        h["tile_seq"][:] = self.pad
         self.staged.copy_(self.host)
 
     def _forward(self, batch: StepBatch):
@@ -95,7 +90,7 @@ class PrefillGraphs:
 
     def _capture(self, n: int):
         batch = self._batch(n)
-        self._stage_padding(n)
+        self._stage_padding()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up outside the graph (cuBLAS, scratch buffers)
@@ -121,8 +116,8 @@ class PrefillGraphs:
         graph, _, logits, greedy = self.graph(n)
         num_new = [len(ids) for ids in token_ids]
         context = [c + k for c, k in zip(num_cached, num_new)]
-        tile_seq, tile_row, starts, decode_seq, decode_row = prefill_work(num_new, context, self.rows, self.decode_rows)
-        k, tiles, d = len(tile_seq), max_prefill_tiles(n, self.max_seqs, self.rows), len(decode_seq)
+        tile_seq, tile_row, starts = prefill_tile_lists(num_new, context, self.rows)
+        k, tiles = len(tile_seq), max_prefill_tiles(n, self.max_seqs, self.rows)
         h = self.host_np
         h["token_ids"][:T], h["positions"][:T], h["token_seq"][:T] = flat, positions, token_seq
         h["token_ids"][T:n], h["positions"][T:n], h["token_seq"][T:n] = 0, -1, self.pad
@@ -131,8 +126,6 @@ class PrefillGraphs:
             h[name][:b], h[name][b:] = values, 0
         h["tile_seq"][:k], h["tile_row"][:k] = tile_seq, tile_row
         h["tile_seq"][k:tiles], h["tile_row"][k:tiles] = self.pad, 0
-        h["decode_seq"][:d], h["decode_row"][:d] = decode_seq, decode_row
-        h["decode_seq"][d:], h["decode_row"][d:] = self.pad, n  # no keys; out to the scratch row
         self.staged.copy_(self.host, non_blocking=True)
         graph.replay()
         return logits[:S], greedy[:S]
