@@ -150,6 +150,7 @@ class EngineClient:
             self.process.join()
             raise what
         self.metrics.describe(what.model_name, what.geometry.num_blocks)
+        self.num_free_slots = what.max_slots
         self.sender.start()
         return what
 
