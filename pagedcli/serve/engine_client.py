@@ -30,7 +30,7 @@ from pagedcli.errors import RunError
 from pagedcli.model.tokenizer import StreamDecoder
 from pagedcli.serve import engine_process
 from pagedcli.serve.engine_process import Ready
-from pagedcli.serve.errors import APIError
+from pagedcli.serve.errors import APIError, server_error
 from pagedcli.serve.metrics import Metrics
 from pagedcli.serve.sampling import Prompts
 
@@ -161,13 +161,24 @@ class EngineClient:
         if self.process.is_alive() and self.sender.is_alive():
             self.outbox.put(("stop",))
             self.outbox.put(None)  # the sender's end
-            self.process.join(STOP_S)
+            self._drain(time.monotonic() + STOP_S)
         if self.process.is_alive():  # still building, or stuck: it holds GPU memory, so it goes
             self.process.kill()
         self.process.join()
         if self.loop is not None and not self.loop.is_closed() and not self.gone:
             self.loop.remove_reader(self.conn.fileno())
         self.conn.close()
+
+    def _drain(self, deadline: float) -> None:
+        """Read (and drop) what the engine still sends until it exits: a send of its to a full
+        pipe would otherwise keep it from reading the stop."""
+        while self.process.is_alive() and time.monotonic() < deadline:
+            try:
+                if self.conn.poll(0.05):
+                    self.conn.recv()
+            except (EOFError, OSError):
+                break
+        self.process.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def alive(self) -> bool:
@@ -236,7 +247,7 @@ class EngineClient:
                 if message[0] == "step":
                     self._deliver(message[1], message[2])
                 else:
-                    self._snapshot_taken(message[1], message[2])
+                    self._snapshot_taken(*message[1:])
         except (EOFError, OSError):
             self._engine_gone()
 
@@ -254,14 +265,18 @@ class EngineClient:
                     del self.jobs[key]
         for job, ds in by_job.items():
             job.deltas.put_nowait(ds)
-        self.num_taken, self.num_engine_waiting, self.num_free_slots = report.num_taken, report.waiting, report.free_slots
+        self.num_taken, self.num_engine_waiting = report.num_taken, report.waiting
+        self.num_free_slots = report.free_slots
         self.metrics.record(report)
 
-    def _snapshot_taken(self, key: int, snap) -> None:
+    def _snapshot_taken(self, key: int, snap, error: str | None) -> None:
         future = self.snapshots.pop(key, None)
         if future is None or future.done():
             return
-        future.set_exception(snap) if isinstance(snap, BaseException) else future.set_result(snap)
+        if error is not None:
+            future.set_exception(server_error(f"the snapshot failed: {error}"))
+        else:
+            future.set_result(snap)
 
     def _engine_gone(self) -> None:
         """Every open request ends with an error (a 503's reason: the server needs a restart)."""

@@ -17,7 +17,7 @@ The pipe carries plain tuples, cheap to pickle:
                     ("log", text)                                a line above the live view
     engine -> API   ("ready", Ready) or ("failed", error)        once, after the build
                     ("step", deltas, report)                     after a turn that changed anything
-                    ("snapshot", key, snapshot or error)
+                    ("snapshot", key, snapshot, None) or (..., None, error)
 
 a delta: (key, index, token_ids, text, logprobs, finish_reason, error), what answer `index` of
 request `key` gained (text None: the API process decodes it); report: metrics.StepReport.
@@ -118,6 +118,8 @@ class EngineProcess:
         self.num_taken = 0  # answers taken out of the pipe so far (the API process counts those in it)
         self.changed = False  # the next message has something to say
         self.stopped = False
+        self.commands = {"add": self._add, "abort": self._abort, "snapshot": self._snapshot, "end_all": self._end_all,
+                         "stop": self._stop, "log": self._log}
 
     def run(self) -> None:
         engine, view = self.engine, self.view
@@ -145,7 +147,7 @@ class EngineProcess:
         """One command; one that fails (a bug) fails its own request, and the engine goes on."""
         kind = command[0]
         try:
-            getattr(self, "_" + kind)(*command[1:])
+            self.commands[kind](*command[1:])
         except Exception as e:
             log.exception("serving a %s command failed", kind)
             if kind == "add":
@@ -153,7 +155,7 @@ class EngineProcess:
                 self._drop(key)
                 self._fail(key, prompts.num_answers, f"the server could not take the request: {e}")
             elif kind == "snapshot":
-                self.conn.send(("snapshot", command[1], e))
+                self.conn.send(("snapshot", command[1], None, str(e)))
         self.changed = True
 
     def _add(self, key: int, request_id: str, arrival: float, prompts) -> None:
@@ -161,7 +163,8 @@ class EngineProcess:
         self.num_taken += prompts.num_answers  # counted first: whatever adding it does, it left the pipe
         seqs = self.requests[key] = []
         for ids, text, params in zip(prompts.token_ids, prompts.texts, prompts.params):
-            added = [engine.add_request(ids, params[0], text)] if len(params) == 1 else engine.add_parallel(ids, params, text)
+            added = ([engine.add_request(ids, params[0], text)] if len(params) == 1
+                     else engine.add_parallel(ids, params, text))
             for seq in added:
                 seq.request_id = request_id if prompts.num_answers == 1 else f"{request_id}#{len(seqs)}"
                 seq.arrival_time = arrival  # perf_counter: one clock for both processes (CLOCK_MONOTONIC)
@@ -177,7 +180,7 @@ class EngineProcess:
         self.tally.aborted(self._drop(key))
 
     def _snapshot(self, key: int) -> None:
-        self.conn.send(("snapshot", key, self.engine.snapshot()))
+        self.conn.send(("snapshot", key, self.engine.snapshot(), None))
 
     def _end_all(self, why: str = SHUTTING_DOWN, reason: str = "abort") -> None:
         """Every request still open ends now, told `why`."""

@@ -100,12 +100,12 @@ class Tally:
 
     def report(self, engine, num_taken: int) -> StepReport:
         sched, cache = engine.scheduler, engine.cache
+        waiting = len(sched.waiting) + sum(len(c) for c in sched.forks.values())
         report = StepReport(
-            self.num_steps, self.now or time.perf_counter(), num_taken,
-            len(sched.waiting) + sum(len(c) for c in sched.forks.values()), max(0, cache.max_slots - len(sched.running)),
-            len(sched.running), cache.geometry.num_blocks - cache.num_free_blocks, sched.prompt_tokens,
-            sched.cached_prompt_tokens, sched.num_preemptions, self.generated, self.ttfts, self.itls, self.finishes,
-            self.num_aborted)
+            self.num_steps, self.now or time.perf_counter(), num_taken, waiting,
+            max(0, cache.max_slots - len(sched.running)), len(sched.running),
+            cache.geometry.num_blocks - cache.num_free_blocks, sched.prompt_tokens, sched.cached_prompt_tokens,
+            sched.num_preemptions, self.generated, self.ttfts, self.itls, self.finishes, self.num_aborted)
         self._clear()
         return report
 
@@ -131,7 +131,8 @@ class Metrics:
 
     def record(self, r: StepReport) -> None:
         self.running, self.waiting, self.used_blocks = r.running, r.waiting, r.used_blocks
-        self.prompt_tokens, self.cached_prompt_tokens, self.preemptions = r.prompt_tokens, r.cached_prompt_tokens, r.preemptions
+        self.prompt_tokens, self.cached_prompt_tokens = r.prompt_tokens, r.cached_prompt_tokens
+        self.preemptions = r.preemptions
         self.generation_tokens += r.generated
         for value in r.ttfts:
             self.ttft.observe(value)
