@@ -1,5 +1,6 @@
-"""`pagedcli serve`: the real server (uvicorn in a thread, or a subprocess) on a free loopback
-port, the built-in model, called through the official `openai` client and plain HTTP."""
+"""`pagedcli serve`: the real server (uvicorn in a thread with the engine in its own process, as
+the command runs it, or the command as a subprocess) on a free loopback port, the built-in model,
+called through the official `openai` client and plain HTTP."""
 
 from __future__ import annotations
 

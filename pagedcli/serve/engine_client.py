@@ -139,7 +139,7 @@ class EngineClient:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-        child.close()  # its only end is then the engine's: EOF here when it dies
+        child.close()  # the engine process's end, which it alone holds now: its death is EOF here
         try:
             kind, what = self.conn.recv()
         except EOFError:

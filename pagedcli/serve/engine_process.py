@@ -67,22 +67,22 @@ def main(conn, build, args: tuple, live: bool) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     try:
-        loaded = build(*args)
-    except BaseException as e:  # said by the API process, which exits with the error's code
-        conn.send(("failed", as_error(e)))
-        return
-    engine = loaded.engine
-    conn.send(("ready", Ready(loaded.source.name, loaded.source.generation_config, loaded.tokenizer,
-                              engine.scheduler.limits, engine.cache.max_slots, engine.cache.geometry)))
-    view = None
-    if live:
-        from rich.console import Console
+        try:
+            loaded = build(*args)
+        except BaseException as e:  # said by the API process, which exits with the error's code
+            conn.send(("failed", as_error(e)))
+            return
+        engine = loaded.engine
+        conn.send(("ready", Ready(loaded.source.name, loaded.source.generation_config, loaded.tokenizer,
+                                  engine.scheduler.limits, engine.cache.max_slots, engine.cache.geometry)))
+        view = None
+        if live:
+            from rich.console import Console
 
-        from pagedcli.serve.live import ServerView
+            from pagedcli.serve.live import ServerView
 
-        view = ServerView(engine, Console(file=sys.stdout), loaded.tokenizer and loaded.tokenizer.decode)
-    log_to(view.out if view is not None else sys.stderr)
-    try:
+            view = ServerView(engine, Console(file=sys.stdout), loaded.tokenizer and loaded.tokenizer.decode)
+        log_to(view.out if view is not None else sys.stderr)
         EngineProcess(conn, engine, view).run()
     except (EOFError, OSError):  # the API process is gone (killed, or it ended): nobody to answer
         pass
