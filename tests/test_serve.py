@@ -24,7 +24,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from conftest import ASSETS  # noqa: E402
-from helpers import check_block_accounting, engine_process_of, invoke, serve_build, start_server  # noqa: E402
+from helpers import (assert_one_line, check_block_accounting, engine_process_of, invoke, serve_build,  # noqa: E402
+                     start_server)
 
 TEMPLATE = ASSETS / "chat" / "chat_template.jinja"
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo", "First Citizen:\nBefore we proceed any further, hear me speak.", "KING"]
@@ -524,6 +525,12 @@ def test_a_port_in_use_is_said_before_the_model_loads():
         port = taken.getsockname()[1]
         code, _, err = invoke("serve", "--port", str(port))
     assert code == 1 and "--port" in err and "cannot listen there" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_model_the_engine_process_cannot_build_is_one_line(tmp_path):
+    """The engine's process builds the model: its UsageError comes back to be said as generate says it."""
+    code, _, err = invoke("serve", "--model", str(tmp_path / "nothing"), "--device", "cpu", "--port", "0")
+    assert_one_line(code, err, 2, "--model", "no such folder")
 
 
 def test_only_loopback_addresses_go_without_a_warning():
