@@ -115,9 +115,9 @@ def blocks_of(cache, slot: int, layer: int) -> list[int]:
 
 
 def start_server(*args):
-    """`pagedcli serve --model demo --device cpu --port 0 ARGS...` as a process, and the URL it says it
-    serves (http://127.0.0.1:PORT/v1), once it does. The caller stops it (and reads its stderr, or
-    the access log fills the pipe)."""
+    """`pagedcli serve --model demo --device cpu --port 0 ARGS...` as a process (in a process group of
+    its own, as a terminal starts it), and the URL it says it serves (http://127.0.0.1:PORT/v1),
+    once it does. The caller stops it (and reads its stderr, or the access log fills the pipe)."""
     import re
     import subprocess
     import sys
@@ -125,7 +125,7 @@ def start_server(*args):
 
     proc = subprocess.Popen([sys.executable, "-m", "pagedcli", "serve", "--model", "demo", "--device", "cpu",
                              "--port", "0", *args], cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, start_new_session=True)  # its own process group, for a terminal's Ctrl-C
     line = ""
     while "serving" not in line:
         line = proc.stderr.readline()
@@ -133,3 +133,45 @@ def start_server(*args):
             proc.kill()
             raise AssertionError("the server ended before it served")
     return proc, re.search(r"at (http://\S+/v1)", line).group(1)
+
+
+def engine_process_of(pid: int) -> int:
+    """The pid of the engine process `pagedcli serve` (process `pid`) started."""
+    from pathlib import Path
+
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:  # (it ended meanwhile)
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in cmdline:
+            return int(stat.parent.name)
+    raise AssertionError(f"process {pid} has no engine process")
+
+
+def serve_build(model: str, batch: int, engine: dict, template: str | None, poison: bool = False):
+    """The engine of a test's server (run in its engine process: a module-level function, which
+    spawn pickles by name). `poison`: a bug on demand, from the prompt: "POISON" fails its adding,
+    "CRASH" the step that runs it."""
+    from pagedcli.model.loader import EngineOptions, load
+
+    loaded = load(EngineOptions(model=model, device="cpu", batch=batch, shuffle_blocks=7, **engine))
+    if loaded.tokenizer is not None and template is not None:
+        loaded.tokenizer.use_chat_template(template)
+    if poison:
+        engine = loaded.engine
+        add, step = engine.add_request, engine.step
+
+        def add_request(ids, params, text=None):
+            if text == "POISON":
+                raise RuntimeError("a bug in adding")
+            return add(ids, params, text)
+
+        def failing_step():
+            if any(s.prompt == "CRASH" for s in engine.scheduler.running):
+                raise RuntimeError("a bug in the step")
+            return step()
+
+        engine.add_request, engine.step = add_request, failing_step
+    return loaded

@@ -1,10 +1,12 @@
-"""`pagedcli serve`: the real server (uvicorn in a thread, or a subprocess) on a free loopback
-port, the built-in model, called through the official `openai` client and plain HTTP."""
+"""`pagedcli serve`: the real server (uvicorn in a thread with the engine in its own process, as
+the command runs it, or the command as a subprocess) on a free loopback port, the built-in model,
+called through the official `openai` client and plain HTTP."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -22,39 +24,34 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from conftest import ASSETS  # noqa: E402
-from helpers import check_block_accounting, invoke, start_server  # noqa: E402
+from helpers import (assert_one_line, check_block_accounting, engine_process_of, invoke, serve_build,  # noqa: E402
+                     start_server)
 
 TEMPLATE = ASSETS / "chat" / "chat_template.jinja"
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo", "First Citizen:\nBefore we proceed any further, hear me speak.", "KING"]
 
 
 class Served:
-    """A server in this process: the app and the engine loop pagedcli serve builds, on uvicorn."""
+    """A server in this process: the app pagedcli serve builds, on uvicorn in a thread, and its
+    engine in an engine process, as pagedcli serve starts it."""
 
     def __init__(self, batch: int = 8, max_waiting: int | None = None, api_key: str | None = None, model: str = "demo",
-                 **engine):
+                 poison: bool = False, **engine):
         import uvicorn
 
         from pagedcli.engine.sequence import SamplingParams
-        from pagedcli.model.loader import EngineOptions, load
         from pagedcli.serve.app import Settings, create_app
-        from pagedcli.serve.engine_loop import EngineLoop
+        from pagedcli.serve.engine_client import EngineClient
         from pagedcli.serve.metrics import Metrics
 
-        def build():
-            loaded = load(EngineOptions(model=model, device="cpu", batch=batch, shuffle_blocks=7, **engine))
-            if loaded.tokenizer is not None:
-                loaded.tokenizer.use_chat_template(TEMPLATE)
-            return loaded
-
+        self.api_key = api_key
         self.metrics = Metrics()
-        self.loop = EngineLoop(build, self.metrics)
-        self.loaded = self.loop.start()
-        self.engine = self.loaded.engine
+        self.engine = EngineClient(serve_build, (model, batch, engine, str(TEMPLATE), poison), self.metrics)
+        self.ready = self.engine.start()
         settings = Settings(model, SamplingParams(), api_key)
         if max_waiting is not None:
             settings.max_waiting = max_waiting
-        app = create_app(self.loop, self.loaded, settings, self.metrics)
+        app = create_app(self.engine, self.ready, settings, self.metrics)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -71,20 +68,21 @@ class Served:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
 
     def settle(self, timeout: float = 10.0) -> None:
-        """Wait until the engine has nothing left (aborts reach it asynchronously), then check
-        that every block is back."""
+        """Wait until the engine has nothing left (aborts reach it asynchronously), then check,
+        in its own snapshot, that every block is back."""
         deadline = time.monotonic() + timeout
-        while self.engine.has_unfinished or self.loop.num_waiting or self.engine.scheduler.running:
+        m = self.metrics
+        while self.engine.jobs or self.engine.num_waiting or m.running or m.waiting or m.used_blocks:
             assert time.monotonic() < deadline, "the engine never went idle"
             time.sleep(0.01)
-        time.sleep(0.05)  # the engine thread finishes its turn
-        check_block_accounting(self.engine)
-        assert self.engine.cache.num_free_blocks == self.engine.cache.geometry.num_blocks
+        cache = httpx.get(self.url + "/v1/cache", headers={"Authorization": f"Bearer {self.api_key}"}).json()
+        assert cache["running"] == [] and cache["waiting"] == []
+        assert cache["free_blocks"] == cache["total_blocks"] == self.ready.geometry.num_blocks
 
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
-        self.loop.stop()
+        self.engine.stop()
 
 
 @contextmanager
@@ -207,8 +205,8 @@ def test_32_concurrent_streams_each_answer_its_solo_run_and_every_block_comes_ba
         together = asyncio.run(all_at_once())
         assert together == solo
         s.settle()
-        assert s.engine.scheduler.num_preemptions > 0, "the pool was meant to run short"
-        assert s.engine.num_steps < sum(6 + 2 * (i % 5) for i in range(32)) / 2, "they ran in one batch"
+        assert s.metrics.preemptions > 0, "the pool was meant to run short"
+        assert s.metrics.num_steps < sum(6 + 2 * (i % 5) for i in range(32)) / 2, "they ran in one batch"
 
 
 def test_clients_that_go_away_mid_stream_leave_nothing_behind(server):
@@ -242,7 +240,7 @@ def test_a_client_that_gives_up_waiting_for_a_whole_answer_is_aborted():
         while s.metrics.num_aborted < 1:  # the waiting one, not the running one
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert s.loop.num_waiting == 0 and len(s.engine.scheduler.running) == 1
+        assert s.engine.num_waiting == 0 and s.metrics.running == 1
         busy.close()
         s.settle()
         assert (s.metrics.running, s.metrics.used_blocks) == (0, 0), "the gauges saw the abort (and no step after it)"
@@ -311,14 +309,14 @@ def test_past_max_waiting_is_429_and_a_wrong_key_401():
         assert lower.status_code == 200, "the scheme's case does not count (RFC 7235)"
         client = s.client(api_key="sekrit")
         assert [m.id for m in client.models.list().data] == ["demo"]
-        s.loop.num_pending = 1  # a request on its way to the engine takes the free slot: it does not wait
-        assert s.loop.num_free_slots == 1 and s.loop.num_waiting == 0
-        s.loop.num_pending = 0
+        s.engine.num_sent += 1  # a request on its way to the engine takes the free slot: it does not wait
+        assert s.engine.num_free_slots == 1 and s.engine.num_waiting == 0
+        s.engine.num_sent -= 1
         first = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=300, temperature=0, stream=True,
                                           extra_body={"ignore_eos": True})
         next(iter(first))  # running
         second = client.completions.create(model="demo", prompt="KING", max_tokens=5, temperature=0, stream=True)
-        while s.loop.num_waiting < 1:  # (its job is queued once its response starts)
+        while s.engine.num_waiting < 1:  # (its job is queued once its response starts)
             time.sleep(0.01)
         with pytest.raises(openai.RateLimitError) as e:  # the second waits: a third is one too many
             client.completions.create(model="demo", prompt="KING", max_tokens=5)
@@ -355,7 +353,7 @@ def test_metrics_parse_and_count_what_ran(server):
     ttft = "vllm:time_to_first_token_seconds_count"
     assert value(after, "vllm:time_to_first_token_seconds", ttft) - value(before, "vllm:time_to_first_token_seconds",
                                                                           ttft) == 2
-    assert value(after, "pagedcli:kv_blocks_free") == server.engine.cache.geometry.num_blocks
+    assert value(after, "pagedcli:kv_blocks_free") == server.ready.geometry.num_blocks
     assert value(after, "vllm:num_requests_running") == 0
 
 
@@ -372,8 +370,8 @@ def test_the_cache_endpoint_shows_inspect_caches_fields_per_running_request(serv
     assert set(entry) == {"request_id", "slot", "step", "geometry", "free_blocks", "used_blocks", "request",
                           "prompt_token_ids", "output_token_ids", "num_cached", "prefill", "layers"}
     assert entry["request"]["prompt"] == PROMPTS[2] and entry["output_token_ids"]
-    assert entry["prompt_token_ids"] == server.loaded.tokenizer.encode(PROMPTS[2])
-    geo = server.engine.cache.geometry
+    assert entry["prompt_token_ids"] == server.ready.tokenizer.encode(PROMPTS[2])
+    geo = server.ready.geometry
     layers = entry["layers"]
     assert len(layers) == geo.num_layers
     assert all(len(layer["blocks"]) >= -(-entry["num_cached"] // geo.block_size) for layer in layers)
@@ -419,26 +417,30 @@ def test_the_answers_id_is_the_request_id_header(server):
     assert made.json()["id"] == made.headers["x-request-id"] and made.json()["id"].startswith("cmpl")
 
 
-def test_a_command_that_fails_fails_its_request_alone_and_a_dead_engine_is_503(monkeypatch):
-    """A request whose adding raises (a bug) gets a 500, the engine thread goes on and the next
-    request is answered; once the thread is gone, requests get 503 at once instead of hanging."""
-    with served() as s:
-        real_add = type(s.loop)._add
-
-        def add(self, job):
-            if job.request_id == "poison":
-                raise RuntimeError("a bug")
-            return real_add(self, job)
-
-        monkeypatch.setattr(type(s.loop), "_add", add)
-        body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 3}
-        bad = httpx.post(s.url + "/v1/completions", json=body, headers={"X-Request-Id": "poison"}, timeout=10)
-        assert bad.status_code == 500 and "a bug" in bad.json()["error"]["message"]
-        assert httpx.post(s.url + "/v1/completions", json=body, timeout=10).status_code == 200
+def test_a_failed_add_or_step_fails_its_requests_and_a_killed_engine_is_503_at_once():
+    """A request whose adding raises (a bug) gets a 500 and the next is answered; a step that
+    raises ends the requests in it and the server goes on; once the engine process is killed, a
+    stream in flight ends with an error event, and /health and new requests get 503 at once."""
+    with served(poison=True) as s:
+        body = {"model": "demo", "max_tokens": 3}
+        bad = httpx.post(s.url + "/v1/completions", json=body | {"prompt": "POISON"}, timeout=10)
+        assert bad.status_code == 500 and "a bug in adding" in bad.json()["error"]["message"]
+        assert httpx.post(s.url + "/v1/completions", json=body | {"prompt": "ROMEO:"}, timeout=10).status_code == 200
+        crash = httpx.post(s.url + "/v1/completions", json=body | {"prompt": "CRASH"}, timeout=10)
+        assert crash.status_code == 500 and "the engine failed: a bug in the step" in crash.json()["error"]["message"]
+        assert httpx.post(s.url + "/v1/completions", json=body | {"prompt": "KING"}, timeout=10).status_code == 200
         s.settle()
-        s.loop.stop()  # the engine thread ends
-        gone = httpx.post(s.url + "/v1/completions", json=body, timeout=10)
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=10,
+                          json=body | {"prompt": "ROMEO:", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")  # it runs
+            os.kill(s.engine.process.pid, signal.SIGKILL)
+            events = [x for x in lines if x.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and "engine process has stopped" in events[-2], events[-2:]
+        assert httpx.get(s.url + "/health").status_code == 503
+        gone = httpx.post(s.url + "/v1/completions", json=body | {"prompt": "KING"}, timeout=10)
         assert gone.status_code == 503 and gone.json()["error"]["type"] == "server_error"
+        assert httpx.get(s.url + "/v1/cache").status_code == 503
 
 
 def test_sigterm_finishes_what_runs_and_exits_0(tmp_path):
@@ -460,12 +462,14 @@ def test_sigterm_finishes_what_runs_and_exits_0(tmp_path):
         proc.kill()
 
 
-def test_a_second_signal_ends_what_runs_with_an_ending_each_client_reads():
-    """Past the grace (here: at once, a second SIGINT), the answers in flight are aborted by the
+def test_a_second_ctrl_c_ends_what_runs_with_an_ending_each_client_reads():
+    """Ctrl-C twice at a terminal (SIGINT to the whole process group, the engine's process too):
+    past the grace (here: at once, the second one) the answers in flight are aborted by the
     engine, not cut by uvicorn: a stream gets an error event and [DONE], a whole answer a 503 in
-    OpenAI's shape; no traceback, exit 0."""
+    OpenAI's shape; no traceback, exit 0, and the engine's process is gone too."""
     proc, url = start_server()
     url = url.removesuffix("/v1")
+    engine = engine_process_of(proc.pid)
     try:
         body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 500, "ignore_eos": True}  # seconds on a CPU
         whole = {}
@@ -475,9 +479,9 @@ def test_a_second_signal_ends_what_runs_with_an_ending_each_client_reads():
         with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True}, timeout=30) as stream:
             lines = stream.iter_lines()
             assert next(lines).startswith("data: {")  # it runs
-            proc.send_signal(signal.SIGINT)
+            os.killpg(proc.pid, signal.SIGINT)
             time.sleep(0.2)
-            proc.send_signal(signal.SIGINT)
+            os.killpg(proc.pid, signal.SIGINT)
             events = [x for x in lines if x.startswith("data: ")]
         waiting.join(30)
         assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "shutting down" in events[-2], events[-3:]
@@ -485,8 +489,21 @@ def test_a_second_signal_ends_what_runs_with_an_ending_each_client_reads():
         assert proc.wait(30) == 0
         err = proc.stderr.read()
         assert "Traceback" not in err and "stopped by SIGINT" in err, err
+        assert not os.path.exists(f"/proc/{engine}"), "the server joins its engine process"
     finally:
         proc.kill()
+
+
+def test_the_engine_process_ends_when_the_server_is_killed():
+    """No orphan holding the model's memory: the engine process sees its pipe close and exits."""
+    proc, _ = start_server()
+    engine = engine_process_of(proc.pid)
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{engine}") and "Z" not in open(f"/proc/{engine}/stat").read().rsplit(")", 1)[1][:3]:
+        assert time.monotonic() < deadline, "the engine process outlived the server"
+        time.sleep(0.05)
 
 
 def test_serve_without_fastapi_is_one_line_and_the_rest_works():
@@ -508,6 +525,12 @@ def test_a_port_in_use_is_said_before_the_model_loads():
         port = taken.getsockname()[1]
         code, _, err = invoke("serve", "--port", str(port))
     assert code == 1 and "--port" in err and "cannot listen there" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_model_the_engine_process_cannot_build_is_one_line(tmp_path):
+    """The engine's process builds the model: its UsageError comes back to be said as generate says it."""
+    code, _, err = invoke("serve", "--model", str(tmp_path / "nothing"), "--device", "cpu", "--port", "0")
+    assert_one_line(code, err, 2, "--model", "no such folder")
 
 
 def test_only_loopback_addresses_go_without_a_warning():

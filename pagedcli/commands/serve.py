@@ -1,5 +1,6 @@
 """`pagedcli serve`: the model over HTTP with OpenAI's API, one engine for every client
-(pagedcli/serve/ does the work; this is options, messages and the server's start and end).
+(pagedcli/serve/ does the work; this is options, messages and the server's start and end). The
+engine runs in a process of its own (serve/engine_process.py), this one serves HTTP.
 
 SIGINT or SIGTERM stop it cleanly: no new connections, the requests in flight get GRACE_S to
 finish and are aborted after that, the engine gives every block back, exit code 0."""
@@ -17,20 +18,16 @@ import threading
 from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
 
 from pagedcli.commands.exits import friendly_errors, notice, signals_handled
 from pagedcli.commands.generate import load_for_text, request_params, sampling_defaults
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
 from pagedcli.errors import RunError, UsageError, plural
-from pagedcli.serve import DEFAULT_MAX_WAITING
+from pagedcli.serve import DEFAULT_MAX_WAITING, LOG_FORMAT
 
 GRACE_S = 10.0  # seconds the requests in flight get to finish once a signal stops the server
 CLOSE_S = 5.0  # then, after they are aborted, seconds their handlers get to write their endings
-# The engine thread and the event loop share the GIL. Python hands it to a waiting thread only
-# after this long (5 ms by default): the engine, back from waiting on the GPU while the event loop
-# writes chunks, would wait that long for it, several decode steps on a GPU (docs/serve.md has the
-# H200's figures for 0.1, 0.5 and 5 ms).
-SWITCH_INTERVAL_S = 0.0001
 # RequestFlags that a request gives itself (its prompt, chat or not, n, logprobs); the rest are the
 # defaults for what a request leaves out
 PER_REQUEST = {"prompts": None, "prompt_file": None, "prompt_separator": r"\n", "chat": None, "system": None,
@@ -71,51 +68,43 @@ def serve(
         notice(f"warning: --host {host} serves anyone who can reach it, and without --api-key nothing is asked of them")
 
     from pagedcli.serve.app import Settings, create_app
-    from pagedcli.serve.engine_loop import EngineLoop
+    from pagedcli.serve.engine_client import EngineClient
     from pagedcli.serve.metrics import Metrics
 
-    shared, view = None, None  # view: makes the live view (in the engine thread, which draws it)
-    if live:
-        from rich.console import Console
-
-        from pagedcli.serve.live import ServerView, SharedOutput
-
-        console = Console(file=sys.stdout)
-        if console.is_terminal:
-            shared = SharedOutput()
-
-            def view(loaded):  # noqa: F811 (the None above, replaced)
-                return ServerView(loaded.engine, console, loaded.tokenizer and loaded.tokenizer.decode, shared)
-        else:
-            notice("--live: stdout is not a terminal, so no live view")
+    if live and not Console(file=sys.stdout).is_terminal:
+        notice("--live: stdout is not a terminal, so no live view")
+        live = False
     metrics = Metrics()
-    engine_loop = EngineLoop(lambda: load_model(engine_flags, requests), metrics, view)
+    engine = EngineClient(load_model, (engine_flags, requests), metrics, live)
+    shared = None  # with the live view: where this process's lines go (above its frame, drawn by the engine's process)
     try:
-        loaded = engine_loop.start()
-        name = loaded.source.name
-        defaults = sampling_defaults(params, loaded.source.generation_config, given,
-                                     f"{name}'s generation_config.json")
-        app = create_app(engine_loop, loaded, Settings(name, defaults, api_key, max_waiting), metrics)
+        ready = engine.start()
+        if live:
+            from pagedcli.serve.live import ToView
+
+            shared = ToView(engine.log)
+        name = ready.model_name
+        defaults = sampling_defaults(params, ready.generation_config, given, f"{name}'s generation_config.json")
+        app = create_app(engine, ready, Settings(name, defaults, api_key, max_waiting), metrics)
         config = uvicorn.Config(app, log_level="info", log_config=log_config(), lifespan="off",
                                 timeout_graceful_shutdown=GRACE_S + CLOSE_S,
                                 use_colors=False if shared is not None else None)
         quiet_startup(shared)
         bound_host, bound_port = sock.getsockname()[:2]
         say(f"serving {name} at http://{url_host(bound_host)}:{bound_port}/v1 with OpenAI's API "
-            f"({plural(loaded.engine.cache.max_slots, 'slot')}; Ctrl-C stops)", shared)
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
-        server = make_server(config, engine_loop)
+            f"({plural(ready.max_slots, 'slot')}; Ctrl-C stops)", shared)
+        server = make_server(config, engine)
         server.run(sockets=[sock])
     finally:
-        engine_loop.stop()
+        engine.stop()
         sock.close()
     by = f" by {signal.Signals(server.stopped_by).name}" if server.stopped_by else ""
     notice(f"stopped{by}: {metrics.summary()}")  # (the live view has left the screen)
 
 
 def load_model(engine_flags: EngineFlags, requests: RequestFlags):
-    """The model as generate loads it; but one without a tokenizer (random weights, for a
-    benchmark through the server) is served too, for prompts of token ids."""
+    """The model as generate loads it, in the engine's process; but one without a tokenizer
+    (random weights, for a benchmark through the server) is served too, for prompts of token ids."""
     from pagedcli.model.loader import load
 
     if engine_flags.model is not None and engine_flags.model.startswith("random:"):
@@ -188,7 +177,7 @@ def quiet_startup(shared) -> None:
     log = logging.getLogger("pagedcli.serve")
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
         log.addHandler(handler)
         log.propagate = False
     if shared is not None:
@@ -197,7 +186,7 @@ def quiet_startup(shared) -> None:
         log_above(shared, ("uvicorn", "uvicorn.error", "uvicorn.access", "pagedcli.serve"))
 
 
-def make_server(config, engine_loop):
+def make_server(config, engine):
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -216,10 +205,10 @@ def make_server(config, engine_loop):
 
         def handle_exit(self, sig, frame) -> None:
             if self.stopped_by is not None:  # a second signal: end what runs now
-                engine_loop.end_all()
+                engine.end_all()
                 return
             self.stopped_by = sig
-            deadline = threading.Timer(GRACE_S, engine_loop.end_all)
+            deadline = threading.Timer(GRACE_S, engine.end_all)
             deadline.daemon = True
             deadline.start()
             super().handle_exit(sig, frame)

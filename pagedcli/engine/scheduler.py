@@ -55,6 +55,36 @@ class Schedule:
 UNCHUNKED_MAX_BATCHED_TOKENS = 8192
 
 
+@dataclass(frozen=True)
+class PromptLimits:
+    """What a prompt must fit to ever run: checked as the scheduler takes a request, and by
+    `pagedcli serve`'s API process before it sends one to the engine's process (plain values:
+    they travel between the processes)."""
+
+    max_model_len: int
+    pool_tokens: int  # tokens the whole pool holds (one layer)
+    vocab_size: int | None  # None: not checked
+
+    def why_unrunnable(self, prompt_len: int) -> str | None:
+        if prompt_len == 0:
+            return "the prompt is empty"
+        limit = min(self.max_model_len, self.pool_tokens)
+        if prompt_len + 1 > limit:
+            what, hint = (("the whole pool holds", "use a larger `cache_size` or `num_blocks`") if self.pool_tokens <= limit
+                          else ("the maximum length is", "shorten the prompt"))
+            return (f"the prompt has {plural(prompt_len, 'token')} and needs room for {prompt_len + 1:,} with one new token, but "
+                    f"{what} {limit} ({hint})")
+        return None
+
+    def unknown_token(self, token_ids: list[int]) -> str | None:
+        """A token id the model has no embedding for: the tokenizer is not the model's."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None) if self.vocab_size else None
+        if bad is None:
+            return None
+        return (f"token id {bad} is outside the model's vocabulary of {self.vocab_size:,} (ids 0 to "
+                f"{self.vocab_size - 1:,}; ids from a tokenizer that is not this model's)")
+
+
 class Scheduler:
     def __init__(self, cache: KVCache, stop_ids: set[int], max_num_batched_tokens: int | None = None,
                  vocab_size: int | None = None, chunked_prefill: bool = False):
@@ -62,6 +92,7 @@ class Scheduler:
         self.max_model_len = cache.max_model_len
         self.stop_ids = stop_ids
         self.vocab_size = vocab_size  # prompts with other token ids are refused (None: not checked)
+        self.limits = PromptLimits(self.max_model_len, cache.geometry.pool_tokens, vocab_size)
         self.chunked_prefill = chunked_prefill
         # new tokens a step feeds at most; chunked, at least one per slot, so that no decoding sequence waits
         self.max_num_batched_tokens = max_num_batched_tokens or UNCHUNKED_MAX_BATCHED_TOKENS
@@ -121,24 +152,10 @@ class Scheduler:
         return seqs + joined, list(range(len(seqs))) + rows
 
     def why_unrunnable(self, prompt_len: int) -> str | None:
-        if prompt_len == 0:
-            return "the prompt is empty"
-        pool_tokens = self.cache.geometry.pool_tokens
-        limit = min(self.max_model_len, pool_tokens)
-        if prompt_len + 1 > limit:
-            what, hint = (("the whole pool holds", "use a larger `cache_size` or `num_blocks`") if pool_tokens <= limit
-                          else ("the maximum length is", "shorten the prompt"))
-            return (f"the prompt has {plural(prompt_len, 'token')} and needs room for {prompt_len + 1:,} with one new token, but "
-                    f"{what} {limit} ({hint})")
-        return None
+        return self.limits.why_unrunnable(prompt_len)
 
     def unknown_token(self, token_ids: list[int]) -> str | None:
-        """A token id the model has no embedding for: the tokenizer is not the model's."""
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None) if self.vocab_size else None
-        if bad is None:
-            return None
-        return (f"token id {bad} is outside the model's vocabulary of {self.vocab_size:,} (ids 0 to "
-                f"{self.vocab_size - 1:,}; ids from a tokenizer that is not this model's)")
+        return self.limits.unknown_token(token_ids)
 
     @property
     def has_unfinished(self) -> bool:

@@ -1,15 +1,16 @@
 """`pagedcli serve`: an OpenAI-compatible HTTP server over one engine (FastAPI + uvicorn, the
 `serve` extra). One idea a module:
 
-- protocol.py     the request bodies, with OpenAI's field names and types (pydantic)
-- sampling.py     a request's prompt and options -> token ids and SamplingParams, or a 400
-- engine_loop.py  the one engine, stepping in its own thread; every request joins its batch
-- responses.py    OpenAI's response objects and stream chunks
-- metrics.py      Prometheus text, with vLLM's metric names where it has one
-- cache_view.py   /v1/cache: the cache snapshot as inspect-cache's JSON, per running request
-- errors.py       OpenAI's error object
-- app.py          the routes
-- live.py         `serve --live`: the live view over the server's traffic, the access log above it
+- protocol.py       the request bodies, with OpenAI's field names and types (pydantic)
+- sampling.py       a request's prompt and options -> token ids and SamplingParams, or a 400
+- engine_process.py the one engine, in a process of its own: builds it, steps it, sends each turn's tokens
+- engine_client.py  the API process's side of it: requests (Jobs) in, their tokens out to each one
+- responses.py      OpenAI's response objects and stream chunks
+- metrics.py        Prometheus text, with vLLM's metric names where it has one
+- cache_view.py     /v1/cache: the cache snapshot as inspect-cache's JSON, per running request
+- errors.py         OpenAI's error object
+- app.py            the routes
+- live.py           `serve --live`: the live view over the server's traffic, the access log above it
 
 Nothing here is imported unless the server is started: pagedcli works without fastapi.
 """
@@ -17,3 +18,4 @@ Nothing here is imported unless the server is started: pagedcli works without fa
 MISSING = "pagedcli serve needs FastAPI and uvicorn"
 INSTALL_HINT = "install them with: pip install 'pagedcli[serve]'"
 DEFAULT_MAX_WAITING = 4096  # answers (n a request) waiting for a slot before the next request is refused (429)
+LOG_FORMAT = "%(levelname)s: %(message)s"  # the server's own log lines, in both of its processes

@@ -1,6 +1,7 @@
 """The routes: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, and /health,
-/metrics and /v1/cache. Every request becomes a Job in the one engine (engine_loop.py); a
-streamed one sends each delta as a server-sent event the moment the engine hands it over.
+/metrics and /v1/cache. Every request becomes a Job in the one engine (engine_client.py, which
+talks to the engine's own process); a streamed one sends each delta as a server-sent event the
+moment the engine's message with it is read.
 
 A client that goes away (mid-stream, or while a whole answer is computed) has its job aborted,
 which frees its blocks at the engine's next step. Errors are OpenAI's error object (errors.py)."""
@@ -18,7 +19,8 @@ from starlette.exceptions import HTTPException
 
 from pagedcli.engine.sequence import SamplingParams
 from pagedcli.serve import DEFAULT_MAX_WAITING, cache_view
-from pagedcli.serve.engine_loop import EngineLoop, Job
+from pagedcli.serve.engine_client import EngineClient, Job
+from pagedcli.serve.engine_process import Ready
 from pagedcli.serve.errors import APIError, not_found, too_many_waiting, unauthorized
 from pagedcli.serve.metrics import Metrics
 from pagedcli.serve.protocol import ChatRequest, CompletionRequest, parse
@@ -36,9 +38,9 @@ class Settings:
     max_waiting: int = DEFAULT_MAX_WAITING
 
 
-def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Metrics) -> FastAPI:
+def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: Metrics) -> FastAPI:
     app = FastAPI(title="pagedcli", docs_url=None, redoc_url=None, openapi_url=None)
-    tokenizer, scheduler = loaded.tokenizer, loaded.engine.scheduler
+    tokenizer, limits = ready.tokenizer, ready.limits
     started = int(time.time())
 
     def token_text(token_id: int) -> str:  # a token's own text, for log-probabilities
@@ -60,22 +62,22 @@ def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Met
 
     @app.get("/health")
     async def health():
-        if not engine_loop.thread.is_alive():
+        if not engine.alive:
             return Response("the engine has stopped", 503)
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": started,
-                                            "owned_by": "pagedcli", "max_model_len": scheduler.max_model_len}]}
+                                            "owned_by": "pagedcli", "max_model_len": limits.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics_text():
-        return PlainTextResponse(metrics.render(engine_loop.num_waiting), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(engine.num_waiting), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/cache")
     async def cache():
-        snap = await engine_loop.snapshot()
+        snap = await engine.snapshot()
         return await asyncio.to_thread(cache_view.to_json, snap, tokenizer)
 
     @app.post("/v1/completions")
@@ -98,11 +100,11 @@ def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Met
                            "model", code="model_not_found")
 
     async def run(request: Request, req, token_ids, texts, chat: bool, want_logprobs: bool):
-        params = request_params(req, settings.defaults, scheduler, token_ids, tokenizer is not None)
-        if engine_loop.num_waiting >= settings.max_waiting:
+        params = request_params(req, settings.defaults, limits, token_ids, tokenizer is not None)
+        if engine.num_waiting >= settings.max_waiting:
             raise too_many_waiting(settings.max_waiting)
         request_id = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
-        job = Job(request_id, Prompts(token_ids, texts, params), asyncio.get_running_loop(), tokenizer)
+        job = Job(request_id, Prompts(token_ids, texts, params), tokenizer)
         shapes = Shapes(chat, request_id, settings.model_name, token_text, want_logprobs)
         num_prompt_tokens = sum(len(ids) for ids in token_ids)
         headers = {"X-Request-Id": request_id}
@@ -117,7 +119,7 @@ def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Met
     async def stream(job: Job, shapes: Shapes, num_prompt_tokens: int, include_usage: bool, continuous: bool):
         """The SSE body. Cancelled when the client goes away (Starlette listens for it): the
         job is aborted on the way out."""
-        engine_loop.submit(job)
+        engine.submit(job)
         started = [False] * job.prompts.num_answers
         num_tokens = 0
         try:
@@ -137,10 +139,10 @@ def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Met
             yield sse("[DONE]")
         finally:
             if not job.done:
-                engine_loop.abort(job)
+                engine.abort(job)
 
     async def whole(request: Request, job: Job, shapes: Shapes, num_prompt_tokens: int, headers: dict) -> Response:
-        engine_loop.submit(job)
+        engine.submit(job)
         answers = [Answer() for _ in range(job.prompts.num_answers)]
         gone = asyncio.ensure_future(disconnected(request))
         try:
@@ -157,7 +159,7 @@ def create_app(engine_loop: EngineLoop, loaded, settings: Settings, metrics: Met
         finally:
             gone.cancel()
             if not job.done:
-                engine_loop.abort(job)
+                engine.abort(job)
         body = shapes.whole(answers, usage(num_prompt_tokens, sum(a.num_tokens for a in answers)))
         return JSONResponse(body, headers=headers)
 

@@ -2,52 +2,49 @@
 one row per running request named by its client's request id, and the server's log (the access
 log: a line per request) printed above the frame.
 
-The view is drawn from the engine thread, between steps, as generate draws it from its step
-loop, and also while the engine is idle (so log lines still appear); the log lines are written
-from the event loop's thread, hence the lock."""
+The view needs the engine, so the engine's process draws it, between steps, as generate draws it
+from its step loop, and also while the engine is idle (so log lines still appear). The API
+process's log lines travel to it through the pipe (ToView) and wait in the view's held output
+until its next frame."""
 
 from __future__ import annotations
 
 import logging
-import threading
 
 from rich.console import Console
 
-from pagedcli.commands.live_view import HeldOutput, LiveView
-
-
-class SharedOutput(HeldOutput):
-    """HeldOutput written from one thread (the log) and taken from another (the view)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lock = threading.Lock()
-
-    def write(self, s: str) -> int:
-        with self.lock:
-            return super().write(s)
-
-    def take(self, everything: bool = False) -> str:
-        with self.lock:
-            return super().take(everything)
+from pagedcli.commands.live_view import LiveView
 
 
 class ServerView(LiveView):
-    def __init__(self, engine, console: Console, decode, out: SharedOutput):
+    def __init__(self, engine, console: Console, decode):
         super().__init__(engine, console, decode, hold_output=True)
-        self.out = out
 
     def after(self, out) -> None:
-        """After each turn of the engine thread: `out` the step's output, or None when idle."""
+        """After each turn of the engine process: `out` the step's output, or None when idle."""
         if out is not None:
             self.on_step(out)
         elif self.clock() - self.last >= self.interval:
             self.refresh()
 
 
-def log_above(out: SharedOutput, loggers: tuple[str, ...]) -> None:
-    """The loggers' lines go above the frame instead of to the terminal directly (which would
-    tear it)."""
+class ToView:
+    """A stream in the API process whose text goes to the engine process, which prints it above
+    the live view's frame (written straight to the terminal, it would tear the frame)."""
+
+    def __init__(self, send):
+        self.send = send  # EngineClient.log
+
+    def write(self, s: str) -> int:
+        self.send(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def log_above(out: ToView, loggers: tuple[str, ...]) -> None:
+    """The loggers' lines go above the frame instead of to the terminal directly."""
     for name in loggers:
         for handler in logging.getLogger(name).handlers:
             if isinstance(handler, logging.StreamHandler):

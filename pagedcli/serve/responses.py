@@ -1,5 +1,5 @@
 """OpenAI's response objects, whole (`stream: false`) and as stream chunks, for completions and
-chat, built from the deltas the engine thread hands out (engine_loop.Delta)."""
+chat, built from the deltas the engine hands out (engine_client.Delta)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 
-from pagedcli.serve.engine_loop import Delta
+from pagedcli.serve.engine_client import Delta
 from pagedcli.serve.errors import APIError, server_error
 
 LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pagedcli.engine.scheduler import Scheduler
+from pagedcli.engine.scheduler import PromptLimits
 from pagedcli.engine.sequence import SamplingParams
 from pagedcli.errors import PagedCliError, plural
 from pagedcli.model.tokenizer import Tokenizer
@@ -87,7 +87,7 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer, model_name: str) -> tupl
     return [tokenizer.encode_rendered(text)], [last]
 
 
-def request_params(req: Sampling, defaults: SamplingParams, scheduler: Scheduler, token_ids: list[list[int]],
+def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits, token_ids: list[list[int]],
                    has_tokenizer: bool = True) -> list[list[SamplingParams]]:
     """The answers' params for each prompt, `n` each: the i-th answer of the request samples
     with seed + i, as generate's answers do, so that it does not depend on its batch mates."""
@@ -113,13 +113,13 @@ def request_params(req: Sampling, defaults: SamplingParams, scheduler: Scheduler
         raise bad_request(f"`{name}` {value}: {why}" + (f" ({hint})" if hint else ""), name)
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"`n` {req.n}: must be from 1 to {MAX_N}", "n")
-    limit = scheduler.max_model_len
+    limit = limits.max_model_len
     prompt_field = "messages" if isinstance(req, ChatRequest) else "prompt"
     params = []
     for ids in token_ids:
-        if problem := scheduler.why_unrunnable(len(ids)):
+        if problem := limits.why_unrunnable(len(ids)):
             raise bad_request(f"`{prompt_field}`: {problem}", prompt_field, "context_length_exceeded" if ids else None)
-        if problem := scheduler.unknown_token(ids):
+        if problem := limits.unknown_token(ids):
             raise bad_request(f"`{prompt_field}`: {problem}", prompt_field)
         room = limit - len(ids)
         if "max_tokens" in given and base.max_tokens > room:

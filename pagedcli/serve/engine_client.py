@@ -1,0 +1,301 @@
+"""The API process's side of the engine (which runs in a process of its own, engine_process.py):
+start it, send it commands, and hand each request the tokens its answers gained.
+
+A request is a Job: the route submits it (an "add" command through the pipe) and reads its
+deltas from an asyncio queue. The event loop watches the pipe (loop.add_reader): each message the
+engine sends after a turn is read there, and its deltas go into their jobs' queues, one
+put_nowait per job, so a token reaches its client as soon as the engine has sampled it.
+
+Commands leave through a thread of their own: a send that blocked the event loop (the engine
+process's end full while it waits for this one to read) would stop it from reading, and the two
+processes would wait for each other. The engine never waits for a client, only for this process,
+when it falls a pipe's worth behind.
+
+A dead engine process (killed, crashed) closes its end: the reader sees EOF, every open request
+ends with an error, and from then on /health and new requests answer 503 at once."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pagedcli.errors import RunError
+from pagedcli.model.tokenizer import StreamDecoder
+from pagedcli.serve import engine_process
+from pagedcli.serve.engine_process import Ready
+from pagedcli.serve.errors import APIError, server_error
+from pagedcli.serve.metrics import Metrics
+from pagedcli.serve.sampling import Prompts
+
+log = logging.getLogger("pagedcli.serve")
+STOP_S = 10.0  # seconds the engine process gets to end its requests and exit, once told to stop
+ENGINE_GONE = "the engine process has stopped; restart the server"
+
+
+@dataclass
+class Delta:
+    """What one answer gained: in one engine turn, or since the client's last read (Job.receive)."""
+
+    index: int  # the answer's place in the request (prompt i's answer j: i * n + j)
+    token_ids: list[int]
+    text: str | None  # None: not decoded yet (Job.receive decodes); an answer with stop strings
+    # comes with the engine's text, cut before the stop string
+    logprobs: list = field(default_factory=list)  # TokenLogprobs, one per new token, when asked for
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while it runs
+    error: str | None = None
+
+    def extend(self, later: Delta) -> None:
+        self.token_ids += later.token_ids
+        self.text = None if self.text is None or later.text is None else self.text + later.text
+        self.logprobs += later.logprobs
+        self.finish_reason, self.error = later.finish_reason, later.error
+
+
+class Job:
+    """One HTTP request in the engine: its prompts, and the queue its deltas arrive in. Its text
+    is decoded here, once per read, not per token in the engine's process."""
+
+    def __init__(self, request_id: str, prompts: Prompts, tokenizer):
+        self.request_id = request_id
+        self.prompts = prompts
+        self.arrival = time.perf_counter()
+        self.key = 0  # its number in the pipe's messages (EngineClient.submit)
+        self.deltas: asyncio.Queue[list[Delta]] = asyncio.Queue()
+        self.num_open = prompts.num_answers  # answers whose last delta has not been received
+        self.ended: set[int] = set()  # answers whose last delta has been delivered
+        answers = [ids for ids, params in zip(prompts.token_ids, prompts.params) for _ in params]
+        # (a model without a tokenizer, random weights for a benchmark, answers token ids only: no text)
+        self.decoders = [StreamDecoder(tokenizer, ids) if tokenizer is not None else None for ids in answers]
+        self.outputs: list[list[int]] = [[] for _ in answers]  # each answer's tokens received so far
+
+    @property
+    def done(self) -> bool:
+        """Every answer's last delta has been received."""
+        return self.num_open == 0
+
+    async def receive(self) -> list[Delta]:
+        """What the answers gained since the last call, a delta per answer that gained anything:
+        the engine's next turn, or when the client fell behind, every turn since, in one piece
+        (the engine never waits for a client)."""
+        turns = [await self.deltas.get()]
+        while not self.deltas.empty():
+            turns.append(self.deltas.get_nowait())
+        merged: dict[int, Delta] = {}
+        for deltas in turns:
+            for d in deltas:
+                if d.index in merged:
+                    merged[d.index].extend(d)
+                else:
+                    merged[d.index] = d
+        for d in merged.values():
+            self.outputs[d.index] += d.token_ids
+            if d.text is None:
+                decoder = self.decoders[d.index]
+                d.text = decoder.catch_up_at_once(self.outputs[d.index]) if decoder is not None else ""
+            self.num_open -= d.finish_reason is not None
+        return list(merged.values())
+
+
+class EngineClient:
+    def __init__(self, build, args: tuple, metrics: Metrics, live: bool = False):
+        """The engine process builds its engine with `build(*args)`, a module-level function
+        (spawn pickles it by name); `live`: it draws the live view."""
+        self.build, self.args, self.live = build, args, live
+        self.metrics = metrics
+        self.conn = None
+        self.process = None
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.sender = threading.Thread(target=self._send_commands, name="pagedcli-commands", daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.jobs: dict[int, Job] = {}  # key -> the job, until its answers have all ended
+        self.snapshots: dict[int, asyncio.Future] = {}
+        self.keys = itertools.count(1)
+        self.gone = False  # the engine process's end of the pipe closed
+        self.num_sent = 0  # answers submitted so far
+        self.num_taken = 0  # of those, taken out of the pipe by the engine, as of its last message
+        self.num_engine_waiting = 0  # answers waiting in the engine after its last turn
+        self.num_free_slots = 0  # slots no answer held after its last turn
+
+    # --- start and end ------------------------------------------------------------------------------
+    def start(self) -> Ready:
+        """Start the engine process and wait until it has built the engine; raise here what
+        building it raised there (a UsageError, say)."""
+        context = multiprocessing.get_context("spawn")  # never fork: CUDA does not survive a fork
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=engine_process.main, args=(child, self.build, self.args, self.live),
+                                       name="pagedcli-engine")
+        # started with SIGINT and SIGTERM ignored (exec keeps that): a Ctrl-C while it starts up
+        # must not kill it before it ignores them itself
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if is_main() else {}
+        try:
+            self.process.start()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        child.close()  # the engine process's end, which it alone holds now: its death is EOF here
+        try:
+            kind, what = self.conn.recv()
+        except EOFError:
+            self.process.join()
+            raise RunError(f"the engine process ended while it built the engine (exit code {self.process.exitcode})") \
+                from None
+        if kind == "failed":
+            self.process.join()
+            raise what
+        self.metrics.describe(what.model_name, what.geometry.num_blocks)
+        self.num_free_slots = what.max_slots
+        self.sender.start()
+        return what
+
+    def stop(self) -> None:
+        """Abort what still runs, let the engine process end and wait for it (idempotent)."""
+        if self.process is None or self.process.pid is None:
+            return
+        if self.process.is_alive() and self.sender.is_alive():
+            self.outbox.put(("stop",))
+            self.outbox.put(None)  # the sender's end
+            self._drain(time.monotonic() + STOP_S)
+        if self.process.is_alive():  # still building, or stuck: it holds GPU memory, so it goes
+            self.process.kill()
+        self.process.join()
+        if self.loop is not None and not self.loop.is_closed() and not self.gone:
+            self.loop.remove_reader(self.conn.fileno())
+        self.conn.close()
+
+    def _drain(self, deadline: float) -> None:
+        """Read (and drop) what the engine still sends until it exits: a send of its to a full
+        pipe would otherwise keep it from reading the stop."""
+        while self.process.is_alive() and time.monotonic() < deadline:
+            try:
+                if self.conn.poll(0.05):
+                    self.conn.recv()
+            except (EOFError, OSError):
+                break
+        self.process.join(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def alive(self) -> bool:
+        return not self.gone and self.process.is_alive()
+
+    # --- commands (from the event loop; end_all and log from any thread) ----------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Answers that wait for a slot: in the engine's waiting queue, and those on their way to it
+        that its free slots will not take."""
+        return self.num_engine_waiting + max(0, self.num_sent - self.num_taken - self.num_free_slots)
+
+    def submit(self, job: Job) -> None:
+        self._check_alive()
+        self._attach()
+        job.key = next(self.keys)
+        self.jobs[job.key] = job
+        self.num_sent += job.prompts.num_answers
+        self.outbox.put(("add", job.key, job.request_id, job.arrival, job.prompts))
+
+    def abort(self, job: Job) -> None:
+        """The client went away: its answers end now and their blocks go back."""
+        if self.jobs.pop(job.key, None) is not None and not self.gone:
+            self.outbox.put(("abort", job.key))
+
+    async def snapshot(self):
+        """The cache as the engine has it between two steps (engine/snapshot.py)."""
+        self._check_alive()
+        self._attach()
+        key = next(self.keys)
+        future = self.snapshots[key] = asyncio.get_running_loop().create_future()
+        self.outbox.put(("snapshot", key))
+        return await future
+
+    def end_all(self) -> None:
+        """Every answer still open ends now ("abort": the server is shutting down)."""
+        self.outbox.put(("end_all",))
+
+    def log(self, text: str) -> None:
+        """A line for the live view, printed above its frame."""
+        self.outbox.put(("log", text))
+
+    def _check_alive(self) -> None:
+        """A command for a process that is gone would wait for ever: 503 at once instead."""
+        if not self.alive:
+            raise APIError(ENGINE_GONE, 503, type="server_error")
+
+    def _attach(self) -> None:
+        """At the first command, its event loop (uvicorn's) starts reading the engine's messages."""
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+            self.loop.add_reader(self.conn.fileno(), self._read)
+
+    def _send_commands(self) -> None:
+        while (command := self.outbox.get()) is not None:
+            try:
+                self.conn.send(command)
+            except OSError:  # the engine process is gone; the reader says so
+                return
+
+    # --- the engine's messages (in the event loop) --------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while self.conn.poll():
+                message = self.conn.recv()
+                if message[0] == "step":
+                    self._deliver(message[1], message[2])
+                else:
+                    self._snapshot_taken(*message[1:])
+        except (EOFError, OSError):
+            self._engine_gone()
+
+    def _deliver(self, deltas: list[tuple], report) -> None:
+        by_job: dict[Job, list[Delta]] = {}
+        for key, index, *rest in deltas:
+            job = self.jobs.get(key)
+            if job is None or index in job.ended:  # aborted here already
+                continue
+            delta = Delta(index, *rest)
+            by_job.setdefault(job, []).append(delta)
+            if delta.finish_reason is not None:
+                job.ended.add(index)
+                if len(job.ended) == job.prompts.num_answers:
+                    del self.jobs[key]
+        for job, ds in by_job.items():
+            job.deltas.put_nowait(ds)
+        self.num_taken, self.num_engine_waiting = report.num_taken, report.waiting
+        self.num_free_slots = report.free_slots
+        self.metrics.record(report)
+
+    def _snapshot_taken(self, key: int, snap, error: str | None) -> None:
+        future = self.snapshots.pop(key, None)
+        if future is None or future.done():
+            return
+        if error is not None:
+            future.set_exception(server_error(f"the snapshot failed: {error}"))
+        else:
+            future.set_result(snap)
+
+    def _engine_gone(self) -> None:
+        """Every open request ends with an error (a 503's reason: the server needs a restart)."""
+        if self.gone:
+            return
+        self.gone = True
+        self.loop.remove_reader(self.conn.fileno())
+        self.process.join(1)
+        log.error("the engine process ended (exit code %s): every request gets 503 now", self.process.exitcode)
+        for job in self.jobs.values():  # ("abort": a 503, as when the server stops)
+            job.deltas.put_nowait([Delta(i, [], "", [], "abort", ENGINE_GONE)
+                                   for i in range(job.prompts.num_answers) if i not in job.ended])
+        self.jobs.clear()
+        for future in self.snapshots.values():
+            if not future.done():
+                future.set_exception(APIError(ENGINE_GONE, 503, type="server_error"))
+        self.snapshots.clear()
+
+
+def is_main() -> bool:
+    """Signal handlers can be set in the main thread only (a test may start the server in another)."""
+    return threading.current_thread() is threading.main_thread()
