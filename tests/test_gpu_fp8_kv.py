@@ -100,7 +100,7 @@ class Setup:
         geo = self.cache.geometry
         gqa = self.config.num_heads // geo.num_kv_heads
         blocks = torch.as_tensor(self.cache.table[slot, layer, : math.ceil(n / geo.block_size)], device=DEVICE).long()
-        kv = self.cache.pool[blocks].double()  # [blocks, 2, block_size, kv_heads, D]
+        kv = raw(self.cache.pool)[blocks].view(FP8_DTYPE).float().double()  # [blocks, 2, block_size, kv_heads, D]
         scales = self.cache.kv_scales
         out = []
         for i, scale in enumerate((scales.k[layer], scales.v[layer])):
@@ -135,13 +135,13 @@ def test_kv_write_is_the_references_quantize_bit_for_bit(geometry, phase):
     q, k, v = s.qkv(T)
     k, v = k * 20, v * 20  # past 448 times the smallest scales: the saturation is written too
     layer = 1
-    before = s.cache.pool.clone()
+    before = raw(s.cache.pool).clone()  # (fp8 tensors are gathered and copied as their bytes)
     s.ref.prepare(batch)
     q_ref = s.ref.rope_write_kv(layer, q, k, v, batch)
-    pool_ref = s.cache.pool.clone()
+    pool_ref = raw(s.cache.pool).clone()
     assert (raw(pool_ref) == 0x7e).any() or (raw(pool_ref) == 0xfe).any()
 
-    s.cache.pool.copy_(before)
+    raw(s.cache.pool).copy_(before)
     poison_allocator(q_ref.shape, dtype=s.dtype)
     s.cuda.prepare(batch)
     q_cuda = s.cuda.rope_write_kv(layer, q, k, v, batch)
@@ -170,7 +170,7 @@ def test_kv_write_quantizes_every_16_bit_value_as_torch_does(dtype):
     s.cuda.rope_write_kv(layer, q, k, v, batch)
     torch.cuda.synchronize()
     blocks = torch.as_tensor(s.cache.table[s.slots[0], layer, : T // s.cache.geometry.block_size], device=DEVICE).long()
-    written = s.cache.pool[blocks, 1].reshape(T, c.num_kv_heads, c.head_dim)
+    written = raw(s.cache.pool)[blocks, 1].reshape(T, c.num_kv_heads, c.head_dim)
     want = quantize_kv(v, s.cache.kv_scales.v[layer])
     ok = same_bytes(written, want)
     bad = (~ok).nonzero()
@@ -200,10 +200,10 @@ def test_software_e4m3_conversion_matches_torch_on_the_gpu():
     x = torch.cat(values).contiguous()
     soft, hard = (torch.empty(x.shape, dtype=torch.uint8, device=DEVICE) for _ in range(2))
     n = x.numel()
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        kernel(((n + 255) // 256,), (256,), (cupy.uint64(x.data_ptr()), cupy.uint64(soft.data_ptr()),
-                                              cupy.uint64(hard.data_ptr()), cupy.int64(n)))
-    torch.cuda.synchronize()
+    torch.cuda.synchronize()  # the inputs are written (on torch's stream) before CuPy's launch reads them
+    kernel(((n + 255) // 256,), (256,), (cupy.uint64(x.data_ptr()), cupy.uint64(soft.data_ptr()),
+                                          cupy.uint64(hard.data_ptr()), cupy.int64(n)))
+    cupy.cuda.runtime.deviceSynchronize()
     want = to_fp8(x)
     assert same_bytes(soft, want).all() and same_bytes(hard, want).all()
 
@@ -225,7 +225,7 @@ def test_fused_qkv_epilogue_writes_the_bytes_kv_write_does(geometry, phase, monk
     x = s.randn(T, c.hidden_size, scale=2.0)
     qkv = s.randn(c.q_dim + 2 * c.kv_dim, c.hidden_size, scale=c.hidden_size**-0.5)
     norm_weight = s.randn(c.hidden_size) + 1
-    pool0 = s.cache.pool.clone()
+    pool0 = raw(s.cache.pool).clone()
 
     s.cuda.prepare(batch)
     same_split_k_as_fused(monkeypatch, s, qkv)
@@ -233,10 +233,10 @@ def test_fused_qkv_epilogue_writes_the_bytes_kv_write_does(geometry, phase, monk
     q_ref = s.cuda.rope_write_kv(layer, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
                                  v.view(T, c.num_kv_heads, c.head_dim), batch)
     torch.cuda.synchronize()
-    pool_ref = s.cache.pool.clone()
+    pool_ref = raw(s.cache.pool).clone()
     assert not torch.equal(raw(pool_ref), raw(pool0))
 
-    s.cache.pool.copy_(pool0)
+    raw(s.cache.pool).copy_(pool0)
     forbid_torch_fallback(monkeypatch, "attention_inputs")
     forbid_torch_fallback(monkeypatch, "rope_write_kv")
     q_fused = s.cuda.attention_inputs(layer, x, norm_weight, qkv, 1e-5, batch)
@@ -363,9 +363,11 @@ def assert_same_until_a_near_tie(tokens, want_tokens, logits, want_logits):
                 break
 
 
-def run_both(opts, prompts, steps):
+def run_both(opts, rounds, steps):
     """The same model and options through our kernels and through the torch backend (on the same
-    GPU, the same fp8 pool semantics); tokens and logits of each."""
+    GPU, the same fp8 pool semantics), one round of prompts after the other (a later round's
+    prompts start with an earlier one's: their prefix blocks are read from the prefix cache);
+    tokens and logits compared."""
     model = load_model(opts)
     ours = build_engine(model, opts)
     assert ours.cache.pool.dtype == FP8_DTYPE and not ours.runner.model.backend.fallbacks
@@ -373,9 +375,12 @@ def run_both(opts, prompts, steps):
     reference.runner.model.backend = TorchBackend(reference.cache, model.source.config)
     seen = [record_logits(e) for e in (ours, reference)]
     params = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=0.0)
-    a = [s.output_token_ids for s in ours.run_to_completion(prompts, params)]
-    b = [s.output_token_ids for s in reference.run_to_completion(prompts, params)]
-    assert_same_until_a_near_tie(a, b, *([torch.stack(v).float().cpu() for v in x.values()] for x in seen))
+    for prompts in rounds:
+        a, b = ([s for s in e.run_to_completion(prompts, params)] for e in (ours, reference))
+        logits = [[torch.stack(got[s.id]).float().cpu() for s in seqs] for got, seqs in zip(seen, (a, b))]
+        assert_same_until_a_near_tie([s.output_token_ids for s in a], [s.output_token_ids for s in b], *logits)
+    if len(rounds) > 1:
+        assert ours.scheduler.cached_prompt_tokens > 0  # the prefill kernel read cached e4m3 blocks
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
@@ -383,17 +388,19 @@ def run_both(opts, prompts, steps):
 def test_engine_fp8_pool_cuda_backend_equals_torch_backend(tmp_path, head_dim, gqa, eager):
     """bf16 model, fp8 pool, the same GPU: our kernels (CUDA graphs, or eager) against the torch
     backend's quantize and dequantize, greedy, at batch 1 (gemv.cu's fused write) and 3 (cuBLAS
-    and kv_write.cu), a long prompt beside short ones, a shared prefix cached between requests."""
+    and kv_write.cu), a long prompt beside short ones, then a prompt that starts with the long one
+    (its first blocks from the prefix cache)."""
     kv_heads = 2
     hidden = kv_heads * gqa * head_dim
     folder = hf_checkpoint(tmp_path / "m", num_attention_heads=kv_heads * gqa, num_key_value_heads=kv_heads,
                            head_dim=head_dim, hidden_size=hidden, intermediate_size=256, max_position_embeddings=512,
                            initializer_range=0.15 * (64 / hidden) ** 0.5)
+    long = list(range(3, 3 + 70))
     for batch in (1, 3):
-        prompts = [list(range(3, 3 + 70)), [5, 6, 7], list(range(3, 3 + 40)) + [9] * 20][:batch]
+        prompts = [long, [5, 6, 7], [9] * 20][:batch]
         opts = EngineOptions(model=str(folder), device="cuda", dtype="bfloat16", batch=batch, shuffle_blocks=3,
                              kv_cache_dtype="fp8", eager=eager)
-        run_both(opts, prompts, 24)
+        run_both(opts, [prompts, [long[:48] + [7] * 10]], 24)
 
 
 def test_engine_fp8_pool_stories260k_bf16(stories):
@@ -402,4 +409,4 @@ def test_engine_fp8_pool_stories260k_bf16(stories):
     prompts = [[1], [1, 403, 407, 261, 378], list(range(5, 45))]
     opts = EngineOptions(model=str(stories), device="cuda", dtype="bfloat16", batch=3, kv_cache_dtype="fp8",
                          shuffle_blocks=17, num_blocks=5 * 60)
-    run_both(opts, prompts, 60)
+    run_both(opts, [prompts], 60)
