@@ -77,6 +77,7 @@ struct RopeKV {
     const scalar_t* cos_table;
     const scalar_t* sin_table;
     int max_positions;
+    KvScales scales;  // an fp8 pool's (rope_kv.cuh's store_kv_pair); nothing otherwise
 };
 
 // Token m's position (negative: a padding row) and sequence, read at the kernel's start by the lane
@@ -108,12 +109,19 @@ __device__ __forceinline__ void rope_write_pair(const RopeKV& kv, const TokenOf&
         unsigned char* const row =
             valid ? kv_row(kv.pool, kv.table, kv.table_slot_stride, kv.max_blocks, kv.slots[token.seq], pos) : nullptr;
         if (row == nullptr) return;
+#if defined(KV_FP8)  // k, and v as it is, quantized into the pool
+        const bool is_v = head >= NUM_HEADS + NUM_KV_HEADS;
+        store_kv_pair(row, is_v, head - NUM_HEADS - (is_v ? NUM_KV_HEADS : 0), d, is_v ? x1 : out1, is_v ? x2 : out2,
+                      kv.scales);
+        return;
+#else
         if (head < NUM_HEADS + NUM_KV_HEADS) {
             dst = reinterpret_cast<scalar_t*>(row) + (head - NUM_HEADS) * HEAD_DIM;
         } else {  // v: as it is
             dst = reinterpret_cast<scalar_t*>(row + V_OFFSET) + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM;
             out1 = x1, out2 = x2;
         }
+#endif
     }
     dst[d] = from_float(out1);
     dst[d + HALF_DIM] = from_float(out2);
@@ -402,10 +410,10 @@ __device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __re
         const scalar_t *__restrict__ norm_weight, float eps, scalar_t *q_out, unsigned char *pool,           \
         const int *table, long long table_slot_stride, int max_blocks, const long long *positions,           \
         const long long *token_seq, const int *slots, const scalar_t *cos_table, const scalar_t *sin_table,  \
-        int max_positions
+        int max_positions KV_SCALE_PARAMS
 #define ROPE_KV_BODY(M, SCALES)                                                                                \
     const RopeKV kv{q_out, pool, table, table_slot_stride, max_blocks, positions, token_seq, slots, cos_table, \
-                    sin_table, max_positions};                                                               \
+                    sin_table, max_positions, KV_SCALES};                                                    \
     gemv<M, IN_RMS_NORM, OUT_ROPE_KV>(W, SCALES, N, K, rows, split, in, in_stride, norm_weight, eps, nullptr, 0, kv);
 #define GEMV_ROPE_KV_KERNEL(M)                                                                                \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv_##M##_rms_norm_rope_kv(      \

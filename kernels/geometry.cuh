@@ -2,6 +2,12 @@
 // CacheGeometry.defines() (pagedcli/config.py) and the model's head count, checked once here.
 //
 // A block is [2][BLOCK_SIZE][NUM_KV_HEADS][HEAD_DIM]: K rows, then V rows at V_OFFSET bytes.
+//
+// The pool's element (`kv_t`) is the model's (scalar_t), or with -DKV_FP8 (backends/cuda_build.py,
+// `kv_cache_dtype` fp8) one e4m3 byte: stored = e4m3(x / scale), read = stored * scale, a float32
+// scale per layer and kv head (pagedcli/model/fp8.py). The kernels that touch the pool then take
+// this layer's scales, k_scale[NUM_KV_HEADS] and v_scale[NUM_KV_HEADS], as their last parameters
+// (KV_SCALE_PARAMS); a pool in the model dtype adds none, so its kernels are what they were.
 #pragma once
 
 #include "common.cuh"
@@ -16,7 +22,25 @@
 #error "needs -DNUM_HEADS (the model's query heads)"
 #endif
 
+#if defined(KV_FP8)
+typedef unsigned char kv_t;  // an e4m3 byte (fp8.cuh)
+// This layer's scales (float32, one per kv head), for K and for V.
+struct KvScales {
+    const float* k;
+    const float* v;
+};
+#define KV_SCALE_PARAMS , const float *__restrict__ k_scale, const float *__restrict__ v_scale
+#define KV_SCALE_ARGS , k_scale, v_scale
+#define KV_SCALES KvScales{k_scale, v_scale}
+#else
+typedef scalar_t kv_t;
+struct KvScales {};  // nothing: the pool holds the values themselves
+#define KV_SCALE_PARAMS
+#define KV_SCALE_ARGS
+#define KV_SCALES KvScales{}
+#endif
+
 static_assert(KV_DIM == NUM_KV_HEADS * HEAD_DIM, "KV_DIM must be NUM_KV_HEADS * HEAD_DIM");
-static_assert(V_OFFSET == BLOCK_SIZE * KV_DIM * (int)sizeof(scalar_t), "V_OFFSET does not match the dtype");
+static_assert(V_OFFSET == BLOCK_SIZE * KV_DIM * (int)sizeof(kv_t), "V_OFFSET does not match the pool's dtype");
 static_assert(BLOCK_BYTES == 2 * V_OFFSET, "BLOCK_BYTES must be K + V");
 static_assert(NUM_HEADS % NUM_KV_HEADS == 0, "query heads must be a multiple of kv heads");

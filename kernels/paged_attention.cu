@@ -43,8 +43,15 @@
 //
 // Every K/V access goes through the block table: token i of a sequence is row i % BLOCK_SIZE of
 // physical block table[slot][layer][i / BLOCK_SIZE].
+//
+// An fp8 pool (-DKV_FP8, geometry.cuh): a load holds ATTN_VEC_BYTES e4m3 values, which become
+// floats as they are used (fp8.cuh), times E4M3_UNPACK_FACTOR; the layer's K scale of the CTA's kv
+// head (and 1 / that factor) is folded into q's pre-scale, its V scale into the output's
+// normalisation, so the loops are the same as in the model dtype, with a lane's q slice as wide
+// as its K elements (KV_VEC of them, two 16-byte loads of bf16 for 16 e4m3 bytes).
 
 #include "async_copy.cuh"
+#include "fp8.cuh"
 #include "geometry.cuh"
 
 #if !defined(HEADS_PER_CTA) || !defined(PARTITION_SIZE) || !defined(ATTN_THREADS) || !defined(ATTN_UNROLL) || \
@@ -62,17 +69,23 @@ typedef uint2 kv_vec_t;
 #else
 #error "ATTN_VEC_BYTES must be 16 or 8"
 #endif
-constexpr int KV_VEC = ATTN_VEC_BYTES / (int)sizeof(scalar_t);  // elements in one load
+constexpr int KV_VEC = ATTN_VEC_BYTES / (int)sizeof(kv_t);  // elements in one load
 constexpr int KV_WORDS = ATTN_VEC_BYTES / 4;
 
-// The elements of one load, as floats (common.cuh's unpack_words, for either width).
+// The elements of one load, as floats (common.cuh's unpack_words, for either width; fp8: times
+// E4M3_UNPACK_FACTOR).
 __device__ __forceinline__ void unpack_kv(const kv_vec_t& raw, float (&out)[KV_VEC]) {
 #if ATTN_VEC_BYTES == 16
     const unsigned int w[KV_WORDS] = {raw.x, raw.y, raw.z, raw.w};
 #else
     const unsigned int w[KV_WORDS] = {raw.x, raw.y};
 #endif
+#if defined(KV_FP8)
+#pragma unroll
+    for (int i = 0; i < KV_WORDS; ++i) e4m3x4_scaled(w[i], out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+#else
     unpack_words<KV_WORDS>(w, out);
+#endif
 }
 
 constexpr int GQA = NUM_HEADS / NUM_KV_HEADS;  // query heads per kv head
@@ -80,7 +93,7 @@ static_assert(GQA % HEADS_PER_CTA == 0, "HEADS_PER_CTA must divide the GQA group
 constexpr int HEAD_SLOTS = next_pow2(HEADS_PER_CTA);  // heads padded to a power of two for the shuffles
 
 // How a K/V row (one token, one kv head) maps onto lanes.
-constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(scalar_t);
+constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(kv_t);
 static_assert(ROW_BYTES % ATTN_VEC_BYTES == 0, "a head's row must be a whole number of loads");
 constexpr int ROW_VECS = ROW_BYTES / ATTN_VEC_BYTES;  // loads in a row
 static_assert(ROW_VECS <= WARP_SIZE, "a head's row must fit in one warp's loads");
@@ -93,7 +106,7 @@ constexpr int UNROLL = ATTN_UNROLL;                       // rows a lane has in 
 constexpr int STAGES = ATTN_STAGES;                       // load steps in flight (ring slots)
 static_assert(STAGES >= 2, "the ring needs at least two stages");
 constexpr int TOKENS_PER_ITER = ROWS_PER_STEP * UNROLL;
-constexpr size_t TOKEN_STRIDE = (size_t)KV_DIM * sizeof(scalar_t);  // bytes from one row of a block to the next
+constexpr size_t TOKEN_STRIDE = (size_t)KV_DIM * sizeof(kv_t);  // bytes from one row of a block to the next
 
 static_assert(PARTITION_SIZE % BLOCK_SIZE == 0, "a chunk must be whole blocks");
 constexpr int BLOCKS_PER_CHUNK = PARTITION_SIZE / BLOCK_SIZE;
@@ -130,6 +143,26 @@ __device__ __forceinline__ kv_vec_t load_vec_keep_in_loop(const scalar_t* p) {
 #endif
     return r;
 }
+
+#if defined(KV_FP8)
+// A lane's KV_VEC elements of q (the model dtype: Q_LOADS 16-byte loads), as floats, loaded as
+// load_vec_keep_in_loop does.
+constexpr int Q_LOADS = KV_VEC * (int)sizeof(scalar_t) / 16;
+static_assert(KV_VEC * (int)sizeof(scalar_t) % 16 == 0, "a lane's q slice must be whole 16-byte loads");
+__device__ __forceinline__ void load_q_keep_in_loop(const scalar_t* p, float (&out)[KV_VEC]) {
+#pragma unroll
+    for (int i = 0; i < Q_LOADS; ++i) {
+        uint4 r;
+        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                     : "l"(p + i * VEC));
+        float part[VEC];
+        unpack_vec(r, part);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out[i * VEC + j] = part[j];
+    }
+}
+#endif
 
 // A float written by another CTA of this launch: read from L2, past this SM's L1.
 __device__ __forceinline__ float load_from_l2(const float* p) {
@@ -303,10 +336,10 @@ __device__ __forceinline__ void merge_cluster(float (&owned)[OWNED], float (&run
         const int *__restrict__ table, long long table_slot_stride, const int *__restrict__ slots,         \
         const int *__restrict__ context_lens, int max_context, float *__restrict__ partial_out,            \
         float *__restrict__ partial_max, float *__restrict__ partial_sum,                                   \
-        unsigned int *__restrict__ merge_counters, float scale_log2
+        unsigned int *__restrict__ merge_counters, float scale_log2 KV_SCALE_PARAMS
 #define ATTENTION_ARGS                                                                                   \
     out, q, pool, table, table_slot_stride, slots, context_lens, max_context, partial_out, partial_max, \
-        partial_sum, merge_counters, scale_log2
+        partial_sum, merge_counters, scale_log2 KV_SCALE_ARGS
 
 // --- the phases of attention<> -----------------------------------------------------------------
 
@@ -366,7 +399,11 @@ __device__ __forceinline__ void score_chunk(float* scores, kv_vec_t* ring, const
 #pragma unroll
     for (int h = 0; h < HEADS_PER_CTA; ++h) {
         if (l.active) {
+#if defined(KV_FP8)
+            load_q_keep_in_loop(q_base + h * HEAD_DIM, qf[h]);
+#else
             unpack_kv(load_vec_keep_in_loop(q_base + h * HEAD_DIM), qf[h]);
+#endif
 #pragma unroll
             for (int j = 0; j < KV_VEC; ++j) qf[h][j] *= scale_log2;
         } else {
@@ -514,12 +551,14 @@ __device__ __forceinline__ void accumulate_chunk(float (&owned)[OWNED], float* s
     }
 }
 
-// The whole context in one part: normalise and write the output.
+// The whole context in one part: normalise and write the output (times out_factor: 1, or an fp8
+// pool's V scale).
 __device__ __forceinline__ void write_normalised(scalar_t* out_rows, const float (&owned)[OWNED],
-                                                 const float (&run_sum)[HEADS_PER_CTA], float* head_scale, int tid) {
+                                                 const float (&run_sum)[HEADS_PER_CTA], float* head_scale,
+                                                 float out_factor, int tid) {
 #pragma unroll
     for (int h = 0; h < HEADS_PER_CTA; ++h) {
-        if (tid == h) head_scale[h] = 1.0f / run_sum[h];  // run_sum >= 1: the max term is 2^0
+        if (tid == h) head_scale[h] = out_factor / run_sum[h];  // run_sum >= 1: the max term is 2^0
     }
     __syncthreads();
 #pragma unroll
@@ -530,13 +569,13 @@ __device__ __forceinline__ void write_normalised(scalar_t* out_rows, const float
 }
 
 // Several parts: publish this one's unnormalised output, max and sum, and count it; the last part
-// of this (sequence, head group) to arrive merges them all and writes the output.
+// of this (sequence, head group) to arrive merges them all and writes the output (times out_factor).
 __device__ __forceinline__ void publish_and_merge(scalar_t* out_rows, const float (&owned)[OWNED],
                                                   const float (&run_max)[HEADS_PER_CTA],
                                                   const float (&run_sum)[HEADS_PER_CTA], float* partial_out,
                                                   float* partial_max, float* partial_sum, unsigned int* counter,
                                                   size_t row0, int part, int used_parts, int num_splits,
-                                                  float* head_scale, const Lanes& l, int tid) {
+                                                  float* head_scale, float out_factor, const Lanes& l, int tid) {
     __shared__ float head_max[HEADS_PER_CTA];
     __shared__ bool last_to_finish;
 #pragma unroll
@@ -575,7 +614,7 @@ __device__ __forceinline__ void publish_and_merge(scalar_t* out_rows, const floa
         denom = warp_sum(denom);  // >= 1: the split holding the max contributes 2^0 * (sum >= 1)
         if (l.lane == 0) {
             head_max[h] = m;
-            head_scale[h] = 1.0f / denom;
+            head_scale[h] = out_factor / denom;
         }
     }
     __syncthreads();
@@ -615,6 +654,14 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
     }
     const Span span = plan_span<CLUSTER>(context, split, num_splits);
     if (span.part >= span.used_parts) return;
+#if defined(KV_FP8)
+    // the kv head's scales, and 1 / the unpacking's factor: K's folded into q's pre-scale (the
+    // scores), V's into the output's normalisation
+    scale_log2 *= k_scale[kv_head] * (1.0f / E4M3_UNPACK_FACTOR);
+    const float out_factor = v_scale[kv_head] * (1.0f / E4M3_UNPACK_FACTOR);
+#else
+    const float out_factor = 1.0f;
+#endif
 
     __shared__ __align__(16) float smem[SMEM_FLOATS];  // scores and load ring; later per-warp sums
     __shared__ int chunk_blocks[BLOCKS_PER_CHUNK];
@@ -667,13 +714,13 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
         if (split % CLUSTER != 0) return;
     }
     if (span.used_parts == 1) {
-        write_normalised(out_rows, owned, run_sum, head_scale, tid);
+        write_normalised(out_rows, owned, run_sum, head_scale, out_factor, tid);
         return;
     }
     const size_t row0 = ((size_t)seq * NUM_HEADS + head0) * num_splits;  // (seq, head0, split 0)
     publish_and_merge(out_rows, owned, run_max, run_sum, partial_out, partial_max, partial_sum,
                       merge_counters + (size_t)seq * gridDim.x + blockIdx.x, row0, span.part, span.used_parts,
-                      num_splits, head_scale, l, tid);
+                      num_splits, head_scale, out_factor, l, tid);
 }
 
 // ATTN_MIN_CTAS resident CTAs per SM bound the registers (the compiler would otherwise take more,

@@ -22,8 +22,17 @@
 // Head dims that are not a multiple of 16 (the mma's k) are padded with zeros in shared memory
 // (the pad columns are never copied into, so they stay zero); rows that are not whole 16-byte
 // vectors are copied 8 bytes at a time (PREFILL_VEC_BYTES), as the decode kernel does.
+//
+// An fp8 pool (-DKV_FP8, geometry.cuh): the e4m3 rows are copied (cp.async, PREFILL_KV_VEC_BYTES
+// at a time) into double-buffered staging tiles; once tile t has landed, each thread converts the
+// bytes it copied itself (so no barrier is needed before) into the single bf16/fp16 K and V tiles
+// the mma reads, exactly (every e4m3 value is a bf16 and an fp16 number), times
+// E4M3_UNPACK_FACTOR (fp8.cuh), while tile t + 1 flies. The layer's K scale of the head (and
+// 1 / that factor) joins the softmax's scale, its V scale the final normalisation, so the mma
+// loops are the model dtype's.
 
 #include "async_copy.cuh"
+#include "fp8.cuh"
 #include "geometry.cuh"
 
 #if !defined(PREFILL_BLOCK_M) || !defined(PREFILL_BLOCK_N) || !defined(PREFILL_WARPS) || !defined(PREFILL_M_TILES) || \
@@ -57,14 +66,29 @@ constexpr int TILE_ELEMS_M = BLOCK_M * ROW_STRIDE;
 constexpr int TILE_ELEMS_N = BLOCK_N * ROW_STRIDE;
 
 constexpr int VEC_BYTES_COPY = PREFILL_VEC_BYTES;
-constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(scalar_t);
+constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(scalar_t);  // a row of q
+constexpr int KV_ROW_BYTES = HEAD_DIM * (int)sizeof(kv_t);  // of K or V in the pool
 static_assert(ROW_BYTES % VEC_BYTES_COPY == 0, "a head's row must be a whole number of copies");
 constexpr int COPIES_PER_ROW = ROW_BYTES / VEC_BYTES_COPY;
-constexpr size_t TOKEN_STRIDE = (size_t)KV_DIM * sizeof(scalar_t);  // bytes from one row of a block to the next
+constexpr size_t TOKEN_STRIDE = (size_t)KV_DIM * sizeof(kv_t);  // bytes from one row of a block to the next
 
+#if defined(KV_FP8)
+#if !defined(PREFILL_KV_VEC_BYTES)
+#error "an fp8 pool needs -DPREFILL_KV_VEC_BYTES (backends/cuda_build.py)"
+#endif
+constexpr int KV_COPY_BYTES = PREFILL_KV_VEC_BYTES;  // e4m3 bytes of one copy
+constexpr int KV_COPIES_PER_ROW = HEAD_DIM / KV_COPY_BYTES;
+static_assert(HEAD_DIM % KV_COPY_BYTES == 0, "a head's e4m3 row must be a whole number of copies");
+constexpr int STAGE_BYTES = BLOCK_N * HEAD_DIM;  // one e4m3 tile (K or V), rows unpadded
+// Shared memory (dynamic): Q, one K and one V tile in the model dtype (what the mma reads), then
+// two staging buffers of e4m3 K and V tiles; the launch asks for the size backends/cuda_build.py
+// computed, which must be this one.
+constexpr int SMEM_BYTES = (TILE_ELEMS_M + 2 * TILE_ELEMS_N) * (int)sizeof(scalar_t) + 4 * STAGE_BYTES;
+#else
 // Shared memory (dynamic): Q, then two K tiles, then two V tiles; the launch asks for the size
 // backends/cuda_build.py computed, which must be this one.
 constexpr int SMEM_BYTES = (TILE_ELEMS_M + 4 * TILE_ELEMS_N) * (int)sizeof(scalar_t);
+#endif
 static_assert(SMEM_BYTES == PREFILL_SHARED_BYTES, "cuda_build.prefill_shared_bytes disagrees with the kernel");
 
 // --- tensor-core PTX (sm_80+) ---------------------------------------------------------------------
@@ -134,6 +158,65 @@ __device__ __forceinline__ void copy_kv_tiles(scalar_t* k_tile, scalar_t* v_tile
         copy_async<VEC_BYTES_COPY>(reinterpret_cast<unsigned char*>(v_tile) + at, k_base + V_OFFSET + offset, valid);
     }
 }
+
+#if defined(KV_FP8)
+// copy_kv_tiles for an fp8 pool: the e4m3 rows into a staging buffer (K, then V at STAGE_BYTES).
+__device__ __forceinline__ void copy_kv_stage(unsigned char* stage, const unsigned char* __restrict__ k_base,
+                                              const int* __restrict__ seq_table, int first, int limit, int tid) {
+    for (int i = tid; i < BLOCK_N * KV_COPIES_PER_ROW; i += THREADS) {
+        const int r = i / KV_COPIES_PER_ROW, c = i % KV_COPIES_PER_ROW;
+        const int pos = first + r;
+        const bool valid = pos < limit;
+        size_t offset = 0;
+        if (valid) {
+            const int block = max(seq_table[pos / BLOCK_SIZE], 0);  // -1 would be a bug; stay in bounds
+            offset = (size_t)block * BLOCK_BYTES + (size_t)(pos % BLOCK_SIZE) * TOKEN_STRIDE + (size_t)c * KV_COPY_BYTES;
+        }
+        const int at = r * HEAD_DIM + c * KV_COPY_BYTES;
+        copy_async<KV_COPY_BYTES>(stage + at, k_base + offset, valid);
+        copy_async<KV_COPY_BYTES>(stage + STAGE_BYTES + at, k_base + V_OFFSET + offset, valid);
+    }
+}
+
+// KV_COPY_BYTES e4m3 values as as many elements of the model dtype (times E4M3_UNPACK_FACTOR).
+__device__ __forceinline__ void e4m3_to_tile(const unsigned char* src, scalar_t* dst) {
+    constexpr int WORDS = KV_COPY_BYTES / 4;
+    unsigned int in[WORDS], out[2 * WORDS];
+    if constexpr (WORDS == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(src);
+        in[0] = v.x, in[1] = v.y, in[2] = v.z, in[3] = v.w;
+    } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(src);
+        in[0] = v.x, in[1] = v.y;
+    }
+#pragma unroll
+    for (int w = 0; w < WORDS; ++w) {
+#if defined(DTYPE_F16)
+        e4m3x4_halves(in[w], out[2 * w], out[2 * w + 1]);
+#else
+        float a, b, c, d;
+        e4m3x4_scaled(in[w], a, b, c, d);
+        out[2 * w] = pack2(a, b), out[2 * w + 1] = pack2(c, d);
+#endif
+    }
+#pragma unroll
+    for (int w = 0; w < 2 * WORDS; w += 4) {
+        *reinterpret_cast<uint4*>(dst + 2 * w) = make_uint4(out[w], out[w + 1], out[w + 2], out[w + 3]);
+    }
+}
+
+// The staged e4m3 tiles -> the K and V tiles of the mma. Each thread converts the copies it made
+// in copy_kv_stage (the same loop), which its own wait has completed.
+__device__ __forceinline__ void convert_kv_tiles(scalar_t* k_tile, scalar_t* v_tile, const unsigned char* stage,
+                                                 int tid) {
+    for (int i = tid; i < BLOCK_N * KV_COPIES_PER_ROW; i += THREADS) {
+        const int r = i / KV_COPIES_PER_ROW, c = i % KV_COPIES_PER_ROW;
+        const int at = r * HEAD_DIM + c * KV_COPY_BYTES;
+        e4m3_to_tile(stage + at, k_tile + r * ROW_STRIDE + c * KV_COPY_BYTES);
+        e4m3_to_tile(stage + STAGE_BYTES + at, v_tile + r * ROW_STRIDE + c * KV_COPY_BYTES);
+    }
+}
+#endif
 
 // The query rows of the CTA (rows past the sequence's new tokens become zeros).
 __device__ __forceinline__ void copy_q_tile(scalar_t* tile, const scalar_t* __restrict__ q, int first_token,
@@ -255,16 +338,23 @@ __device__ __forceinline__ void accumulate_values(float (&o)[M_TILES][O_TILES][4
 // tile_seq, tile_row: per tile, its sequence and its first new-token row in that sequence.
 // seq_start: [B] the sequence's first token in T; num_new, context_lens, slots: [B].
 // table: this layer's block table, table[slot * table_slot_stride + logical_block].
+// k_scale, v_scale (fp8 pools only): this layer's [NUM_KV_HEADS] float32 scales.
 extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
     scalar_t* __restrict__ out, const scalar_t* __restrict__ q, const unsigned char* __restrict__ pool,
     const int* __restrict__ table, long long table_slot_stride, const int* __restrict__ tile_seq,
     const int* __restrict__ tile_row, const int* __restrict__ seq_start, const int* __restrict__ num_new,
-    const int* __restrict__ context_lens, const int* __restrict__ slots, float scale_log2) {
+    const int* __restrict__ context_lens, const int* __restrict__ slots, float scale_log2 KV_SCALE_PARAMS) {
 #if __CUDA_ARCH__ >= 800
     extern __shared__ __align__(16) unsigned char smem_raw[];
     scalar_t* const q_tile = reinterpret_cast<scalar_t*>(smem_raw);
+#if defined(KV_FP8)
+    scalar_t* const k_tile = q_tile + TILE_ELEMS_M;  // [BLOCK_N][ROW_STRIDE]
+    scalar_t* const v_tile = k_tile + TILE_ELEMS_N;
+    unsigned char* const stages = reinterpret_cast<unsigned char*>(v_tile + TILE_ELEMS_N);  // [2][K, V][BLOCK_N][HEAD_DIM]
+#else
     scalar_t* const k_tiles = q_tile + TILE_ELEMS_M;       // [2][BLOCK_N][ROW_STRIDE]
     scalar_t* const v_tiles = k_tiles + 2 * TILE_ELEMS_N;  // [2][BLOCK_N][ROW_STRIDE]
+#endif
 
     const int head = blockIdx.x % NUM_HEADS, kv_head = head / GQA, tile = blockIdx.x / NUM_HEADS;
     const int seq = tile_seq[tile], row0 = tile_row[tile];
@@ -277,17 +367,33 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
     const int first_token = seq_start[seq] + row0;
 
     // Zero the pad columns (D_PAD - HEAD_DIM and the 8 of ROW_STRIDE) once: no copy writes them.
+#if defined(KV_FP8)
+    constexpr int TILE_ROWS = BLOCK_M + 2 * BLOCK_N;
+#else
+    constexpr int TILE_ROWS = BLOCK_M + 4 * BLOCK_N;
+#endif
     if constexpr (D_PAD != HEAD_DIM) {
-        for (int r = tid; r < BLOCK_M + 4 * BLOCK_N; r += THREADS) {
+        for (int r = tid; r < TILE_ROWS; r += THREADS) {
             for (int c = HEAD_DIM; c < D_PAD; ++c) q_tile[r * ROW_STRIDE + c] = 0;
         }
     }
 
     const int* __restrict__ seq_table = table + (size_t)slots[seq] * table_slot_stride;
-    const unsigned char* __restrict__ k_base = pool + (size_t)kv_head * ROW_BYTES;  // V: V_OFFSET further
+    const unsigned char* __restrict__ k_base = pool + (size_t)kv_head * KV_ROW_BYTES;  // V: V_OFFSET further
+
+#if defined(KV_FP8)
+    // the head's scales, and 1 / the unpacking's factor: K's into the softmax's scale, V's into the
+    // normalisation
+    scale_log2 *= k_scale[kv_head] * (1.0f / E4M3_UNPACK_FACTOR);
+    const float out_factor = v_scale[kv_head] * (1.0f / E4M3_UNPACK_FACTOR);
+#endif
 
     copy_q_tile(q_tile, q, first_token, rows, head, tid);
+#if defined(KV_FP8)
+    copy_kv_stage(stages, k_base, seq_table, 0, keys, tid);
+#else
     copy_kv_tiles(k_tiles, v_tiles, k_base, seq_table, 0, keys, tid);
+#endif
     copy_async_commit();
 
     // This thread's rows: g and g + 8 of each of its warp's row tiles; rows past the new tokens
@@ -311,6 +417,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
 
     for (int t = 0; t < num_tiles; ++t) {
         const int buf = t % 2, key0 = t * BLOCK_N;
+#if defined(KV_FP8)
+        if (t + 1 < num_tiles) {  // the next tile's copies fly while this one is converted and multiplied
+            copy_kv_stage(stages + (buf ^ 1) * 2 * STAGE_BYTES, k_base, seq_table, key0 + BLOCK_N, keys, tid);
+        }
+        copy_async_commit();
+        copy_async_wait<1>();  // every group but the newest: tile t (and Q) have landed
+        // (the barrier that ended the last tile: every warp is done with k_tile and v_tile)
+        convert_kv_tiles(k_tile, v_tile, stages + buf * 2 * STAGE_BYTES, tid);
+        __syncthreads();
+#else
         if (t + 1 < num_tiles) {  // the next tile's copies fly while this one is multiplied
             copy_kv_tiles(k_tiles + (buf ^ 1) * TILE_ELEMS_N, v_tiles + (buf ^ 1) * TILE_ELEMS_N, k_base, seq_table,
                           key0 + BLOCK_N, keys, tid);
@@ -318,15 +434,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
         copy_async_commit();
         copy_async_wait<1>();  // every group but the newest: tile t (and Q) have landed
         __syncthreads();
+#endif
         if (key0 <= warp_last) {  // a warp whose rows all precede the tile has nothing to add
             float s[M_TILES][S_TILES][4];
+#if defined(KV_FP8)
+            score_tile(s, q_warp, k_tile, lane);
+#else
             score_tile(s, q_warp, k_tiles + buf * TILE_ELEMS_N, lane);
+#endif
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
                 const bool diagonal = key0 + BLOCK_N - 1 > first_pos + warp_row0 + mt * 16;  // a key after a row
                 softmax_rows(s[mt], o[mt], run_max[mt], run_sum[mt], q_pos[mt], key0, diagonal, scale_log2, lane);
             }
+#if defined(KV_FP8)
+            accumulate_values(o, s, v_tile, lane);
+#else
             accumulate_values(o, s, v_tiles + buf * TILE_ELEMS_N, lane);
+#endif
         }
         __syncthreads();  // everyone is done with buffer `buf` before tile t + 2 is copied into it
     }
@@ -339,7 +464,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
             float sum = run_sum[mt][half];
             sum += __shfl_xor_sync(FULL_MASK, sum, 1);
             sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+#if defined(KV_FP8)
+            const float inv = out_factor / sum;  // sum >= 1: the max term is 2^0
+#else
             const float inv = 1.0f / sum;  // >= 1: the max term is 2^0
+#endif
             const int r = warp_row0 + mt * 16 + lane / 4 + 8 * half;
             if (r < rows) {
                 scalar_t* dst = out + ((size_t)(first_token + r) * NUM_HEADS + head) * HEAD_DIM;

@@ -1,5 +1,6 @@
 // rope_kv.cuh: what kv_write.cu and gemv.cu's qkv epilogue share: the rotary pair with the
-// reference's roundings, and where a token's K/V row lives in the paged pool (geometry.cuh).
+// reference's roundings, where a token's K/V row lives in the paged pool (geometry.cuh), and how
+// an element is stored there (as it is, or quantized to e4m3 for an fp8 pool).
 //
 // RoPE pairs element i with i + HEAD_DIM/2 ("rotate half", as Hugging Face Llama). The rounding
 // order is the reference's in the model dtype (pagedcli/rope.py: x * cos + rotate_half(x) * sin):
@@ -8,6 +9,7 @@
 // compiler from fusing them into an FMA (which would change the fp32 results).
 #pragma once
 
+#include "fp8.cuh"
 #include "geometry.cuh"
 
 static_assert(HEAD_DIM % 2 == 0, "rotary embedding needs an even head_dim");
@@ -34,5 +36,25 @@ __device__ __forceinline__ unsigned char* kv_row(unsigned char* pool, const int*
     const int logical_block = (int)(pos / BLOCK_SIZE);
     const int physical = logical_block < max_blocks ? table[slot * table_slot_stride + logical_block] : -1;
     if (physical < 0) return nullptr;
-    return pool + (size_t)physical * BLOCK_BYTES + (size_t)(pos % BLOCK_SIZE) * KV_DIM * sizeof(scalar_t);
+    return pool + (size_t)physical * BLOCK_BYTES + (size_t)(pos % BLOCK_SIZE) * KV_DIM * sizeof(kv_t);
+}
+
+// Element x of kv head `head`'s K (or V: is_v) row as the pool stores it: x itself, or for an fp8
+// pool e4m3(x / scale) as model/fp8.py's quantize_kv computes it: the exact quotient (float
+// division, rounded once, as torch's), saturated at +-448, rounded to nearest even (fp8.cuh).
+__device__ __forceinline__ kv_t to_kv(float x, const KvScales& scales, bool is_v, int head) {
+#if defined(KV_FP8)
+    return (kv_t)e4m3_from_float(__fdiv_rn(x, (is_v ? scales.v : scales.k)[head]));
+#else
+    return from_float(x);
+#endif
+}
+
+// A rotary pair (elements d and d + HALF_DIM) of one kv head's K (or V) into the pool row `row`
+// (kv_row's), and how it is stored.
+__device__ __forceinline__ void store_kv_pair(unsigned char* row, bool is_v, int head, int d, float x1, float x2,
+                                              const KvScales& scales) {
+    kv_t* const dst = reinterpret_cast<kv_t*>(row + (is_v ? V_OFFSET : 0)) + head * HEAD_DIM;
+    dst[d] = to_kv(x1, scales, is_v, head);
+    dst[d + HALF_DIM] = to_kv(x2, scales, is_v, head);
 }

@@ -1,7 +1,7 @@
 """FP8 (model/fp8.py) on the CPU: the fp8 KV pool through the torch backend (bytes, blocks, prefix
 caching, copy-on-write, closeness to the model dtype), fp8 weights (the round trip, an fp8
-checkpoint read as the same weights quantized at load), the refusals, and the CUDA plan's
-fallbacks. GPU runs of the same: tests/test_gpu_fp8.py."""
+checkpoint read as the same weights quantized at load), the refusals, and the CUDA plan for fp8.
+GPU runs of the same: tests/test_gpu_fp8.py and tests/test_gpu_fp8_kv.py."""
 
 from __future__ import annotations
 
@@ -313,18 +313,19 @@ def test_fp8_values_without_a_quantization_config_are_refused(stories, tmp_path)
 
 
 # --- the CUDA plan (no GPU needed) ---------------------------------------------------------------
-def test_cuda_plan_sends_fp8_to_torch_ops_with_a_notice_each():
+def test_cuda_plan_builds_the_fp8_pool_kernels_and_names_what_fp8_weights_leave_to_torch():
     from pagedcli.backends.cuda_build import plan_kernels
 
     config = ModelConfig.from_file(DEMO_FOLDER / "config.json")
     bf16 = CacheGeometry.build(config, torch.bfloat16, 16, num_blocks=80)
     fp8 = CacheGeometry.build(config, torch.bfloat16, 16, num_blocks=80, cache_dtype=FP8_DTYPE)
     plan = plan_kernels(config, fp8, clusters=True, fp8_weights=True)
-    assert {"RoPE and the K/V write", "decode attention", "prefill attention", "linear layers"} <= set(plan.fallbacks)
-    assert not plan.attention_decode and not plan.attention_prefill and "kv_write.cu" not in plan.files
-    # gemv.cu still serves the other GEMMs, compiled for the model dtype's geometry (its qkv epilogue,
-    # the pool write, is not launched with an fp8 pool)
-    assert dict(plan.files["gemv.cu"][0])["V_OFFSET"] == bf16.v_offset
+    # the pool's write and both attentions are kernels, compiled for the 1-byte pool (KV_FP8)
+    assert set(plan.fallbacks) == {"linear layers"}
+    assert plan.attention_decode and plan.attention_prefill
+    for file in ("kv_write.cu", "gemv.cu", "paged_attention.cu", "paged_prefill.cu"):
+        defines = dict(plan.files[file][0])
+        assert "KV_FP8" in defines and defines["V_OFFSET"] == fp8.v_offset == bf16.v_offset // 2
     assert plan_kernels(config, bf16, clusters=True).fallbacks == {}
 
 

@@ -1,6 +1,8 @@
-"""Every CUDA kernel compiles, with nvcc, for every preset geometry and dtype, exactly as the CUDA
-backend would build it (cuda_build.plan_kernels: the same files, kernels and -D defines), and
-what the plan sends to torch ops instead is what our kernels truly cannot serve.
+"""Every CUDA kernel compiles, with nvcc, for every preset geometry and dtype, with a pool in the
+model dtype and an fp8 pool, exactly as the CUDA backend would build it (cuda_build.plan_kernels:
+the same files, kernels and -D defines), and what the plan sends to torch ops instead is what our
+kernels truly cannot serve. fp8.cuh's software float -> e4m3 conversion (what GPUs before sm_89
+run) is compiled into a host program and compared with torch's cast.
 
 No GPU needed: nvcc is on the developers' and CI's machines (skipped with a reason without it).
 A geometry that fails here is one a user would have hit at run time.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -19,6 +22,7 @@ import torch
 from pagedcli.backends.cuda_build import AttentionShape, plan_kernels
 from pagedcli.backends.cuda_compile import COMPILE_OPTIONS, define_flags, kernel_folder
 from pagedcli.model.config import CacheGeometry, ModelConfig
+from pagedcli.model.fp8 import FP8_DTYPE, to_fp8
 from pagedcli.model.source import RANDOM_PRESETS
 
 NVCC = shutil.which("nvcc")
@@ -40,28 +44,35 @@ def synthetic_config(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
                                   "max_position_embeddings": 4096}, source="test")
 
 
-def geometry(config: ModelConfig, dtype, block_size: int = 16) -> CacheGeometry:
-    return CacheGeometry.build(config, dtype, block_size, num_blocks=8 * config.num_layers)
+def geometry(config: ModelConfig, dtype, block_size: int = 16, cache_dtype=None) -> CacheGeometry:
+    return CacheGeometry.build(config, dtype, block_size, num_blocks=8 * config.num_layers, cache_dtype=cache_dtype)
 
 
 def all_builds() -> list[tuple[str, str, tuple, bool]]:
     """(what, file, defines, to_cubin) for every distinct build the backend could ask for on an
-    H200 (sm_90). bf16 (the GPU default) is taken through ptxas to a binary; the other dtypes to
-    PTX, which runs every compile-time check of ours (static_assert) in less time."""
+    H200 (sm_90), with a pool in the model dtype and an fp8 pool. bf16 (the GPU default) is taken
+    through ptxas to a binary (with an fp8 pool, at the reference geometry); the rest to PTX, which
+    runs every compile-time check of ours (static_assert) in less time. gemv.cu, the slowest
+    build, is compiled with an fp8 pool in bf16 only: its fp8 pool code (the qkv epilogue's store)
+    is the same for every model dtype."""
     configs = preset_configs() | {k: synthetic_config(*v) for k, v in SYNTHETIC.items()}
     builds = {}
     for name, config in configs.items():
         for dtype in DTYPES:
-            plan = plan_kernels(config, geometry(config, dtype), clusters=True)
-            for file, (defines, _) in plan.files.items():
-                builds.setdefault((file, defines), (f"{name} {str(dtype).removeprefix('torch.')}",
-                                                    dtype == torch.bfloat16))
+            for pool in (None, FP8_DTYPE):
+                plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True)
+                what = f"{name} {str(dtype).removeprefix('torch.')}" + (" fp8 pool" if pool else "")
+                cubin = dtype == torch.bfloat16 and (pool is None or name == "llama-3.2-1b")
+                for file, (defines, _) in plan.files.items():
+                    if pool is None or file != "gemv.cu" or dtype == torch.bfloat16:
+                        builds.setdefault((file, defines), (what, cubin))
     # the block sizes the kernels unroll over, at the reference geometry
     config = configs["llama-3.2-1b"]
     for block_size in (8, 32, 64):
-        plan = plan_kernels(config, geometry(config, torch.bfloat16, block_size), clusters=True)
-        for file, (defines, _) in plan.files.items():
-            builds.setdefault((file, defines), (f"llama-3.2-1b block {block_size}", False))
+        for pool in (None, FP8_DTYPE):
+            plan = plan_kernels(config, geometry(config, torch.bfloat16, block_size, pool), clusters=True)
+            for file, (defines, _) in plan.files.items():
+                builds.setdefault((file, defines), (f"llama-3.2-1b block {block_size}", False))
     return [(what, file, defines, cubin) for (file, defines), (what, cubin) in builds.items()]
 
 
@@ -81,14 +92,17 @@ def test_every_kernel_compiles_for_every_preset_and_dtype():
     assert not failed, "\n\n".join(failed)
 
 
-def test_kernels_compile_without_clusters_for_older_gpus():
-    """sm_80 (A100): no thread-block clusters; the plan leaves the cluster kernel out."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernels_compile_without_clusters_for_older_gpus(dtype):
+    """sm_80 (A100): no thread-block clusters; the plan leaves the cluster kernel out. Without
+    sm_89's fp8 conversions: gemv.cu's fp8 weights, and an fp8 pool's write and reads."""
     config = preset_configs()["llama-3.2-1b"]
-    plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=False)
-    assert plan.files["paged_attention.cu"][1] == ("paged_attention_decode",)
-    for file in ("paged_attention.cu", "paged_prefill.cu", "gemv.cu"):  # gemv.cu: fp8 weights without sm_89's cvt
-        ok, err = nvcc(file, plan.files[file][0], arch="sm_80")
-        assert ok, err
+    for pool in (None, FP8_DTYPE):
+        plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=False)
+        assert plan.files["paged_attention.cu"][1] == ("paged_attention_decode",)
+        for file in ("paged_attention.cu", "paged_prefill.cu", "gemv.cu", "kv_write.cu"):
+            ok, err = nvcc(file, plan.files[file][0], arch="sm_80")
+            assert ok, (pool, file, err)
 
 
 def test_plan_sends_to_torch_only_what_the_kernel_cannot_serve():
@@ -112,6 +126,71 @@ def test_plan_sends_to_torch_only_what_the_kernel_cannot_serve():
     plan = plan_kernels(wide, geometry(wide, torch.float32), clusters=True)
     assert not plan.attention_decode and "head_dim 256 in float32" in plan.fallbacks["decode attention"]
     assert plan_kernels(wide, geometry(wide, torch.bfloat16), clusters=True).attention_decode
+
+
+def test_an_fp8_pool_has_its_kernels_where_the_model_dtype_has_them():
+    """Every preset's fp8 pool is written and read by our kernels (no fallback but float32's
+    prefill), compiled with KV_FP8 and the pool's 1-byte sizes; head_dim 100 (OpenLLaMA-3B:
+    100-byte e4m3 rows, not whole 8-byte loads) runs both attentions as torch ops, saying why."""
+    for name, config in preset_configs().items():
+        for dtype in DTYPES:
+            plan = plan_kernels(config, geometry(config, dtype, cache_dtype=FP8_DTYPE), clusters=True)
+            expected = {"prefill attention"} if dtype == torch.float32 else set()
+            if config.head_dim == 100:
+                expected = {"decode attention", "prefill attention"}
+            assert set(plan.fallbacks) == expected, (name, dtype, plan.fallbacks)
+            assert {"kv_write.cu", "gemv.cu"} <= set(plan.files)
+            assert plan.attention_decode == (config.head_dim != 100)
+            for file in ("kv_write.cu", "gemv.cu", "paged_attention.cu", "paged_prefill.cu"):
+                if file in plan.files:
+                    defines = dict(plan.files[file][0])
+                    assert "KV_FP8" in defines and defines["V_OFFSET"] == 16 * config.num_kv_heads * config.head_dim
+    bf16 = plan_kernels(config, geometry(config, torch.bfloat16), clusters=True)
+    assert all("KV_FP8" not in dict(d) for d, _ in bf16.files.values())
+    odd = synthetic_config(32, 32, 100)
+    plan = plan_kernels(odd, geometry(odd, torch.bfloat16, cache_dtype=FP8_DTYPE), clusters=True)
+    assert set(plan.fallbacks) == {"decode attention", "prefill attention"}
+    assert "fp8 pool" in plan.fallbacks["decode attention"] and "fp8 pool" in plan.fallbacks["prefill attention"]
+
+
+HARNESS = textwrap.dedent("""
+    // float32 values on stdin -> fp8.cuh's software e4m3 bytes on stdout
+    #include <cstdio>
+    #include "fp8.cuh"
+    int main() {
+        float f;
+        while (fread(&f, sizeof f, 1, stdin) == 1) putchar((int)e4m3_from_float_software(f));
+        return 0;
+    }
+""")
+
+
+def test_software_e4m3_conversion_is_torchs_cast(tmp_path):
+    """What sm_80 runs for an fp8 pool's writes, compiled for the host: bit for bit torch's
+    e4m3(x.clamp(+-448)) (model/fp8.py's to_fp8) for every bf16 and fp16 number divided by scales
+    that land them on every e4m3 binade, subnormals, the saturation edge and past it, and
+    random float32 bit patterns (NaN and inf included)."""
+    source = tmp_path / "harness.cu"
+    source.write_text(HARNESS)
+    program = tmp_path / "harness"
+    done = subprocess.run([NVCC, "-std=c++17", "-DDTYPE_BF16", f"-I{kernel_folder()}", "-o", str(program), str(source)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    every16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    values = [every16.view(torch.bfloat16).float(), every16.view(torch.float16).float()]
+    values = [v / s for v in values for s in (1.0, 0.37, 3e-3, 2.0**-12, 17.0)]
+    values.append(torch.randint(-(1 << 31), 1 << 31, (1 << 20,), dtype=torch.int64,
+                                generator=torch.Generator().manual_seed(0)).to(torch.int32).view(torch.float32))
+    values.append(torch.tensor([448.0, 464.0, 464.01, 479.9, 480.0, 1e30, float("inf"), 2.0**-6, 2.0**-10, 2.0**-9,
+                                1.5 * 2.0**-10, 2.0**-11]))
+    x = torch.cat(values)
+    x = torch.cat([x, -x])
+    out = subprocess.run([str(program)], input=x.numpy().tobytes(), capture_output=True).stdout
+    ours = torch.frombuffer(bytearray(out), dtype=torch.uint8)
+    want = to_fp8(x).view(torch.uint8)
+    assert ours.shape == want.shape
+    bad = (ours != want).nonzero().flatten()
+    assert bad.numel() == 0, [(x[i].item(), hex(ours[i].item()), hex(want[i].item())) for i in bad[:8]]
 
 
 def test_biases_and_dynamic_rope_are_named_as_torch_ops():

@@ -14,8 +14,10 @@ What runs where:
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs.
 
 FP8 (model/fp8.py): Fp8Weights go through gemv.cu's gemv8_ kernels at up to GEMV_MAX_ROWS rows and
-composed.linear's torch product beyond; an fp8 pool's K/V write and both attentions are the torch
-backend's (which quantize and dequantize). `fallbacks` says so, and the loader tells the user.
+composed.linear's torch product beyond (`fallbacks` says so, and the loader tells the user). An fp8
+pool is written and read by the same kernels, compiled for it (cuda_build.KV_DTYPE_DEFINES): the
+K/V write (kv_write.cu and gemv.cu's qkv epilogue) quantizes, both attentions dequantize, with the
+layer's scales (`cache.kv_scales`) as their last arguments.
 
 Kernels are compiled once per geometry (the `-D` defines from `CacheGeometry.defines()`, plus the
 head count and the dtype) and cached in-process; CuPy also caches the binaries on disk. Every
@@ -45,6 +47,7 @@ from pagedcli.backends.torch_decode import decode_attention_full_width
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.cache import KVCache
 from pagedcli.model.config import ModelConfig
+from pagedcli.model.fp8 import KVScales
 from pagedcli.errors import RunError
 
 
@@ -68,6 +71,9 @@ class CudaBackend:
         self.head_dim = geo.head_dim
         self.vec = VEC_BYTES // geo.dtype.itemsize  # model-dtype elements in a 16-byte vector
         self.kv_fp8 = geo.kv_fp8
+        if self.kv_fp8:  # the kernels read a layer's row of each as float32 [kv_heads] (as KVCache makes them)
+            scales = cache.kv_scales
+            cache.kv_scales = KVScales(scales.k.float().contiguous(), scales.v.float().contiguous())
         self.scale_log2 = np.float32(math.log2(math.e) / math.sqrt(geo.head_dim))
         self.max_context = cache.max_blocks_per_seq * geo.block_size  # the block table's width in tokens
         self.num_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
@@ -117,7 +123,7 @@ class CudaBackend:
         # per-token RoPE rows for dynamic NTK); decode needs nothing from the host: the batch
         # tensors go to the kernels
         torch_prefill = batch.is_prefill and not self.prefill_kernel
-        self.reference.prepare_indices(batch, attention=torch_prefill, rope=not self.rope.static or self.kv_fp8)
+        self.reference.prepare_indices(batch, attention=torch_prefill, rope=not self.rope.static)
         if batch.is_prefill and self.prefill_kernel:
             self._prefill_tiles = batch.prefill_tiles if batch.prefill_tiles is not None else prefill_tiles(
                 batch.num_new, batch.context_lens_host, self.prefill_rows, self.cache.device)
@@ -125,7 +131,7 @@ class CudaBackend:
             self.shapes.scratch_for(batch.slots.shape[0])
 
     def rope_write_kv(self, layer: int, q, k, v, batch: StepBatch):
-        if not self.rope.static or self.kv_fp8:  # the kernel reads fixed cos/sin tables, writes no fp8
+        if not self.rope.static:  # the kernel reads fixed cos/sin tables
             return self.reference.rope_write_kv(layer, q, k, v, batch)
         T = q.shape[0]
         kv_heads = self.cache.geometry.num_kv_heads
@@ -146,7 +152,7 @@ class CudaBackend:
     def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None):
         if bias is not None:  # gemv.cu adds no bias
             return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch, bias)
-        if not self.rope.static or self.kv_fp8:  # gemv.cu's epilogue reads fixed cos/sin tables, writes no fp8
+        if not self.rope.static:  # gemv.cu's epilogue reads fixed cos/sin tables
             return composed.rope_write_qkv(self, layer, self.norm_linear(x, norm_weight, qkv, eps), batch)
         geo = self.cache.geometry
         T = x.shape[0] if x.dim() == 2 else 0
@@ -163,7 +169,15 @@ class CudaBackend:
             ptr(q_out), ptr(self.cache.pool), table, slot_stride, max_blocks,
             ptr(batch.positions), ptr(batch.token_seq), ptr(batch.slots),
             ptr(self.cos), ptr(self.sin), np.int32(self.cos.shape[0]),
-        )
+        ) + self._kv_scale_args(layer)
+
+    def _kv_scale_args(self, layer: int) -> tuple:
+        """The last arguments of every kernel that touches an fp8 pool: this layer's K and V scales,
+        [kv_heads] float32 each (geometry.cuh's KV_SCALE_PARAMS); none for a pool in the model dtype."""
+        if not self.kv_fp8:
+            return ()
+        scales = self.cache.kv_scales
+        return ptr(scales.k[layer]), ptr(scales.v[layer])
 
     def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         if batch.is_prefill:
@@ -189,7 +203,7 @@ class CudaBackend:
             ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(batch.slots), ptr(batch.context_lens),
             np.int32(self.max_context), ptr(part_out), ptr(part_max), ptr(part_sum), ptr(counters),
             self.scale_log2,
-        ))
+        ) + self._kv_scale_args(layer))
         return out
 
     def _prefill_attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -202,7 +216,7 @@ class CudaBackend:
         self.launch("paged_prefill_attention", (tile_seq.shape[0] * self.num_heads,), (PREFILL_WARPS * 32,), (
             ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(tile_seq), ptr(tile_row),
             ptr(seq_start), ptr(num_new), ptr(batch.context_lens), ptr(batch.slots), self.scale_log2,
-        ), shared_mem=self.prefill_shared)
+        ) + self._kv_scale_args(layer), shared_mem=self.prefill_shared)
         return out
 
     def rms_norm(self, x, weight, eps):

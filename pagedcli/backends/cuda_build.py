@@ -12,13 +12,14 @@ The tuning constants are written here only; the .cu files receive them as -D def
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from pagedcli.backends import NOT_FINITE
 from pagedcli.backends.cuda_compile import Defines
 from pagedcli.model.config import CacheGeometry, ModelConfig
+from pagedcli.model.fp8 import FP8_DTYPE
 
 PARTITION_SIZE = 512  # tokens per split-KV chunk of the decode kernel (a multiple of every block size)
 ATTN_THREADS = 128  # threads of a decode CTA
@@ -28,6 +29,10 @@ ATTN_STAGES = 4  # load steps of the decode kernel in flight per lane (cp.async 
 UNROLL_SMALL_Q, MIN_CTAS_SMALL_Q = 4, 5
 UNROLL_LARGE_Q, MIN_CTAS_LARGE_Q = 2, 3
 MAX_HEADS_PER_CTA = 4  # query heads one decode CTA serves (docs/performance.md: 8 was slower at GQA 8)
+# An fp8 pool's decode loads: 8 e4m3 bytes a lane, as many elements as a 16-byte load of bf16, so the
+# lane's q slice and sums are the same size (16-byte loads, 16 elements a lane, spill at
+# MIN_CTAS_SMALL_Q: ptxas gives 96 registers and ~270 bytes of spill loads at Llama-3.2-1B).
+ATTN_FP8_VEC_BYTES = 8
 ATTN_STATIC_SHARED = 48 * 1024  # static shared memory a CTA may declare (CUDA's limit)
 # Cap on decode CTAs (per SM) when choosing the number of splits (docs/performance.md: the splits a
 # short context does not need still launch CTAs that find no work and leave).
@@ -65,6 +70,9 @@ VEC_BYTES = 16  # the kernels' vector width (uint4)
 WARP_SIZE = 32
 
 DTYPE_DEFINES = {torch.bfloat16: "DTYPE_BF16", torch.float16: "DTYPE_F16", torch.float32: "DTYPE_F32"}
+# The pool's element where it is not the model's (`kv_cache_dtype` fp8): geometry.cuh's kv_t, and
+# the k_scale/v_scale parameters of the kernels that touch the pool.
+KV_DTYPE_DEFINES = {FP8_DTYPE: "KV_FP8"}
 GEMV_OPS = ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")
 GEMV8_OPS = ("rms_norm_store", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")  # fp8 weights: not the LM head
 
@@ -95,20 +103,22 @@ class AttentionShape:
     (the nvcc test compiles every preset, so the two cannot drift apart unnoticed)."""
 
     head_dim: int
-    itemsize: int
+    itemsize: int  # the pool's element: the model dtype's, or 1 for an fp8 pool
     heads_per_cta: int
     block_size: int
     unroll: int
+    kv_fp8: bool = False
 
     @property
-    def row_bytes(self) -> int:
+    def row_bytes(self) -> int:  # `itemsize`: the pool's element (1 for fp8)
         return self.head_dim * self.itemsize
 
     @property
     def vec_bytes(self) -> int:
         """The kernel's load width (ATTN_VEC_BYTES): 16 bytes, or 8 for a row that is not whole
-        16-byte vectors (head_dim 100 in bf16); 0 when neither divides the row."""
-        return row_vec_bytes(self.row_bytes)
+        16-byte vectors (head_dim 100 in bf16) and for an fp8 pool (ATTN_FP8_VEC_BYTES); 0 when
+        none divides the row."""
+        return row_vec_bytes(self.row_bytes, ATTN_FP8_VEC_BYTES if self.kv_fp8 else VEC_BYTES)
 
     @property
     def row_vecs(self) -> int:
@@ -139,9 +149,10 @@ class AttentionShape:
         return None
 
 
-def row_vec_bytes(row_bytes: int) -> int:
-    """The widest load (16 or 8 bytes) that a head's row is a whole number of; 0 when neither is."""
-    return next((v for v in (VEC_BYTES, VEC_BYTES // 2) if row_bytes % v == 0), 0)
+def row_vec_bytes(row_bytes: int, widest: int = VEC_BYTES) -> int:
+    """The widest load (16 or 8 bytes, at most `widest`) that a head's row is a whole number of; 0
+    when none is."""
+    return next((v for v in (VEC_BYTES, VEC_BYTES // 2) if v <= widest and row_bytes % v == 0), 0)
 
 
 def prefill_rows(head_dim: int) -> int:
@@ -153,10 +164,14 @@ def prefill_m_tiles(head_dim: int) -> int:
     return PREFILL_M_TILES_SMALL_D if head_dim <= 64 else 1
 
 
-def prefill_shared_bytes(head_dim: int, itemsize: int) -> int:
-    """paged_prefill.cu's dynamic shared memory: the Q tile and two K and two V tiles, rows of the
-    head dim padded to the mma's 16 plus 8 elements (its SMEM_BYTES)."""
+def prefill_shared_bytes(head_dim: int, itemsize: int, kv_fp8: bool = False) -> int:
+    """paged_prefill.cu's dynamic shared memory (its SMEM_BYTES): the Q tile and two K and two V
+    tiles, rows of the head dim padded to the mma's 16 plus 8 elements of `itemsize` (the model
+    dtype's); for an fp8 pool one K and one V tile, and two staging buffers of e4m3 K and V tiles
+    (unpadded, a byte an element)."""
     row = (-(-head_dim // 16) * 16 + 8) * itemsize
+    if kv_fp8:
+        return (prefill_rows(head_dim) + 2 * PREFILL_BLOCK_N) * row + 4 * PREFILL_BLOCK_N * head_dim
     return (prefill_rows(head_dim) + 4 * PREFILL_BLOCK_N) * row
 
 
@@ -168,10 +183,12 @@ def prefill_unsupported(geometry: CacheGeometry, tensor_cores: bool, max_shared:
         return "float32: the tensor-core kernel takes bfloat16 or float16"
     if not tensor_cores:
         return "the GPU is older than sm_80 (no bf16/fp16 mma.sync)"
-    if not row_vec_bytes(geometry.head_dim * geometry.itemsize) or geometry.head_dim > PREFILL_MAX_HEAD_DIM:
-        return (f"head_dim {geometry.head_dim} in {dtype}: the kernel takes rows of whole 8-byte loads, "
+    rows_ok = row_vec_bytes(geometry.head_dim * geometry.dtype.itemsize) and row_vec_bytes(geometry.head_dim * geometry.itemsize)
+    if not rows_ok or geometry.head_dim > PREFILL_MAX_HEAD_DIM:
+        pool = " with an fp8 pool" if geometry.kv_fp8 else ""
+        return (f"head_dim {geometry.head_dim} in {dtype}{pool}: the kernel takes rows of whole 8-byte loads, "
                 f"head_dim at most {PREFILL_MAX_HEAD_DIM}")
-    need = prefill_shared_bytes(geometry.head_dim, geometry.itemsize)
+    need = prefill_shared_bytes(geometry.head_dim, geometry.dtype.itemsize, geometry.kv_fp8)
     if need > max_shared:
         return f"head_dim {geometry.head_dim}: a CTA needs {need} bytes of shared memory, this GPU allows {max_shared}"
     return None
@@ -201,28 +218,20 @@ class KernelPlan:
 def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, tensor_cores: bool = True,
                  max_shared: int = H100_MAX_SHARED, fp8_weights: bool = False) -> KernelPlan:
     """The kernels for `config` with the cache of `geometry` (its dtype is the model's; its pool's
-    may be fp8) on a GPU with thread-block clusters (`clusters`: sm_90+), bf16/fp16 mma.sync
-    (`tensor_cores`: sm_80+) and `max_shared` bytes of shared memory a CTA may opt in to;
-    `fp8_weights`: the linear layers are Fp8Weights (model/fp8.py)."""
+    may be fp8: KV_DTYPE_DEFINES) on a GPU with thread-block clusters (`clusters`: sm_90+),
+    bf16/fp16 mma.sync (`tensor_cores`: sm_80+) and `max_shared` bytes of shared memory a CTA may
+    opt in to; `fp8_weights`: the linear layers are Fp8Weights (model/fp8.py)."""
     if geometry.dtype not in DTYPE_DEFINES:
         raise ValueError(f"no CUDA kernels for {geometry.dtype}")
     dtype = ((DTYPE_DEFINES[geometry.dtype], None),)
-    # No kernel reads or writes an fp8 pool yet: its K/V write and attention run as the torch
-    # backend's ops (which quantize and dequantize), and gemv.cu, whose qkv epilogue (the pool
-    # write) is then never launched, is compiled with the model dtype's block sizes, which its
-    # geometry.cuh checks against sizeof(scalar_t).
-    kernel_geometry = replace(geometry, cache_dtype=None) if geometry.kv_fp8 else geometry
-    model = tuple(sorted(kernel_geometry.defines().items())) + (("NUM_HEADS", config.num_heads),) + dtype
+    pool = ((KV_DTYPE_DEFINES[geometry.kv_dtype], None),) if geometry.kv_fp8 else ()
+    model = tuple(sorted(geometry.defines().items())) + (("NUM_HEADS", config.num_heads),) + dtype + pool
     plan = KernelPlan()
     if fp8_weights:  # gemv.cu's gemv8_ kernels serve decode batches up to GEMV_MAX_ROWS
         plan.fallbacks["linear layers"] = (f"`quantization` fp8 over {GEMV_MAX_ROWS} rows (prefill, larger batches): "
                                            "no fp8 GEMM kernel yet; torch's float32 product of the fp8 values, "
                                            "times each row's scale")
-    if geometry.kv_fp8:
-        for op in ("RoPE and the K/V write", "decode attention", "prefill attention"):
-            plan.fallbacks[op] = "`kv_cache_dtype` fp8: no fp8 kernels yet; torch ops quantize and dequantize"
-    else:
-        plan.files["kv_write.cu"] = (model, ("rope_write_kv",))
+    plan.files["kv_write.cu"] = (model, ("rope_write_kv",))
     plan.files["elementwise.cu"] = (dtype, ("rms_norm_vec", "rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"))
     gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),
                     ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST))
@@ -235,20 +244,20 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
         plan.fallbacks["q/k/v and o projections"] = "attention_bias: gemv.cu adds no bias; cuBLAS, then torch's add"
     if config.mlp_bias:
         plan.fallbacks["gate/up and down projections"] = "mlp_bias: gemv.cu adds no bias; cuBLAS, then torch's add"
-    if config.rope_type == "dynamic" and not geometry.kv_fp8:
+    if config.rope_type == "dynamic":
         plan.fallbacks["RoPE and the K/V write"] = ("dynamic NTK RoPE rotates each token by its sequence's length, "
                                                     "not by one fixed table")
 
-    if geometry.kv_fp8:
-        return plan
     why = prefill_unsupported(geometry, tensor_cores, max_shared)
     if why is None:
-        plan.prefill_shared = prefill_shared_bytes(geometry.head_dim, geometry.itemsize)
+        plan.prefill_shared = prefill_shared_bytes(geometry.head_dim, geometry.dtype.itemsize, geometry.kv_fp8)
         plan.prefill_rows = prefill_rows(geometry.head_dim)
         prefill = model + (("PREFILL_BLOCK_M", prefill_rows(geometry.head_dim)), ("PREFILL_BLOCK_N", PREFILL_BLOCK_N),
                            ("PREFILL_WARPS", PREFILL_WARPS), ("PREFILL_M_TILES", prefill_m_tiles(geometry.head_dim)),
-                           ("PREFILL_VEC_BYTES", row_vec_bytes(geometry.head_dim * geometry.itemsize)),
+                           ("PREFILL_VEC_BYTES", row_vec_bytes(geometry.head_dim * geometry.dtype.itemsize)),
                            ("PREFILL_SHARED_BYTES", plan.prefill_shared))
+        if geometry.kv_fp8:  # the e4m3 rows' copies (Q's are PREFILL_VEC_BYTES)
+            prefill += (("PREFILL_KV_VEC_BYTES", row_vec_bytes(geometry.head_dim)),)
         plan.files["paged_prefill.cu"] = (prefill, ("paged_prefill_attention",))
     else:
         plan.fallbacks["prefill attention"] = why
@@ -257,11 +266,13 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
     small_q = plan.heads_per_cta <= 4  # q and its sums in registers leave room for more rows and CTAs
     plan.attn_min_ctas = MIN_CTAS_SMALL_Q if small_q else MIN_CTAS_LARGE_Q
     unroll = UNROLL_SMALL_Q if small_q else UNROLL_LARGE_Q
-    shape = AttentionShape(geometry.head_dim, geometry.itemsize, plan.heads_per_cta, geometry.block_size, unroll)
+    shape = AttentionShape(geometry.head_dim, geometry.itemsize, plan.heads_per_cta, geometry.block_size, unroll,
+                           geometry.kv_fp8)
     why = shape.unsupported()
     if why is not None:
-        plan.fallbacks["decode attention"] = (f"head_dim {geometry.head_dim} in {str(geometry.dtype).removeprefix('torch.')}: "
-                                              f"{why}")
+        pool = " with an fp8 pool" if geometry.kv_fp8 else ""
+        plan.fallbacks["decode attention"] = (f"head_dim {geometry.head_dim} in {str(geometry.dtype).removeprefix('torch.')}"
+                                              f"{pool}: {why}")
         return plan
     attention = model + (
         ("HEADS_PER_CTA", plan.heads_per_cta),

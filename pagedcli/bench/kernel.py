@@ -13,7 +13,9 @@ blocks of one pool, different contiguous tensors) are used in turn so that the 6
 not serve a small configuration from the previous call; the tiniest ones still partly fit in L2.
 
 Effective bandwidth counts the bytes a decode step must move: K and V of every context token,
-plus q read and the output written.
+plus q read and the output written. With an fp8 pool (`cache_dtype`) the paged kernel reads e4m3
+K/V (a byte an element, scales 1.0) and SDPA the same values in the model dtype, each counted at
+its own bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.cache import KVCache
 from pagedcli.model.config import CacheGeometry, ModelConfig
+from pagedcli.model.fp8 import raw, to_fp8
 
 ROTATE_BYTES = 256 * 2**20  # aim for at least this much K/V across the copies used in turn
 MAX_COPIES = 32
@@ -84,28 +87,35 @@ def time_ms(calls: list) -> float:
 
 def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads: int = 32, num_kv_heads: int = 8,
                         block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
-                        max_model_len: int | None = None) -> list[dict]:
+                        max_model_len: int | None = None, cache_dtype: torch.dtype | None = None) -> list[dict]:
     """One row per (batch, context): batch, context, paged_ms, paged_gb_per_s, sdpa_ms, sdpa_gb_per_s,
     max_abs_diff (paged vs SDPA outputs), and the paged kernel's splits, registers per thread and
     resident CTAs per SM.
 
     `max_model_len` (default: the context) is the cache's limit, which sets the paged kernel's
-    grid: a larger one shows what a short context costs in an engine sized for long ones."""
+    grid: a larger one shows what a short context costs in an engine sized for long ones.
+    `cache_dtype`: the pool's element when it is not `dtype` (fp8)."""
     from pagedcli.backends.cuda import CudaBackend
 
     device = torch.device("cuda")
     itemsize = torch.empty((), dtype=dtype).element_size()
+    pool_itemsize = (cache_dtype or dtype).itemsize
     rows = []
     for context in context_lens:
         limit = max(context, max_model_len or context)
         config = _config(num_heads, num_kv_heads, head_dim, limit, dtype)
         for batch in batch_sizes:
-            kv_bytes = batch * context * num_kv_heads * head_dim * 2 * itemsize
+            kv_elements = batch * context * num_kv_heads * head_dim * 2
+            kv_bytes = kv_elements * pool_itemsize
             copies = max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / kv_bytes)))
             blocks_per_seq = math.ceil(context / block_size)
-            geo = CacheGeometry(block_size, num_kv_heads, head_dim, 1, copies * batch * blocks_per_seq, dtype)
+            geo = CacheGeometry(block_size, num_kv_heads, head_dim, 1, copies * batch * blocks_per_seq, dtype,
+                                cache_dtype)
             cache = KVCache(geo, max_slots=copies * batch, max_model_len=limit, device=device, shuffle_seed=0)
-            cache.pool.normal_()
+            if geo.kv_fp8:  # e4m3 of normal numbers (scales 1.0)
+                raw(cache.pool).copy_(raw(to_fp8(torch.randn(cache.pool.shape, device=device))))
+            else:
+                cache.pool.normal_()
             for slot in range(copies * batch):
                 cache.grow(slot, context)
             cache.sync_device_table()
@@ -119,7 +129,8 @@ def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads
                 steps.append((step, q))
                 # the same K/V, gathered through the table into the contiguous layout SDPA reads
                 physical = torch.as_tensor(cache.table[slots, 0, :blocks_per_seq], device=device).long()
-                kv = cache.pool[physical]  # [B, blocks, 2, block_size, kv_heads, head_dim]
+                kv = raw(cache.pool)[physical]  # [B, blocks, 2, block_size, kv_heads, head_dim]
+                kv = kv.view(cache.pool.dtype).to(dtype) if geo.kv_fp8 else kv  # (the scales are 1.0)
                 kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, num_kv_heads, -1, head_dim)[..., :context, :]
                 sdpa_inputs.append((q.unsqueeze(2), kv[0].contiguous(), kv[1].contiguous()))
                 del kv
@@ -131,11 +142,12 @@ def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads
             diff = (backend.attend(0, q, step).float() - sdpa_calls[0]().squeeze(2).float()).abs().max().item()
             paged_ms, sdpa_ms = time_ms(paged_calls), time_ms(sdpa_calls)
 
-            moved = kv_bytes + 2 * batch * num_heads * head_dim * itemsize  # K, V, q in, out
+            q_out = 2 * batch * num_heads * head_dim * itemsize  # q in, out
+            moved, sdpa_moved = kv_bytes + q_out, kv_elements * itemsize + q_out
             rows.append(dict(
-                batch=batch, context=context,
+                batch=batch, context=context, kv_dtype=str(geo.kv_dtype).removeprefix("torch."),
                 paged_ms=paged_ms, paged_gb_per_s=moved / paged_ms / 1e6,
-                sdpa_ms=sdpa_ms, sdpa_gb_per_s=moved / sdpa_ms / 1e6,
+                sdpa_ms=sdpa_ms, sdpa_gb_per_s=sdpa_moved / sdpa_ms / 1e6,
                 max_abs_diff=diff, splits=backend.shapes.num_splits(batch),
                 registers=backend.kernels["paged_attention_decode"].num_regs,
                 ctas_per_sm=backend.decode_ctas_per_sm,

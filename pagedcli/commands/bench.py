@@ -97,7 +97,7 @@ def bench(
     opts = engine_flags.options(batch=max(batches))
     loaded = load_model(opts, notice)
     if kernel:
-        _kernel_bench(loaded, json_output, bandwidth)
+        _kernel_bench(loaded, json_output, bandwidth, opts.kv_cache_dtype)
         return
     results, told = [], set()
 
@@ -228,16 +228,18 @@ def _quality_bench(engine_flags: EngineFlags, text_path: Path | None, num_prompt
         print_tables(quality_table(rows, name, dtype, device, lo))
 
 
-def _kernel_bench(loaded, json_output: bool, bandwidth: float | None) -> None:
+def _kernel_bench(loaded, json_output: bool, bandwidth: float | None, kv_cache_dtype: str) -> None:
     if loaded.device.type != "cuda":
         raise UsageError("--kernel times our CUDA kernel", "run it on a machine with an NVIDIA GPU and CuPy")
     from pagedcli.bench.bandwidth import measure_bandwidth
     from pagedcli.commands.bench_view import kernel_table, print_tables
     from pagedcli.bench.kernel import bench_decode_kernel
+    from pagedcli.model.fp8 import FP8_DTYPE
 
     c = loaded.source.config
     rows = bench_decode_kernel([1, 8, 64], [512, 4096], head_dim=c.head_dim, num_heads=c.num_heads,
-                               num_kv_heads=c.num_kv_heads, dtype=loaded.dtype)
+                               num_kv_heads=c.num_kv_heads, dtype=loaded.dtype,
+                               cache_dtype=FP8_DTYPE if kv_cache_dtype == "fp8" else None)
     if json_output:
         for r in rows:
             print(json.dumps(r), flush=True)

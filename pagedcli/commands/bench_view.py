@@ -170,7 +170,8 @@ def results_table(results: list[dict]) -> Group:
 
 
 def kernel_table(rows: list[dict], bandwidth_gbps: float) -> Table:
-    t = Table(title=f"decode attention alone; bandwidth {bandwidth_gbps:,.0f} GB/s", title_justify="left",
+    pool = f", {rows[0]['kv_dtype']} pool" if rows and rows[0].get("kv_dtype", "").startswith("float8") else ""
+    t = Table(title=f"decode attention alone{pool}; bandwidth {bandwidth_gbps:,.0f} GB/s", title_justify="left",
               box=box.SIMPLE_HEAD)
     for col in ("batch", "context", "paged\nms", "paged\nGB/s", "of band-\nwidth", "SDPA on a\ncontiguous\ncopy, ms",
                 "SDPA\nGB/s", "max |diff|"):
