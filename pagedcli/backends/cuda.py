@@ -95,8 +95,8 @@ class CudaBackend:
         self._prefill_tiles: tuple | None = None  # this prefill step's work list (cuda_launch.prefill_tiles)
         # a prefill step can be replayed from a CUDA graph (engine/prefill_graphs.py) when nothing in
         # it is decided from the step's host lists: our prefill kernel with the tiles the caller
-        # staged, RoPE from fixed tables, no torch fallback for the K/V write or the fp8 weights
-        self.captures_prefill = self.prefill_kernel and self.rope.static and not self.kv_fp8 and not fp8_weights
+        # staged, RoPE from fixed tables (and the K/V write with them), fp8 weights' torch path not in it
+        self.captures_prefill = self.prefill_kernel and self.rope.static and not fp8_weights
         self.shapes = LaunchShapes(cache, self.num_heads, self.heads_per_cta, self.vec, self.num_sms, self.cluster)
         d = self.device_index
         self.kernels = {}
