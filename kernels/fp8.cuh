@@ -41,3 +41,32 @@ __device__ __forceinline__ void e4m3x4_scaled(unsigned int word, float& a, float
     a = half_bits_to_float(lo & 0xffffu), b = half_bits_to_float(lo >> 16);
     c = half_bits_to_float(hi & 0xffffu), d = half_bits_to_float(hi >> 16);
 }
+
+// --- float to e4m3 (the activations of a W8A8 product, pagedcli/model/fp8.py's to_fp8) ----------
+#define FP8_MAX 448.0f  // e4m3's largest finite value
+
+// Two floats as e4m3 bytes, rounded to nearest even and saturated at ±448 (NaN stays NaN): `lo` in
+// bits 0-7, `hi` in bits 8-15. torch's cast after its clamp, the same bits.
+__device__ __forceinline__ unsigned int e4m3x2_from_floats(float lo, float hi) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));  // the first source: the high byte
+    return r;
+#else
+    const auto one = [](float f) -> unsigned int {
+        const unsigned int sign = (__float_as_uint(f) >> 24) & 0x80u;
+        const float a = fabsf(f);
+        if (a != a) return sign | 0x7fu;  // NaN
+        if (a < 0.015625f) return sign | (unsigned int)__float2int_rn(a * 512.0f);  // subnormals: m x 2^-9 (8: 2^-6)
+        unsigned int u = __float_as_uint(fminf(a, FP8_MAX));
+        u += 0x7ffffu + ((u >> 20) & 1u);  // round half to even at the 3 mantissa bits kept
+        return sign | ((((u >> 23) - 127u + 7u) << 3) | ((u >> 20) & 7u));
+    };
+    return one(lo) | (one(hi) << 8);
+#endif
+}
+
+// One e4m3 byte as a float, exactly (the bit moves of e4m3_pair_as_halves, then the 2^8 back).
+__device__ __forceinline__ float e4m3_to_float(unsigned int byte) {
+    return half_bits_to_float(e4m3_pair_as_halves(byte & 0xffu)) * 256.0f;
+}

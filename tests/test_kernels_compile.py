@@ -8,6 +8,7 @@ A geometry that fails here is one a user would have hit at run time.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +90,34 @@ def test_kernels_compile_without_clusters_for_older_gpus():
     for file in ("paged_attention.cu", "paged_prefill.cu", "gemv.cu"):  # gemv.cu: fp8 weights without sm_89's cvt
         ok, err = nvcc(file, plan.files[file][0], arch="sm_80")
         assert ok, err
+
+
+@pytest.mark.parametrize("arch,mma", [("sm_80", False), ("sm_89", True), ("sm_90", True), ("sm_90-convert", False)])
+def test_gemv8_kernels_compile_for_each_architecture(arch, mma, tmp_path):
+    """gemv.cu's fp8-weight kernels (every GEMV8_OPS op, every GEMV8_ROW_BUCKETS size, in every dtype):
+    on tensor cores (mma.m16n8k32 e4m3) on sm_89 and sm_90, as the conversion kernel on sm_80 and
+    with GEMV8_MMA 0; every kernel the backend loads is there."""
+    from pagedcli.backends.cuda_build import gemv_kernel_names
+
+    config = preset_configs()["llama-3.2-1b"]
+    for dtype in DTYPES:
+        defines = plan_kernels(config, geometry(config, dtype), clusters=True, fp8_weights=True).files["gemv.cu"][0]
+        if arch.endswith("-convert"):
+            defines = tuple((k, 0 if k == "GEMV8_MMA" else v) for k, v in defines)
+        folder = kernel_folder()
+        ptx = tmp_path / f"gemv-{arch}-{dtype}.ptx"
+        cmd = [NVCC, *COMPILE_OPTIONS, f"-arch={arch.removesuffix('-convert')}", "-ptx", "-o", str(ptx),
+               f"-I{folder}", *define_flags(defines), str(folder / "gemv.cu")]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        text = ptx.read_text()
+        entries = set(re.findall(r"\.entry (\w+)\(", text))
+        assert entries == set(gemv_kernel_names()), entries ^ set(gemv_kernel_names())
+        assert ("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in text) == mma
+    # and through ptxas to a binary, for the architecture (bf16)
+    ok, err = nvcc("gemv.cu", plan_kernels(config, geometry(config, torch.bfloat16), clusters=True,
+                                           fp8_weights=True).files["gemv.cu"][0], arch=arch.removesuffix("-convert"))
+    assert ok, err
 
 
 def test_plan_sends_to_torch_only_what_the_kernel_cannot_serve():

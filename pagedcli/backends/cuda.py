@@ -13,8 +13,9 @@ What runs where:
                       sequence's rows in one launch, K/V read through the block table);
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs.
 
-FP8 (model/fp8.py): Fp8Weights go through gemv.cu's gemv8_ kernels at up to GEMV_MAX_ROWS rows and
-composed.linear's torch product beyond; an fp8 pool's K/V write and both attentions are the torch
+FP8 (model/fp8.py): Fp8Weights go through gemv.cu's gemv8_ kernels (W8A8: on tensor cores from
+sm_89) at up to GEMV8_MAX_ROWS rows and composed.linear's torch._scaled_mm beyond (its float32
+emulation where the probe at start finds _scaled_mm refused); an fp8 pool's K/V write and both attentions are the torch
 backend's (which quantize and dequantize). `fallbacks` says so, and the loader tells the user.
 
 Kernels are compiled once per geometry (the `-D` defines from `CacheGeometry.defines()`, plus the
@@ -35,8 +36,8 @@ import torch
 
 from pagedcli.backends import composed
 from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, DTYPE_DEFINES,
-                                          GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS, SILU_THREADS, VEC_BYTES,
-                                          gemv_kernel_names, plan_kernels)
+                                          GEMV8_MAX_ROWS, GEMV8_MAX_SHARED, GEMV8_MMA, GEMV8_MMA_CAPABILITY, GEMV_MAX_SHARED, KV_WRITE_THREADS,
+                                          PREFILL_WARPS, SILU_THREADS, VEC_BYTES, gemv_kernel_names, plan_kernels)
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
 from pagedcli.backends.cuda_gemv import gemv
 from pagedcli.backends.cuda_launch import Launcher, LaunchShapes, aligned, prefill_tiles, ptr, resident_ctas
@@ -73,6 +74,8 @@ class CudaBackend:
         self.num_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
         capability = torch.cuda.get_device_capability(self.device_index)
         self.cluster = ATTN_CLUSTER if capability >= (9, 0) else 1  # thread-block clusters: sm_90 and newer
+        self.fp8_mma = bool(GEMV8_MMA) and capability >= GEMV8_MMA_CAPABILITY  # gemv.cu's gemv8_ on tensor cores
+        self.fp8_gemm = self.reference.fp8_gemm  # torch._scaled_mm, probed by the reference backend
 
         # which kernels serve this geometry (cuda_build.py checks every compile-time limit first);
         # `fallbacks`: the ops that run as torch ops instead, and why (the loader tells the user)
@@ -82,6 +85,10 @@ class CudaBackend:
         plan = plan_kernels(config, geo, clusters=self.cluster > 1, tensor_cores=capability >= (8, 0), max_shared=optin,
                             fp8_weights=fp8_weights)
         self.fallbacks = dict(plan.fallbacks)
+        if fp8_weights and not self.fp8_gemm:
+            self.fallbacks["linear layers"] = (f"`quantization` fp8 over {GEMV8_MAX_ROWS} rows (prefill, larger "
+                                               f"batches): {self.reference.fp8_gemm_refusal}; torch ops emulate the "
+                                               "fp8 product in float32")
         self.heads_per_cta = plan.heads_per_cta
         self.attention_kernel = plan.attention_decode
         self.prefill_kernel, self.prefill_shared, self.prefill_rows = (plan.attention_prefill, plan.prefill_shared,
@@ -93,7 +100,8 @@ class CudaBackend:
         for file, (defines, names) in plan.files.items():
             self.kernels.update(compile_kernels(file, defines, names, d))
         for name in gemv_kernel_names():  # staged inputs may pass CUDA's default 48 KiB of shared memory
-            self.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED
+            self.kernels[name].max_dynamic_shared_size_bytes = (GEMV8_MAX_SHARED if name.startswith("gemv8_")
+                                                                else GEMV_MAX_SHARED)
         if self.prefill_kernel:
             self.kernels["paged_prefill_attention"].max_dynamic_shared_size_bytes = self.prefill_shared
         self.decode_ctas_per_sm = (  # for reports

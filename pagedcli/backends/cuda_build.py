@@ -54,13 +54,25 @@ ARGMAX_CHUNK = 4096  # logits per argmax CTA
 # which is faster from 3 rows on (docs/performance.md), while gemv.cu wins at 1 and 2.
 GEMV_ROW_BUCKETS = (1, 2)
 GEMV_MAX_ROWS = GEMV_ROW_BUCKETS[-1]
+# fp8 weights (gemv.cu's gemv8_, W8A8): on tensor cores the mma's 8 columns serve up to 8 input rows
+# at the cost of one; larger batches and prefill: torch._scaled_mm (model/fp8.py)
+GEMV8_ROW_BUCKETS = (1, 2, 4, 8)
+GEMV8_MAX_ROWS = GEMV8_ROW_BUCKETS[-1]
+GEMV8_SPLITS = (1, 2, 4, 8)  # as GEMV_SPLITS: a unit is 16 rows, so fewer units need more warps each
+GEMV8_PAD = 64  # bytes between quantized input rows beyond K (gemv.cu: the B loads' banks)
+GEMV8_MMA_CAPABILITY = (8, 9)  # fp8 mma.sync: sm_89 and newer; older GPUs convert the weights to floats
+GEMV8_MMA = 1  # 0: the conversion kernel on every GPU (to compare; the same function)
 GEMV_THREADS = 256
 GEMV_UNROLL = 4  # 16-byte loads per lane per tile (and as many for the next tile, in flight meanwhile)
 GEMV_MIN_CTAS = 4  # CTAs per SM the registers must allow
 GEMV_CTAS_PER_SM = 4  # CTAs launched per SM, each looping over its rows: one wave
 GEMV_SPLITS = (1, 2, 4)  # warps that may share a row (each over a slice of K) when rows are too few to fill the GPU
 GEMV_MAX_SHARED = 64 * 1024  # bytes of staged input per CTA (rows x K); more: cuBLAS
+# gemv8_'s (gemv8_shared_bytes): Llama-3.2-1B's down projection at 8 rows takes 66 KB; with more
+# than a quarter of an SM's shared memory fewer CTAs fit at once, which at its 128 CTAs costs nothing
+GEMV8_MAX_SHARED = 96 * 1024
 GEMV_EVICT_FIRST = 1  # weight loads ask L2 to evict their lines first (gemv.cu says why)
+GEMV8_BLOCK = 64  # k of a lane's 16-byte load of a weight row in gemv8_mma (two m16n8k32)
 VEC_BYTES = 16  # the kernels' vector width (uint4)
 WARP_SIZE = 32
 
@@ -72,12 +84,28 @@ GEMV8_OPS = ("rms_norm_store", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_
 
 def gemv_kernel_names():
     """The kernels gemv.cu defines: one per row bucket and fused op, and for fp8 weights (its
-    GEMV_KERNELS macro)."""
+    GEMV_KERNELS and GEMV8_KERNELS macros)."""
     for rows in GEMV_ROW_BUCKETS:
         for op in GEMV_OPS:
             yield f"gemv_{rows}_{op}"
+    for rows in GEMV8_ROW_BUCKETS:
         for op in GEMV8_OPS:
             yield f"gemv8_{rows}_{op}"
+
+
+def gemv8_shared_bytes(rows: int, K: int, itemsize: int, op: str, mma: bool) -> int:
+    """gemv8_'s dynamic shared memory for a bucket of `rows` input rows of K elements: on tensor
+    cores (`mma`) the quantized rows (K + GEMV8_PAD bytes each), and for the RMSNorm ops the staged
+    rows in the dtype too; else (sm_80) the staged rows only, quantized in place."""
+    staged = rows * K * itemsize
+    if not mma:
+        return staged
+    return rows * (K + GEMV8_PAD) + (staged if op.startswith("rms_norm") else 0)
+
+
+def gemv8_tile(unroll: int | None = None) -> int:
+    """k of one tile of gemv8_mma (GEMV8_TILE): GEMV_UNROLL loads a lane, two weight rows a block."""
+    return GEMV8_BLOCK * (unroll or GEMV_UNROLL) // 2
 
 
 def heads_per_cta(gqa: int) -> int:
@@ -214,10 +242,9 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
     kernel_geometry = replace(geometry, cache_dtype=None) if geometry.kv_fp8 else geometry
     model = tuple(sorted(kernel_geometry.defines().items())) + (("NUM_HEADS", config.num_heads),) + dtype
     plan = KernelPlan()
-    if fp8_weights:  # gemv.cu's gemv8_ kernels serve decode batches up to GEMV_MAX_ROWS
-        plan.fallbacks["linear layers"] = (f"`quantization` fp8 over {GEMV_MAX_ROWS} rows (prefill, larger batches): "
-                                           "no fp8 GEMM kernel yet; torch's float32 product of the fp8 values, "
-                                           "times each row's scale")
+    if fp8_weights:  # gemv.cu's gemv8_ kernels serve decode batches up to GEMV8_MAX_ROWS
+        plan.fallbacks["linear layers"] = (f"`quantization` fp8 over {GEMV8_MAX_ROWS} rows (prefill, larger batches): "
+                                           "torch ops quantize the activations, torch._scaled_mm multiplies")
     if geometry.kv_fp8:
         for op in ("RoPE and the K/V write", "decode attention", "prefill attention"):
             plan.fallbacks[op] = "`kv_cache_dtype` fp8: no fp8 kernels yet; torch ops quantize and dequantize"
@@ -225,7 +252,7 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
         plan.files["kv_write.cu"] = (model, ("rope_write_kv",))
     plan.files["elementwise.cu"] = (dtype, ("rms_norm_vec", "rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"))
     gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),
-                    ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST))
+                    ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST), ("GEMV8_PAD", GEMV8_PAD), ("GEMV8_MMA", GEMV8_MMA))
     plan.files["gemv.cu"] = (gemv, tuple(gemv_kernel_names()))
     plan.files["argmax.cu"] = (dtype + (("ARGMAX_THREADS", ARGMAX_THREADS), ("NOT_FINITE", NOT_FINITE)),
                                ("argmax_rows",))
