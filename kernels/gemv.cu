@@ -542,7 +542,7 @@ __device__ __forceinline__ void sum_split_k8(float (&acc)[4], int split, int war
 // scales of mma rows g and g+8, and (OUT_ADD) the residuals of the lane's outputs.
 struct Ends8 {
     float scale[2];
-    float residual[2][2];  // [row g, g+8][input row 2t, 2t+1]
+    scalar_t residual[2][2];  // [row g, g+8][input row 2t, 2t+1], as stored
 };
 
 // gemv's arguments (M <= 8 input rows); W: fp8 values, scales: one float per weight row.
@@ -567,12 +567,11 @@ __device__ __forceinline__ void gemv8_mma(const Fp8* __restrict__ W, const float
     const bool leader = warp % split == 0;
     int unit = blockIdx.x * groups + warp / split;
 
-    TokenOf token[2] = {{-1, 0}, {-1, 0}};  // of input rows 2t and 2t+1
+    // OUT_ROPE_KV: the tokens' positions and sequences, read once per CTA (the prologue's barriers
+    // publish them), kept in shared memory rather than in each lane's registers
+    __shared__ TokenOf tokens[M];
     if constexpr (OUT == OUT_ROPE_KV) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            if (2 * t + c < rows) token[c] = {kv.positions[2 * t + c], kv.token_seq[2 * t + c]};
-        }
+        if (threadIdx.x < rows) tokens[threadIdx.x] = {kv.positions[threadIdx.x], kv.token_seq[threadIdx.x]};
     }
     const auto ends_of = [&](int u) {
         Ends8 e = {};
@@ -586,8 +585,7 @@ __device__ __forceinline__ void gemv8_mma(const Fp8* __restrict__ W, const float
                 for (int c = 0; c < 2; ++c) {
                     const int m = 2 * t + c;
                     e.residual[h][c] =
-                        row >= 0 && m < rows ? to_float(static_cast<const scalar_t*>(out)[(size_t)m * out_stride + row])
-                                             : 0.0f;
+                        row >= 0 && m < rows ? static_cast<const scalar_t*>(out)[(size_t)m * out_stride + row] : scalar_t{};
                 }
             }
         }
@@ -616,7 +614,6 @@ __device__ __forceinline__ void gemv8_mma(const Fp8* __restrict__ W, const float
         if (next_unit < units) {
             load_tile8(W, mma_row<OUT>(next_unit, g, N), mma_row<OUT>(next_unit, g + 8, N), next_tile, K, lane, next);
         }
-        if (next_unit != unit) next_ends = ends_of(next_unit);
 
 #pragma unroll
         for (int b = 0; b < GEMV8_BLOCKS; ++b) {
@@ -647,7 +644,7 @@ __device__ __forceinline__ void gemv8_mma(const Fp8* __restrict__ W, const float
                             if constexpr (OUT == OUT_SILU_MUL) {
                                 static_cast<scalar_t*>(out)[(size_t)m * out_stride + pair] = from_float(silu_mul(v[0], v[1]));
                             } else {
-                                rope_write_pair(kv, token[c], m, pair, round_to_dtype(v[0]), round_to_dtype(v[1]));
+                                rope_write_pair(kv, tokens[m], m, pair, round_to_dtype(v[0]), round_to_dtype(v[1]));
                             }
                         }
                     } else {
@@ -659,7 +656,7 @@ __device__ __forceinline__ void gemv8_mma(const Fp8* __restrict__ W, const float
                             if constexpr (OUT == OUT_STORE) {
                                 static_cast<scalar_t*>(out)[at] = from_float(v[h]);
                             } else if constexpr (OUT == OUT_ADD) {
-                                static_cast<scalar_t*>(out)[at] = from_float(__fadd_rn(ends.residual[h][c], round_to_dtype(v[h])));
+                                static_cast<scalar_t*>(out)[at] = from_float(__fadd_rn(to_float(ends.residual[h][c]), round_to_dtype(v[h])));
                             } else {  // OUT_FLOAT
                                 static_cast<float*>(out)[at] = round_to_dtype(v[h]);
                             }
@@ -669,7 +666,7 @@ __device__ __forceinline__ void gemv8_mma(const Fp8* __restrict__ W, const float
             }
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
-            ends = next_ends;
+            if (next_unit < units) ends = ends_of(next_unit);
         }
         unit = next_unit, tile = next_tile;
 #pragma unroll
