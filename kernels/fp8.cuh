@@ -70,3 +70,15 @@ __device__ __forceinline__ unsigned int e4m3x2_from_floats(float lo, float hi) {
 __device__ __forceinline__ float e4m3_to_float(unsigned int byte) {
     return half_bits_to_float(e4m3_pair_as_halves(byte & 0xffu)) * 256.0f;
 }
+
+// Two e4m3 bytes (bits 0-7 and 8-15) as two fp16 numbers, exactly (the first in the low half).
+__device__ __forceinline__ unsigned int e4m3x2_to_halves(unsigned int pair) {
+    unsigned int r;
+#if __CUDA_ARCH__ >= 890
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((unsigned short)(pair & 0xffffu)));
+#else  // the bit moves give the values times 2^-8; times 2^8 in fp16 is exact
+    const unsigned int scaled = e4m3_pair_as_halves(((pair & 0xff00u) << 8) | (pair & 0xffu));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(scaled), "r"(0x5c005c00u));  // 256.0 in each half
+#endif
+    return r;
+}

@@ -222,8 +222,9 @@ __device__ __forceinline__ float unpack_factor() {
 // nearest even, saturated). The scales go to `scale` [M]; the values to `xq` (bytes, rows
 // xq_stride apart), or, with xq null, back over src as the dtype's numbers (e4m3 values are exact
 // bf16, fp16 and fp32 numbers): sm_80's conversion kernel then multiplies them as it multiplies
-// any input. The caller's barrier publishes both.
-template <int M>
+// any input. AS_HALVES: to `xq` as fp16 numbers (exact too), for gemv8_mma's fp16 operands. The
+// caller's barrier publishes both.
+template <int M, bool AS_HALVES = false>
 __device__ __forceinline__ void quantize_rows(const scalar_t* __restrict__ src, long long src_stride, int rows, int K,
                                               float* __restrict__ scale, unsigned char* __restrict__ xq,
                                               int xq_stride) {
@@ -259,6 +260,10 @@ __device__ __forceinline__ void quantize_rows(const scalar_t* __restrict__ src, 
 #pragma unroll
                 for (int j = 0; j < VEC / 2; ++j) r[2 * j] = e4m3_to_float(pairs[j]), r[2 * j + 1] = e4m3_to_float(pairs[j] >> 8);
                 store_floats<VEC>(const_cast<scalar_t*>(src) + m * src_stride + v * VEC, r);
+            } else if constexpr (AS_HALVES) {  // the e4m3 values as fp16 (exact), two a word
+                unsigned int* dst = reinterpret_cast<unsigned int*>(xq + (size_t)m * xq_stride + v * VEC * 2);
+#pragma unroll
+                for (int j = 0; j < VEC / 2; ++j) dst[j] = e4m3x2_to_halves(pairs[j]);
             } else {
                 unsigned int* dst = reinterpret_cast<unsigned int*>(xq + (size_t)m * xq_stride + v * VEC);
 #pragma unroll
@@ -465,20 +470,50 @@ __device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __re
 // pairs (gate rows i..i+7 and up rows i..i+7; elements d..d+7 of a head and d+HEAD_DIM/2..), so a
 // lane holds both outputs of a pair. `split` warps share a unit, each over its slice of the tiles
 // (GEMV8_TILE k), and meet in shared memory; the input rows are quantized once per CTA in the
-// prologue, while the first weight tile is in flight. Shared memory: the M quantized rows, K +
-// GEMV8_PAD bytes apart (so that the 8 lanes of a 16-byte load phase, two rows, hit distinct
-// banks), then for IN_RMS_NORM the M staged rows in the dtype (IN_PLAIN reads its input from
-// global memory, twice: its amax, then its values).
+// prologue, while the first weight tile is in flight. Shared memory: the M quantized rows
+// (gemv8_row_stride bytes apart), then for IN_RMS_NORM the M staged rows in the dtype (IN_PLAIN
+// reads its input from global memory, twice: its amax, then its values). On sm_90 the same with
+// fp16 operands (GEMV8_HALVES below).
 #define GEMV8_BLOCK 64                           // k of a lane's 16-byte load of a row: two mmas
 #define GEMV8_BLOCKS (GEMV_UNROLL / 2)           // blocks a tile: GEMV_UNROLL loads a lane (two rows)
 #define GEMV8_TILE (GEMV8_BLOCK * GEMV8_BLOCKS)  // k of a tile
 static_assert(GEMV_UNROLL % 2 == 0, "gemv8's tile loads two weight rows a block");
-#ifndef GEMV8_PAD
-#error "gemv.cu needs -DGEMV8_PAD (pagedcli/backends/cuda_build.py)"
+#if !defined(GEMV8_PAD) || !defined(GEMV8_PAD_HALVES)
+#error "gemv.cu needs -DGEMV8_PAD -DGEMV8_PAD_HALVES (pagedcli/backends/cuda_build.py)"
 #endif
-static_assert(GEMV8_PAD % 16 == 0, "quantized rows stay 16-byte aligned");
+static_assert(GEMV8_PAD % 16 == 0 && GEMV8_PAD_HALVES % 16 == 0, "quantized rows stay 16-byte aligned");
+
+// The operands gemv8_mma gives the tensor cores: e4m3 where mma.sync takes it as it is (sm_89 and
+// sm_100+), fp16 on sm_90 (unless GEMV8_MMA is 2), whose mma.sync would convert both e4m3 operands
+// to fp16 itself at every mma: there the kernel converts the weights (two to a cvt.f16x2.e4m3x2)
+// and stages the quantized activations as fp16 once per CTA, and m16n8k16 fp16 mmas multiply
+// them (e4m3 values are exact fp16 numbers, their products exact in fp32: the same function).
+// cuda_build.gemv8_operands is the Python side of this choice.
+#if __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000 && GEMV8_MMA == 1
+#define GEMV8_HALVES 1
+#else
+#define GEMV8_HALVES 0
+#endif
+
+// The bytes between quantized input rows in shared memory: K's bytes (a byte, or with fp16 operands
+// two, an element) rounded up to 128, plus the pad that puts the two rows of a 16-byte load phase
+// on distinct banks (cuda_build.gemv8_shared_bytes counts the same).
+__device__ __forceinline__ int gemv8_row_stride(int K) {
+    return GEMV8_HALVES ? (2 * K + 127) / 128 * 128 + GEMV8_PAD_HALVES : (K + 127) / 128 * 128 + GEMV8_PAD;
+}
 
 #if __CUDA_ARCH__ >= 890
+// d += A x B, the m16n8k16 fp16 product from zero added in fp32
+__device__ __forceinline__ void mma_f16(float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2,
+                                        unsigned int a3, unsigned int b0, unsigned int b1) {
+    float c0, c1, c2, c3;
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};"
+        : "=f"(c0), "=f"(c1), "=f"(c2), "=f"(c3)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
+    d[0] += c0, d[1] += c1, d[2] += c2, d[3] += c3;
+}
+
 // d += A x B, the product from zero added in fp32 (a: the four A registers, b: the two B registers)
 __device__ __forceinline__ void mma_e4m3(float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2,
                                          unsigned int a3, unsigned int b0, unsigned int b1) {
@@ -555,7 +590,7 @@ __device__ __forceinline__ void gemv8_mma(const Fp8* __restrict__ W, const float
     static_assert(M <= 8, "the mma's 8 columns");
     constexpr bool PAIRED = OUT == OUT_SILU_MUL || OUT == OUT_ROPE_KV;
     extern __shared__ uint4 shared_input[];
-    const int xq_stride = K + GEMV8_PAD;
+    const int xq_stride = gemv8_row_stride(K);
     unsigned char* __restrict__ xq = reinterpret_cast<unsigned char*>(shared_input);
     scalar_t* __restrict__ xs = reinterpret_cast<scalar_t*>(xq + (size_t)M * xq_stride);
     __shared__ float act_scale[M];
@@ -599,9 +634,9 @@ __device__ __forceinline__ void gemv8_mma(const Fp8* __restrict__ W, const float
     if constexpr (IN == IN_RMS_NORM) {
         stage_input<M, IN>(xs, rows, in, in_stride, norm_weight, eps, K);
         __syncthreads();
-        quantize_rows<M>(xs, K, rows, K, act_scale, xq, xq_stride);
+        quantize_rows<M, GEMV8_HALVES>(xs, K, rows, K, act_scale, xq, xq_stride);
     } else {
-        quantize_rows<M>(in, in_stride, rows, K, act_scale, xq, xq_stride);
+        quantize_rows<M, GEMV8_HALVES>(in, in_stride, rows, K, act_scale, xq, xq_stride);
     }
     __syncthreads();
 
@@ -618,10 +653,28 @@ __device__ __forceinline__ void gemv8_mma(const Fp8* __restrict__ W, const float
 #pragma unroll
         for (int b = 0; b < GEMV8_BLOCKS; ++b) {
             const int k = tile * GEMV8_TILE + b * GEMV8_BLOCK + t * 16;
-            const uint4 x = g < rows && k < K ? *reinterpret_cast<const uint4*>(x_row + k) : make_uint4(0, 0, 0, 0);
             const uint4 &lo = w[2 * b], &hi = w[2 * b + 1];
+#if GEMV8_HALVES
+            // four m16n8k16: mma c takes word c of each weight load (A registers 0 and 2: its two
+            // halves of row g, 1 and 3: of row g+8) and words 2c, 2c+1 of the input's 32 bytes (16
+            // fp16 at the same k)
+            uint4 x0 = make_uint4(0, 0, 0, 0), x1 = x0;
+            if (g < rows && k < K) {
+                const uint4* x = reinterpret_cast<const uint4*>(x_row + 2 * k);
+                x0 = x[0], x1 = x[1];
+            }
+            const unsigned int xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+            const unsigned int lw[4] = {lo.x, lo.y, lo.z, lo.w}, hw[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                mma_f16(acc, e4m3x2_to_halves(lw[c]), e4m3x2_to_halves(hw[c]), e4m3x2_to_halves(lw[c] >> 16),
+                        e4m3x2_to_halves(hw[c] >> 16), xw[2 * c], xw[2 * c + 1]);
+            }
+#else
+            const uint4 x = g < rows && k < K ? *reinterpret_cast<const uint4*>(x_row + k) : make_uint4(0, 0, 0, 0);
             mma_e4m3(acc, lo.x, hi.x, lo.y, hi.y, x.x, x.y);
             mma_e4m3(acc, lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+#endif
         }
 
         if (next_tile == tile_begin) {  // this warp's slice of the unit is done
@@ -726,7 +779,7 @@ __device__ __forceinline__ void gemv8_mma(const Fp8* __restrict__ W, const float
     }
 
 // The combinations a Llama layer uses, for each batch-size bucket: cuda_build.py's GEMV_ROW_BUCKETS
-// and, for fp8 weights (GEMV8_OPS: not the LM head, the one float output), GEMV8_ROW_BUCKETS.
+// and, for fp8 weights (GEMV8_OPS; the float output: an fp8 LM head), GEMV8_ROW_BUCKETS.
 #define GEMV_KERNELS(M)                                          \
     GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, store, OUT_STORE)       \
     GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, float, OUT_FLOAT)       \
@@ -735,6 +788,7 @@ __device__ __forceinline__ void gemv8_mma(const Fp8* __restrict__ W, const float
     GEMV_ROPE_KV_KERNEL(M)
 #define GEMV8_KERNELS(M)                                           \
     GEMV8_KERNEL(M, rms_norm, IN_RMS_NORM, store, OUT_STORE)       \
+    GEMV8_KERNEL(M, rms_norm, IN_RMS_NORM, float, OUT_FLOAT)       \
     GEMV8_KERNEL(M, rms_norm, IN_RMS_NORM, silu_mul, OUT_SILU_MUL) \
     GEMV8_KERNEL(M, plain, IN_PLAIN, add, OUT_ADD)                 \
     GEMV8_ROPE_KV_KERNEL(M)

@@ -63,3 +63,50 @@ def gemv8_block(W: np.ndarray, X: np.ndarray) -> np.ndarray:
             b_regs[lane] = np.concatenate([word(x, 2 * c), word(x, 2 * c + 1)])
         d += mma(a_regs, b_regs)
     return d
+
+
+# --- mma.m16n8k16 with fp16 operands (sm_90's gemv8_mma: GEMV8_HALVES) ---------------------------
+def a16_element(lane: int, i: int) -> tuple[int, int]:
+    """(row, k) of element a_i (0..7; 2 to a register, the low half first) of m16n8k16 fp16."""
+    group, tig = lane >> 2, lane % 4
+    row = group + (8 if i in (2, 3, 6, 7) else 0)
+    return row, tig * 2 + (i & 1) + (8 if i >= 4 else 0)
+
+
+def b16_element(lane: int, i: int) -> tuple[int, int]:
+    """(k, column) of element b_i (0..3) of m16n8k16 fp16."""
+    group, tig = lane >> 2, lane % 4
+    return tig * 2 + (i & 1) + (8 if i >= 2 else 0), group
+
+
+def mma16(a_regs: np.ndarray, b_regs: np.ndarray) -> np.ndarray:
+    """m16n8k16 from the lanes' registers: a_regs [32, 8], b_regs [32, 4]; d [32, 4] (C/D as k32's)."""
+    A = np.zeros((16, 16), dtype=np.int64)
+    B = np.zeros((16, 8), dtype=np.int64)
+    for lane in range(WARP):
+        for i in range(8):
+            A[a16_element(lane, i)] = a_regs[lane, i]
+        for i in range(4):
+            B[b16_element(lane, i)] = b_regs[lane, i]
+    D = A @ B
+    return np.array([[D[d_element(lane, i)] for i in range(4)] for lane in range(WARP)])
+
+
+def gemv8_block_halves(W: np.ndarray, X: np.ndarray) -> np.ndarray:
+    """gemv8_mma's four m16n8k16 of one 64-k block with fp16 operands, as the kernel loads them:
+    lane (g, t) loads bytes 16t..16t+15 of weight rows g and g+8 (as before) and the 16 fp16 of
+    input row g at the same k (32 bytes); mma c takes word c of each weight load, converted to two
+    fp16 pairs (its low two bytes, then its high two), as A registers (lo low, hi low, lo high, hi
+    high), and fp16 words 2c and 2c+1 of the input as B registers."""
+    d = np.zeros((WARP, 4), dtype=np.int64)
+    for c in range(4):
+        a_regs = np.zeros((WARP, 8), dtype=np.int64)
+        b_regs = np.zeros((WARP, 4), dtype=np.int64)
+        for lane in range(WARP):
+            g, t = lane >> 2, lane % 4
+            lo, hi, x = W[g, 16 * t:16 * t + 16], W[g + 8, 16 * t:16 * t + 16], X[g, 16 * t:16 * t + 16]
+            word = lo[4 * c:4 * c + 4], hi[4 * c:4 * c + 4]
+            a_regs[lane] = np.concatenate([word[0][:2], word[1][:2], word[0][2:], word[1][2:]])
+            b_regs[lane] = x[4 * c:4 * c + 4]  # fp16 words 2c and 2c+1: elements 4c .. 4c+3
+        d += mma16(a_regs, b_regs)
+    return d

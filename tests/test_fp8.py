@@ -128,27 +128,33 @@ def test_scaled_mm_computes_the_emulations_function():
 
 def test_gemv8_mma_register_order_gives_the_true_dot_products():
     """gemv.cu's gemv8_mma loads its A and B registers in a k-permuted order (16 contiguous bytes a
-    lane): through the PTX ISA's m16n8k32 fragments (tests/mma_fragments.py), each lane's
+    lane): through the PTX ISA's m16n8k32 fragments, and m16n8k16's for sm_90's fp16 operands
+    (tests/mma_fragments.py), each lane's
     accumulators are the dot products of weight rows g and g+8 with input rows 2t and 2t+1 over the
     whole 64-k block, with every element counted once."""
     import numpy as np
 
-    from mma_fragments import a_element, b_element, d_element, gemv8_block
+    from mma_fragments import (a16_element, a_element, b16_element, b_element, d_element, gemv8_block,
+                                gemv8_block_halves)
 
     # the fragments cover each matrix once
     assert sorted(a_element(lane, i) for lane in range(32) for i in range(16)) == [(r, k) for r in range(16) for k in range(32)]
     assert sorted(b_element(lane, i) for lane in range(32) for i in range(8)) == [(k, n) for k in range(32) for n in range(8)]
     assert sorted(d_element(lane, i) for lane in range(32) for i in range(4)) == [(r, n) for r in range(16) for n in range(8)]
+    assert sorted(a16_element(lane, i) for lane in range(32) for i in range(8)) == [(r, k) for r in range(16) for k in range(16)]
+    assert sorted(b16_element(lane, i) for lane in range(32) for i in range(4)) == [(k, n) for k in range(16) for n in range(8)]
     rng = np.random.default_rng(3)
     W = rng.integers(-100, 100, (16, 64))
     for rows in (1, 2, 5, 8):
         X = np.zeros((8, 64), dtype=np.int64)
         X[:rows] = rng.integers(-100, 100, (rows, 64))
-        d = gemv8_block(W, X)
         want = W @ X.T  # [16 weight rows, 8 input rows]
-        for lane in range(32):
-            g, t = lane >> 2, lane % 4
-            assert d[lane].tolist() == [want[g, 2 * t], want[g, 2 * t + 1], want[g + 8, 2 * t], want[g + 8, 2 * t + 1]]
+        for block in (gemv8_block, gemv8_block_halves):  # e4m3 operands (m16n8k32), sm_90's fp16 (m16n8k16)
+            d = block(W, X)
+            for lane in range(32):
+                g, t = lane >> 2, lane % 4
+                assert d[lane].tolist() == [want[g, 2 * t], want[g, 2 * t + 1], want[g + 8, 2 * t],
+                                            want[g + 8, 2 * t + 1]], block.__name__
     # a lane whose input row is zero contributes nothing: the columns past `rows` stay zero
     assert (gemv8_block(W, np.zeros((8, 64), dtype=np.int64)) == 0).all()
 
@@ -272,6 +278,25 @@ def test_quantized_weights_count_a_byte_a_value_plus_scales(stories):
     layer = fp8.weights.layers[0]
     assert isinstance(layer.qkv, Fp8Weight) and layer.qkv.shape == (c.q_dim + 2 * c.kv_dim, c.hidden_size)
     assert fp8.weights.lm_head.dtype == torch.float32 and fp8.weights.embed.dtype == torch.float32
+
+
+def test_fp8_lm_head_quantizes_the_lm_head_too_and_keeps_the_embeddings(stories):
+    """`quantization` fp8-lm-head: the LM head an Fp8Weight of its own (the tied embeddings stay in
+    the model dtype, for the lookup), products through fp8_linear; a decode step reads it at a byte
+    a value."""
+    from pagedcli.bench.measure import decode_weight_bytes
+
+    fp8 = load(options(stories, quantization="fp8"))
+    head = load(options(stories, quantization="fp8-lm-head"))
+    w = head.weights
+    assert isinstance(w.lm_head, Fp8Weight) and w.embed.dtype == torch.float32 and not isinstance(w.embed, Fp8Weight)
+    assert torch.equal(w.lm_head.values.view(torch.uint8), quantize_weight(fp8.weights.lm_head).values.view(torch.uint8))
+    vocab, hidden = w.embed.shape
+    assert decode_weight_bytes(head) == decode_weight_bytes(fp8) - 4 * vocab * hidden + (vocab * hidden + 4 * vocab)
+    ids = head.tokenizer.encode("Once upon a time")
+    want, got = all_logits(fp8, ids), all_logits(head, ids)
+    assert got.dtype == torch.float32 and not torch.equal(got, want)
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
 
 
 def fp8_checkpoint(source, folder, per_tensor: bool = False, **quantization_config):
@@ -429,7 +454,7 @@ def test_bench_quality_reports_each_fp8_option_against_the_model_dtype(stories):
     assert code == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["variant"] for r in rows] == ["model dtype", "fp8 KV", "fp8 weights", "fp8 weights + KV",
-                                            "float32, for scale"]
+                                            "fp8 weights + LM head", "float32, for scale"]
     base = rows[0]
     assert base["perplexity_change"] == 0 and base["greedy_match"] == 1 and base["identical_prompts"] == 2
     assert rows[-1]["dtype"] == "float32" and all(r["dtype"] == "bfloat16" for r in rows[:-1])

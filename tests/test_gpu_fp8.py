@@ -139,20 +139,25 @@ def w8a8_exact(staged: torch.Tensor, w: Fp8Weight, tensor_cores: bool = True) ->
     return a @ b.T, max(w.shape[1] * 2.0**-24, TENSOR_CORE_SUM if tensor_cores else 0.0) * magnitude
 
 
-def kernels_setup(geometry, lengths, seed, mma=True):
-    """test_cuda_kernels' Setup (a shuffled pool, both backends), its CUDA backend built with
-    gemv8_ on tensor cores or (mma=False) as sm_80's conversion kernel, whatever this GPU is."""
-    import pagedcli.backends.cuda as cuda_backend
+# gemv.cu's gemv8_ paths (cuda_build.GEMV8_MMA): tensor cores with each GPU's operands (sm_90: fp16),
+# tensor cores with e4m3 operands, sm_80's conversion kernel (on any GPU)
+GEMV8_PATHS = {"mma": 1, "mma-e4m3": 2, "convert": 0}
+
+
+def kernels_setup(geometry, lengths, seed, path="mma"):
+    """test_cuda_kernels' Setup (a shuffled pool, both backends), its CUDA backend built with one of
+    GEMV8_PATHS, whatever this GPU is."""
     import pagedcli.backends.cuda_build as cuda_build
     from test_cuda_kernels import Setup
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cuda_build, "GEMV8_MMA", int(mma))
-        mp.setattr(cuda_backend, "GEMV8_MMA", int(mma))
-        s = Setup(geometry, lengths, seed=seed)
-    if mma and torch.cuda.get_device_capability() < (8, 9):
+    setting = GEMV8_PATHS[path]
+    if setting and torch.cuda.get_device_capability() < cuda_build.GEMV8_MMA_CAPABILITY:
         pytest.skip("no fp8 tensor cores on this GPU (sm_89+)")
-    assert s.cuda.fp8_mma == mma
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cuda_build, "GEMV8_MMA", setting)
+        s = Setup(geometry, lengths, seed=seed)
+        assert s.cuda.fp8_operands == cuda_build.gemv8_operands(torch.cuda.get_device_capability())
+    assert s.cuda.fp8_mma == bool(setting)
     return s
 
 
@@ -176,21 +181,22 @@ GEMV8_ROWS = [1, 2, 3, 4, 5, 8]
 GEMV8_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (1000, 2064), (64, 16)]
 
 
-@pytest.mark.parametrize("mma", [True, False], ids=["mma", "sm80-convert"])
+@pytest.mark.parametrize("path", list(GEMV8_PATHS))
 @pytest.mark.parametrize("geometry", ["llama1b", "fp16", "mha-d64-fp32"])
-@pytest.mark.parametrize("op", ["rms_norm_store", "rms_norm_silu_mul", "plain_add"])
+@pytest.mark.parametrize("op", ["rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add"])
 @pytest.mark.parametrize("rows", GEMV8_ROWS)
 @pytest.mark.parametrize("shape", GEMV8_SHAPES)
-def test_gemv8_matches_fp64_w8a8_reference(mma, geometry, op, rows, shape, monkeypatch):
+def test_gemv8_matches_fp64_w8a8_reference(path, geometry, op, rows, shape, monkeypatch):
     """gemv8_ against the float64 W8A8 product of the same staged input (RMSNormed as the reference
-    backend does): within an ulp of the dtype plus float32 summation error; the residual add rounds
-    once more; silu-mul is silu_mul of the kernel's own store output, summed alike."""
+    backend does): within an ulp of the dtype plus float32 summation error (the float op, an fp8 LM
+    head's, stores the dtype's rounding as float32); the residual add rounds once more; silu-mul is
+    silu_mul of the kernel's own store output, summed alike."""
     from pagedcli.backends import cuda_build
     from pagedcli.backends.cuda_gemv import gemv
     from test_cuda_kernels import ULP, assert_ulp_close
 
     N, K = shape
-    s = kernels_setup(geometry, [16], seed=13, mma=mma)
+    s = kernels_setup(geometry, [16], seed=13, path=path)
     bucket = next(b for b in cuda_build.GEMV8_ROW_BUCKETS if b >= rows)
     x = s.randn(rows, K, scale=2.0)
     x[0, 0] = 30.0  # an outlier: this row's scale is set by it, the others' are not
@@ -199,7 +205,7 @@ def test_gemv8_matches_fp64_w8a8_reference(mma, geometry, op, rows, shape, monke
     residual = s.randn(rows, N)
     before = residual.clone()
     out = gemv(s.cuda, op, x, weight, norm_weight, 1e-5, residual=residual)
-    if cuda_build.gemv8_shared_bytes(bucket, K, x.element_size(), op, mma) > cuda_build.GEMV8_MAX_SHARED:
+    if cuda_build.gemv8_shared_bytes(bucket, K, x.element_size(), op, s.cuda.fp8_operands) > cuda_build.GEMV8_MAX_SHARED:
         assert out is None, "past gemv.cu's staging limit the caller's torch path takes it"
         return
     assert out is not None, "gemv.cu's fp8 kernel did not take the shape"
@@ -212,7 +218,7 @@ def test_gemv8_matches_fp64_w8a8_reference(mma, geometry, op, rows, shape, monke
         assert_ulp_close(out, expected, ulps=4.0 if fp32 else 2.0, min_identical=0.5 if fp32 else 0.99)
         return
     staged = s.ref.rms_norm(x, norm_weight, 1e-5) if op != "plain_add" else x
-    exact, slack = w8a8_exact(staged, weight, tensor_cores=mma)
+    exact, slack = w8a8_exact(staged, weight, tensor_cores=s.cuda.fp8_mma)
     if op == "plain_add":
         assert out.data_ptr() == residual.data_ptr()
         product, rounding = out.double() - before.double(), ULP[s.dtype] * (before.double().abs() + exact.abs())
@@ -227,16 +233,16 @@ def test_gemv8_matches_fp64_w8a8_reference(mma, geometry, op, rows, shape, monke
     assert ((product - w8a16).abs() > rounding + slack).any()
 
 
-@pytest.mark.parametrize("mma", [True, False], ids=["mma", "sm80-convert"])
+@pytest.mark.parametrize("path", list(GEMV8_PATHS))
 @pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32", "mha-d64-fp32"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
-def test_gemv8_rope_kv_equals_its_store_then_kv_write(mma, geometry, rows, monkeypatch):
+def test_gemv8_rope_kv_equals_its_store_then_kv_write(path, geometry, rows, monkeypatch):
     """gemv8_'s qkv kernel: q and the pool as its own store kernel's output (summed alike) after
     kv_write.cu, at head_dim 64 and 128, a padding row among the tokens."""
     from test_cuda_kernels import assert_ulp_close, forbid_torch_fallback
 
     lengths = [40, 300, 17, 5, 64, 1, 90, 33][:rows]
-    s = kernels_setup(geometry, lengths, seed=14, mma=mma)
+    s = kernels_setup(geometry, lengths, seed=14, path=path)
     c, layer = s.config, 1
     batch = s.decode_batch(lengths)
     if rows > 1:
@@ -266,18 +272,21 @@ def test_gemv8_rope_kv_equals_its_store_then_kv_write(mma, geometry, rows, monke
     assert_ulp_close(s.cache.pool, pool_ref, ulps=2.0, min_identical=0.99)
 
 
-def test_gemv8_mma_and_sm80_conversion_compute_the_same_function():
-    """The two gemv8_ paths on the same inputs: the same W8A8 function, summed in other orders."""
+def test_gemv8_paths_compute_the_same_function():
+    """The gemv8_ paths on the same inputs: the same W8A8 function, summed in other orders."""
     from pagedcli.backends.cuda_gemv import gemv
 
     outs = []
-    for mma in (True, False):
-        s = kernels_setup("llama1b", [16], seed=21, mma=mma)
+    for path in ("convert", "mma", "mma-e4m3"):
+        if path != "convert" and torch.cuda.get_device_capability() < (8, 9):
+            continue
+        s = kernels_setup("llama1b", [16], seed=21, path=path)
         x = s.randn(4, 2048, scale=2.0)
         w = quantize_weight(s.randn(3072, 2048, scale=2048**-0.5))
         outs.append(gemv(s.cuda, "rms_norm_store", x, w, s.randn(2048) + 1, 1e-5).float())
-    diff = (outs[0] - outs[1]).abs()
-    assert (diff <= 2.0**-7 * outs[1].abs() + 1e-3).all() and (diff == 0).float().mean() > 0.9
+    for other in outs[1:]:
+        diff = (other - outs[0]).abs()
+        assert (diff <= 2.0**-7 * outs[0].abs() + 1e-3).all() and (diff == 0).float().mean() > 0.9
 
 
 def test_scaled_mm_matches_the_float32_emulation_on_the_gpu():

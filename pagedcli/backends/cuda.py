@@ -36,8 +36,9 @@ import torch
 
 from pagedcli.backends import composed
 from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, DTYPE_DEFINES,
-                                          GEMV8_MAX_ROWS, GEMV8_MAX_SHARED, GEMV8_MMA, GEMV8_MMA_CAPABILITY, GEMV_MAX_SHARED, KV_WRITE_THREADS,
-                                          PREFILL_WARPS, SILU_THREADS, VEC_BYTES, gemv_kernel_names, plan_kernels)
+                                          GEMV8_MAX_ROWS, GEMV8_MAX_SHARED, GEMV_MAX_SHARED, KV_WRITE_THREADS,
+                                          PREFILL_WARPS, SILU_THREADS, VEC_BYTES, gemv8_operands, gemv_kernel_names,
+                                          plan_kernels)
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
 from pagedcli.backends.cuda_gemv import gemv
 from pagedcli.backends.cuda_launch import Launcher, LaunchShapes, aligned, prefill_tiles, ptr, resident_ctas
@@ -74,7 +75,8 @@ class CudaBackend:
         self.num_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
         capability = torch.cuda.get_device_capability(self.device_index)
         self.cluster = ATTN_CLUSTER if capability >= (9, 0) else 1  # thread-block clusters: sm_90 and newer
-        self.fp8_mma = bool(GEMV8_MMA) and capability >= GEMV8_MMA_CAPABILITY  # gemv.cu's gemv8_ on tensor cores
+        self.fp8_operands = gemv8_operands(capability)  # gemv.cu's gemv8_ on tensor cores (None: converting)
+        self.fp8_mma = self.fp8_operands is not None
         self.fp8_gemm = self.reference.fp8_gemm  # torch._scaled_mm, probed by the reference backend
 
         # which kernels serve this geometry (cuda_build.py checks every compile-time limit first);

@@ -19,7 +19,7 @@ def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
     """x (or its RMSNorm) @ weight.T through gemv.cu, followed by what `op` says; None when the
     shapes are not gemv.cu's (too many rows, unaligned, other dtype): the caller uses cuBLAS.
     rope_kv: (layer, batch) for the qkv epilogue, which returns the rotated q. An fp8 weight
-    (model/fp8.py) goes to the gemv8_ kernels, with its row scales (not the LM head's float op)."""
+    (model/fp8.py) goes to the gemv8_ kernels, with its row scales."""
     fp8 = isinstance(weight, Fp8Weight)
     scales = weight.scale if fp8 else None
     if fp8:
@@ -42,7 +42,7 @@ def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
         return None
     bucket = next(b for b in (GEMV8_ROW_BUCKETS if fp8 else GEMV_ROW_BUCKETS) if b >= rows)
     if fp8:
-        shared = gemv8_shared_bytes(bucket, K, x.element_size(), op, be.fp8_mma)
+        shared = gemv8_shared_bytes(bucket, K, x.element_size(), op, be.fp8_operands)
     else:
         shared = bucket * K * x.element_size()
     if shared > (GEMV8_MAX_SHARED if fp8 else GEMV_MAX_SHARED):

@@ -29,7 +29,9 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype
-QUANTIZATIONS = ("none", "fp8")
+# none; fp8: the linear layers; fp8-lm-head: the LM head too (the embeddings stay in the model dtype)
+FP8_LM_HEAD = "fp8-lm-head"
+QUANTIZATIONS = ("none", "fp8", FP8_LM_HEAD)
 DEFAULT_KV_SCALE = 1.0  # vLLM's, when the checkpoint has none
 
 
