@@ -62,7 +62,7 @@ class CudaBackend:
             raise RunError(f"the CUDA kernels do not support dtype {geo.dtype}", "use bfloat16, float16 or float32")
         self.cache, self.config = cache, config
         # the torch ops, called by name wherever a kernel of ours does not apply
-        self.reference = TorchBackend(cache, config)
+        self.reference = TorchBackend(cache, config, fp8_weights)
         self.rope, self.cos, self.sin = self.reference.rope, self.reference.cos, self.reference.sin
         self.device_index = cache.device.index if cache.device.index is not None else torch.cuda.current_device()
         self.dtype = geo.dtype

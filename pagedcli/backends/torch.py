@@ -36,16 +36,17 @@ ATTENTION_CHUNK_ELEMENTS = 1 << 26
 
 
 class TorchBackend:
-    def __init__(self, cache: KVCache, config: ModelConfig):
+    def __init__(self, cache: KVCache, config: ModelConfig, fp8_weights: bool = False):
         self.cache = cache
         self.config = config
         self.block_size = cache.geometry.block_size
         self.rope = RotaryTable(config, cache.max_model_len, cache.device, cache.geometry.dtype)
         self.cos, self.sin = self.rope.cos, self.rope.sin  # the static types' tables (None for dynamic)
         self._step: dict = {}  # per-step index tensors shared by all layers
-        # fp8 weights' products through torch._scaled_mm (fp8 tensor cores), probed once here;
-        # else (the CPU, older GPUs, a refusal) fp8_linear's float32 emulation
-        self.fp8_gemm_refusal = fp8_gemm_refusal(cache.device, cache.geometry.dtype)
+        # fp8 weights' products through torch._scaled_mm (fp8 tensor cores), probed once here when
+        # the weights are fp8; else (the CPU, older GPUs, a refusal) fp8_linear's float32 emulation
+        self.fp8_gemm_refusal = (fp8_gemm_refusal(cache.device, cache.geometry.dtype) if fp8_weights
+                                 else "the weights are not fp8")
         self.fp8_gemm = self.fp8_gemm_refusal is None
 
     # --- the layer's steps around its GEMMs ------------------------------------------------------
