@@ -108,37 +108,13 @@ __host__ __device__ __forceinline__ unsigned int e4m3_from_float_software(float 
     return r | sign;
 }
 
-// --- float to e4m3 (the activations of a W8A8 product too, pagedcli/model/fp8.py's to_fp8) ------
-#define FP8_MAX 448.0f  // e4m3's largest finite value
-
-// Two floats as e4m3 bytes, rounded to nearest even and saturated at ±448 (NaN stays NaN): `lo` in
-// bits 0-7, `hi` in bits 8-15. torch's cast after its clamp, the same bits.
-__device__ __forceinline__ unsigned int e4m3x2_from_floats(float lo, float hi) {
+// The same on the GPU: sm_89+ converts in one instruction (which saturates with .satfinite).
+__device__ __forceinline__ unsigned int e4m3_from_float(float f) {
 #if __CUDA_ARCH__ >= 890
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));  // the first source: the high byte
-    return r;
+    unsigned short pair;  // f in the low byte (the instruction's second operand)
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(f));
+    return pair & 0xffu;
 #else
-    return e4m3_from_float_software(lo) | (e4m3_from_float_software(hi) << 8);
+    return e4m3_from_float_software(f);
 #endif
-}
-
-// One float's e4m3 byte: the fp8 KV cache's writes.
-__device__ __forceinline__ unsigned int e4m3_from_float(float f) { return e4m3x2_from_floats(f, 0.0f) & 0xffu; }
-
-// One e4m3 byte as a float, exactly (the bit moves of e4m3_pair_as_halves, then the 2^8 back).
-__device__ __forceinline__ float e4m3_to_float(unsigned int byte) {
-    return half_bits_to_float(e4m3_pair_as_halves(byte & 0xffu)) * 256.0f;
-}
-
-// Two e4m3 bytes (bits 0-7 and 8-15) as two fp16 numbers, exactly (the first in the low half).
-__device__ __forceinline__ unsigned int e4m3x2_to_halves(unsigned int pair) {
-    unsigned int r;
-#if __CUDA_ARCH__ >= 890
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((unsigned short)(pair & 0xffffu)));
-#else  // the bit moves give the values times 2^-8; times 2^8 in fp16 is exact
-    const unsigned int scaled = e4m3_pair_as_halves(((pair & 0xff00u) << 8) | (pair & 0xffu));
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(scaled), "r"(0x5c005c00u));  // 256.0 in each half
-#endif
-    return r;
 }

@@ -588,7 +588,44 @@ def same_split_k_as_fused(monkeypatch, s, weight):
     monkeypatch.setattr(LaunchShapes, "gemv_split", lambda self, units, K, *_: split)
 
 
-# (fp8 weights, the gemv8_ kernels: tests/test_gpu_fp8.py)
+@pytest.mark.parametrize("geometry", ["llama1b", "fp16"])
+@pytest.mark.parametrize("op", ["rms_norm_store", "rms_norm_silu_mul", "plain_add"])
+@pytest.mark.parametrize("rows", [1, 2])
+# qkv's (split K at batch 1); K past a whole tile of 2,048 fp8 weights; many rows; one 16-byte load
+@pytest.mark.parametrize("shape", [(3072, 2048), (1040, 2064), (20000, 256), (64, 16)])
+def test_gemv_fp8_weights_match_fp64_reference(geometry, op, rows, shape):
+    """gemv8_ (fp8 weights, `--quantization fp8`): the fp32 sum of x times the e4m3 values, times the
+    row's scale (model/fp8.py's fp8_linear), within an ulp of the fp64 product of the same staged
+    input and dequantized weight plus fp32 accumulation error; silu-mul is silu_mul of its own
+    store output (the same sums)."""
+    from pagedcli.model.fp8 import quantize_weight
+
+    N, K = shape
+    s = Setup(geometry, [16], seed=13)
+    x = s.randn(rows, K, scale=2.0)
+    weight = quantize_weight(s.randn(N, K, scale=K**-0.5))
+    norm_weight = s.randn(K, scale=0.5) + 1
+    residual = s.randn(rows, N)
+    before = residual.clone()
+    staged = s.ref.rms_norm(x, norm_weight, 1e-5) if op != "plain_add" else x
+    dequantized = weight.dequantize(torch.float64)
+    exact = staged.double() @ dequantized.T
+    slack = K * 2.0**-24 * (staged.double().abs() @ dequantized.abs().T)
+    out = gemv(s.cuda, op, x, weight, norm_weight, 1e-5, residual=residual)
+    assert out is not None, "gemv.cu's fp8 kernel did not take the shape"
+    torch.cuda.synchronize()
+    if op == "rms_norm_silu_mul":
+        split = s.cuda.shapes.gemv_split(N // 2, K, 1)  # the store below sums as the fused kernel did
+        s.cuda.shapes.gemv_split = lambda units, K, *_: split
+        expected = s.ref.silu_mul(gemv(s.cuda, "rms_norm_store", x, weight, norm_weight, 1e-5))
+        assert_ulp_close(out, expected)
+        return
+    if op == "plain_add":
+        product, rounding = out.double() - before.double(), ULP[s.dtype] * (before.double().abs() + exact.abs())
+    else:
+        product, rounding = out.double(), ULP[s.dtype] * exact.abs()
+    excess = ((product - exact).abs() - rounding - slack).max().item()
+    assert excess <= 0, f"{op}: off the fp64 product by {excess} beyond an ulp plus accumulation error"
 
 
 def test_gemv_falls_back_past_its_limits():

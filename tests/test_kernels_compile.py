@@ -10,7 +10,6 @@ A geometry that fails here is one a user would have hit at run time.
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 import textwrap
@@ -104,42 +103,6 @@ def test_kernels_compile_without_clusters_for_older_gpus(dtype):
         for file in ("paged_attention.cu", "paged_prefill.cu", "gemv.cu", "kv_write.cu"):
             ok, err = nvcc(file, plan.files[file][0], arch="sm_80")
             assert ok, (pool, file, err)
-
-
-E4M3_MMA = "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"
-F16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-
-
-# (arch, cuda_build.GEMV8_MMA, the mma the gemv8_ kernels use: cuda_build.gemv8_operands)
-@pytest.mark.parametrize("arch,setting,operands", [("sm_80", 1, None), ("sm_89", 1, "e4m3"), ("sm_90", 1, "f16"),
-                                                   ("sm_90", 2, "e4m3"), ("sm_90", 0, None)])
-def test_gemv8_kernels_compile_for_each_architecture(arch, setting, operands, tmp_path, monkeypatch):
-    """gemv.cu's fp8-weight kernels (every GEMV8_OPS op, every GEMV8_ROW_BUCKETS size, in every dtype):
-    on tensor cores with e4m3 operands on sm_89 (and sm_90 with GEMV8_MMA 2), fp16 operands on sm_90,
-    the conversion kernel on sm_80 and with GEMV8_MMA 0; every kernel the backend loads is there, and
-    Python's gemv8_operands says what the kernel does."""
-    import pagedcli.backends.cuda_build as cuda_build
-    from pagedcli.backends.cuda_build import gemv8_operands, gemv_kernel_names
-
-    monkeypatch.setattr(cuda_build, "GEMV8_MMA", setting)
-    assert gemv8_operands((int(arch[3]), int(arch[4]))) == operands
-    config = preset_configs()["llama-3.2-1b"]
-    for dtype in DTYPES:
-        defines = plan_kernels(config, geometry(config, dtype), clusters=True, fp8_weights=True).files["gemv.cu"][0]
-        folder = kernel_folder()
-        ptx = tmp_path / f"gemv-{arch}-{dtype}.ptx"
-        cmd = [NVCC, *COMPILE_OPTIONS, f"-arch={arch}", "-ptx", "-o", str(ptx), f"-I{folder}", *define_flags(defines),
-               str(folder / "gemv.cu")]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-2000:]
-        text = ptx.read_text()
-        entries = set(re.findall(r"\.entry (\w+)\(", text))
-        assert entries == set(gemv_kernel_names()), entries ^ set(gemv_kernel_names())
-        assert (E4M3_MMA in text, F16_MMA in text) == (operands == "e4m3", operands == "f16")
-    # and through ptxas to a binary, for the architecture (bf16)
-    ok, err = nvcc("gemv.cu", plan_kernels(config, geometry(config, torch.bfloat16), clusters=True,
-                                           fp8_weights=True).files["gemv.cu"][0], arch=arch)
-    assert ok, err
 
 
 def test_plan_sends_to_torch_only_what_the_kernel_cannot_serve():

@@ -39,9 +39,6 @@ VARIANTS = {
     "attention: cluster min span 128": {"CLUSTER_MIN_SPAN": 128},
     "gemv: 512 threads, 2 CTAs per SM": {"GEMV_THREADS": 512, "GEMV_MIN_CTAS": 2, "GEMV_CTAS_PER_SM": 2},
     "gemv: 2 loads a lane (twice the tiles)": {"GEMV_UNROLL": 2},
-    # with --quantization fp8: gemv8_'s paths (cuda_build.GEMV8_MMA; the default 1: sm_90's fp16 operands)
-    "gemv8: e4m3 operands": {"GEMV8_MMA": 2},
-    "gemv8: conversion kernel": {"GEMV8_MMA": 0},
 }
 
 
@@ -254,9 +251,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="the profile's batch")
     ap.add_argument("--variant-batch", type=int, default=1, help="the batch the variants run")
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[1], help="the GEMM table's batches")
-    ap.add_argument("--quantization", default="none", help="none, fp8 or fp8-lm-head (the gemv8 variants need fp8)")
     args = ap.parse_args()
-    opts = EngineOptions(model=args.model, device="cuda", batch=1, quantization=args.quantization)
+    opts = EngineOptions(model=args.model, device="cuda", batch=1)
     model = load_model(opts)
     bandwidth = measure_bandwidth(model.device)
     work = Workload(input_len="128", output_len=args.output_len)

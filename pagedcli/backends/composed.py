@@ -10,17 +10,17 @@ import torch.nn.functional as F
 from pagedcli.model.fp8 import Fp8Weight, fp8_linear
 
 
-def linear(x, weight, bias=None, scaled_mm=False):
-    """x @ weight.T (+ bias, as nn.Linear adds it); an fp8 weight through fp8_linear (W8A8;
-    `scaled_mm`: the backend's probe found torch._scaled_mm working)."""
+def linear(x, weight, bias=None):
+    """x @ weight.T (+ bias, as nn.Linear adds it); an fp8 weight through fp8_linear (its float32
+    dot times the row's scale)."""
     if isinstance(weight, Fp8Weight):
-        return fp8_linear(x, weight, bias, scaled_mm)
+        return fp8_linear(x, weight, bias)
     return x @ weight.T if bias is None else F.linear(x, weight, bias)
 
 
 def norm_matmul(be, x, norm_weight, weight, eps, bias=None):
     """RMSNorm(x) @ weight.T (+ bias): the pre-norm of attention and of the MLP, with the GEMM after it."""
-    return linear(be.rms_norm(x, norm_weight, eps), weight, bias, be.fp8_gemm)
+    return linear(be.rms_norm(x, norm_weight, eps), weight, bias)
 
 
 def attention_inputs(be, layer: int, x, norm_weight, qkv, eps, batch, bias=None):

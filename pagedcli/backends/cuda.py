@@ -13,12 +13,11 @@ What runs where:
                       sequence's rows in one launch, K/V read through the block table);
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs.
 
-FP8 (model/fp8.py): Fp8Weights go through gemv.cu's gemv8_ kernels (W8A8: on tensor cores from
-sm_89) at up to GEMV8_MAX_ROWS rows and composed.linear's torch._scaled_mm beyond (its float32
-emulation where the probe at start finds _scaled_mm refused; `fallbacks` says so, and the loader
-tells the user). An fp8 pool is written and read by the same kernels, compiled for it
-(cuda_build.KV_DTYPE_DEFINES): the K/V write (kv_write.cu and gemv.cu's qkv epilogue) quantizes,
-both attentions dequantize, with the layer's scales (`cache.kv_scales`) as their last arguments.
+FP8 (model/fp8.py): Fp8Weights go through gemv.cu's gemv8_ kernels at up to GEMV_MAX_ROWS rows and
+composed.linear's torch product beyond (`fallbacks` says so, and the loader tells the user). An fp8
+pool is written and read by the same kernels, compiled for it (cuda_build.KV_DTYPE_DEFINES): the
+K/V write (kv_write.cu and gemv.cu's qkv epilogue) quantizes, both attentions dequantize, with the
+layer's scales (`cache.kv_scales`) as their last arguments.
 
 Kernels are compiled once per geometry (the `-D` defines from `CacheGeometry.defines()`, plus the
 head count and the dtype) and cached in-process; CuPy also caches the binaries on disk. Every
@@ -38,9 +37,8 @@ import torch
 
 from pagedcli.backends import composed
 from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, DTYPE_DEFINES,
-                                          GEMV8_MAX_ROWS, GEMV8_MAX_SHARED, GEMV_MAX_SHARED, KV_WRITE_THREADS,
-                                          PREFILL_WARPS, SILU_THREADS, VEC_BYTES, gemv8_operands, gemv_kernel_names,
-                                          plan_kernels)
+                                          GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS, SILU_THREADS, VEC_BYTES,
+                                          gemv_kernel_names, plan_kernels)
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
 from pagedcli.backends.cuda_gemv import gemv
 from pagedcli.backends.cuda_launch import Launcher, LaunchShapes, aligned, prefill_tiles, ptr, resident_ctas
@@ -65,7 +63,7 @@ class CudaBackend:
             raise RunError(f"the CUDA kernels do not support dtype {geo.dtype}", "use bfloat16, float16 or float32")
         self.cache, self.config = cache, config
         # the torch ops, called by name wherever a kernel of ours does not apply
-        self.reference = TorchBackend(cache, config, fp8_weights)
+        self.reference = TorchBackend(cache, config)
         self.rope, self.cos, self.sin = self.reference.rope, self.reference.cos, self.reference.sin
         self.device_index = cache.device.index if cache.device.index is not None else torch.cuda.current_device()
         self.dtype = geo.dtype
@@ -81,9 +79,6 @@ class CudaBackend:
         self.num_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
         capability = torch.cuda.get_device_capability(self.device_index)
         self.cluster = ATTN_CLUSTER if capability >= (9, 0) else 1  # thread-block clusters: sm_90 and newer
-        self.fp8_operands = gemv8_operands(capability)  # gemv.cu's gemv8_ on tensor cores (None: converting)
-        self.fp8_mma = self.fp8_operands is not None
-        self.fp8_gemm = self.reference.fp8_gemm  # torch._scaled_mm, probed by the reference backend
 
         # which kernels serve this geometry (cuda_build.py checks every compile-time limit first);
         # `fallbacks`: the ops that run as torch ops instead, and why (the loader tells the user)
@@ -93,10 +88,6 @@ class CudaBackend:
         plan = plan_kernels(config, geo, clusters=self.cluster > 1, tensor_cores=capability >= (8, 0), max_shared=optin,
                             fp8_weights=fp8_weights)
         self.fallbacks = dict(plan.fallbacks)
-        if fp8_weights and not self.fp8_gemm:
-            self.fallbacks["linear layers"] = (f"`quantization` fp8 over {GEMV8_MAX_ROWS} rows (prefill, larger "
-                                               f"batches): {self.reference.fp8_gemm_refusal}; torch ops emulate the "
-                                               "fp8 product in float32")
         self.heads_per_cta = plan.heads_per_cta
         self.attention_kernel = plan.attention_decode
         self.prefill_kernel, self.prefill_shared, self.prefill_rows = (plan.attention_prefill, plan.prefill_shared,
@@ -112,8 +103,7 @@ class CudaBackend:
         for file, (defines, names) in plan.files.items():
             self.kernels.update(compile_kernels(file, defines, names, d))
         for name in gemv_kernel_names():  # staged inputs may pass CUDA's default 48 KiB of shared memory
-            self.kernels[name].max_dynamic_shared_size_bytes = (GEMV8_MAX_SHARED if name.startswith("gemv8_")
-                                                                else GEMV_MAX_SHARED)
+            self.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED
         if self.prefill_kernel:
             self.kernels["paged_prefill_attention"].max_dynamic_shared_size_bytes = self.prefill_shared
         self.decode_ctas_per_sm = (  # for reports

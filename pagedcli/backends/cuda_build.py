@@ -59,30 +59,13 @@ ARGMAX_CHUNK = 4096  # logits per argmax CTA
 # which is faster from 3 rows on (docs/performance.md), while gemv.cu wins at 1 and 2.
 GEMV_ROW_BUCKETS = (1, 2)
 GEMV_MAX_ROWS = GEMV_ROW_BUCKETS[-1]
-# fp8 weights (gemv.cu's gemv8_, W8A8): on tensor cores the mma's 8 columns serve up to 8 input rows
-# at the cost of one; larger batches and prefill: torch._scaled_mm (model/fp8.py)
-GEMV8_ROW_BUCKETS = (1, 2, 4, 8)
-GEMV8_MAX_ROWS = GEMV8_ROW_BUCKETS[-1]
-GEMV8_SPLITS = (1, 2, 4, 8)  # as GEMV_SPLITS: a unit is 16 rows, so fewer units need more warps each
-# quantized input rows in shared memory: K's bytes rounded up to 128, plus this (e4m3 operands; fp16
-# operands: GEMV8_PAD_HALVES), so that the two rows a 16-byte load phase reads hit distinct banks
-GEMV8_PAD, GEMV8_PAD_HALVES = 64, 16
-GEMV8_MMA_CAPABILITY = (8, 9)  # fp8 mma.sync: sm_89 and newer; older GPUs convert the weights to floats
-# gemv8_ on tensor cores: 1, with the operands each GPU multiplies best (gemv8_operands); 2, e4m3
-# operands on every sm_89+ GPU; 0, the conversion kernel on every GPU (to compare: the same function)
-GEMV8_MMA = 1
 GEMV_THREADS = 256
 GEMV_UNROLL = 4  # 16-byte loads per lane per tile (and as many for the next tile, in flight meanwhile)
 GEMV_MIN_CTAS = 4  # CTAs per SM the registers must allow
 GEMV_CTAS_PER_SM = 4  # CTAs launched per SM, each looping over its rows: one wave
 GEMV_SPLITS = (1, 2, 4)  # warps that may share a row (each over a slice of K) when rows are too few to fill the GPU
 GEMV_MAX_SHARED = 64 * 1024  # bytes of staged input per CTA (rows x K); more: cuBLAS
-# gemv8_'s (gemv8_shared_bytes): Llama-3.2-1B's down projection at 8 rows takes 66 KB (131 KB with
-# sm_90's fp16 operands); with more than a quarter of an SM's shared memory fewer CTAs fit at once,
-# which at its 128 CTAs costs nothing
-GEMV8_MAX_SHARED = 136 * 1024
 GEMV_EVICT_FIRST = 1  # weight loads ask L2 to evict their lines first (gemv.cu says why)
-GEMV8_BLOCK = 64  # k of a lane's 16-byte load of a weight row in gemv8_mma (two m16n8k32)
 VEC_BYTES = 16  # the kernels' vector width (uint4)
 WARP_SIZE = 32
 
@@ -91,46 +74,18 @@ DTYPE_DEFINES = {torch.bfloat16: "DTYPE_BF16", torch.float16: "DTYPE_F16", torch
 # the k_scale/v_scale parameters of the kernels that touch the pool.
 KV_DTYPE_DEFINES = {FP8_DTYPE: "KV_FP8"}
 GEMV_OPS = ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")
-GEMV8_OPS = ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")  # fp8 weights
+GEMV8_OPS = ("rms_norm_store", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")  # fp8 weights: not the LM head
 
 
 
 def gemv_kernel_names():
     """The kernels gemv.cu defines: one per row bucket and fused op, and for fp8 weights (its
-    GEMV_KERNELS and GEMV8_KERNELS macros)."""
+    GEMV_KERNELS macro)."""
     for rows in GEMV_ROW_BUCKETS:
         for op in GEMV_OPS:
             yield f"gemv_{rows}_{op}"
-    for rows in GEMV8_ROW_BUCKETS:
         for op in GEMV8_OPS:
             yield f"gemv8_{rows}_{op}"
-
-
-def gemv8_operands(capability: tuple[int, int]) -> str | None:
-    """What gemv.cu's gemv8_ kernels give the tensor cores on a GPU of this compute capability:
-    "e4m3", "f16" (sm_90, whose mma.sync converts e4m3 operands itself at every mma: gemv.cu's
-    GEMV8_HALVES), or None: the conversion kernel (before sm_89, or GEMV8_MMA 0)."""
-    if not GEMV8_MMA or tuple(capability) < GEMV8_MMA_CAPABILITY:
-        return None
-    return "f16" if GEMV8_MMA == 1 and capability[0] == 9 else "e4m3"
-
-
-def gemv8_shared_bytes(rows: int, K: int, itemsize: int, op: str, operands: str | None) -> int:
-    """gemv8_'s dynamic shared memory for a bucket of `rows` input rows of K elements: on tensor
-    cores the quantized rows (gemv.cu's gemv8_row_stride: a byte an element, or 2 with fp16
-    operands), and for the RMSNorm ops the staged rows in the dtype too; else (sm_80) the staged
-    rows only, quantized in place."""
-    staged = rows * K * itemsize
-    if operands is None:
-        return staged
-    halves = operands == "f16"
-    stride = -(-K * (2 if halves else 1) // 128) * 128 + (GEMV8_PAD_HALVES if halves else GEMV8_PAD)
-    return rows * stride + (staged if op.startswith("rms_norm") else 0)
-
-
-def gemv8_tile(unroll: int | None = None) -> int:
-    """k of one tile of gemv8_mma (GEMV8_TILE): GEMV_UNROLL loads a lane, two weight rows a block."""
-    return GEMV8_BLOCK * (unroll or GEMV_UNROLL) // 2
 
 
 def heads_per_cta(gqa: int) -> int:
@@ -272,14 +227,14 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
     pool = ((KV_DTYPE_DEFINES[geometry.kv_dtype], None),) if geometry.kv_fp8 else ()
     model = tuple(sorted(geometry.defines().items())) + (("NUM_HEADS", config.num_heads),) + dtype + pool
     plan = KernelPlan()
-    if fp8_weights:  # gemv.cu's gemv8_ kernels serve decode batches up to GEMV8_MAX_ROWS
-        plan.fallbacks["linear layers"] = (f"`quantization` fp8 over {GEMV8_MAX_ROWS} rows (prefill, larger batches): "
-                                           "torch ops quantize the activations, torch._scaled_mm multiplies")
+    if fp8_weights:  # gemv.cu's gemv8_ kernels serve decode batches up to GEMV_MAX_ROWS
+        plan.fallbacks["linear layers"] = (f"`quantization` fp8 over {GEMV_MAX_ROWS} rows (prefill, larger batches): "
+                                           "no fp8 GEMM kernel yet; torch's float32 product of the fp8 values, "
+                                           "times each row's scale")
     plan.files["kv_write.cu"] = (model, ("rope_write_kv",))
     plan.files["elementwise.cu"] = (dtype, ("rms_norm_vec", "rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"))
     gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),
-                    ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST), ("GEMV8_PAD", GEMV8_PAD), ("GEMV8_PAD_HALVES", GEMV8_PAD_HALVES),
-                    ("GEMV8_MMA", GEMV8_MMA))
+                    ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST))
     plan.files["gemv.cu"] = (gemv, tuple(gemv_kernel_names()))
     plan.files["argmax.cu"] = (dtype + (("ARGMAX_THREADS", ARGMAX_THREADS), ("NOT_FINITE", NOT_FINITE)),
                                ("argmax_rows",))

@@ -1,15 +1,14 @@
 """gemv.cu at small batches: one GEMM of a decode step (x, or its RMSNorm, times a weight) with
 what follows it fused into the same kernel: the residual add, silu(gate) * up, a float32 copy for
-the logits, or RoPE and the K/V write of the qkv projection. fp8 weights (model/fp8.py, W8A8): the
-gemv8_ kernels, on tensor cores from sm_89 (`be.fp8_mma`), up to GEMV8_MAX_ROWS rows."""
+the logits, or RoPE and the K/V write of the qkv projection."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from pagedcli.backends.cuda_build import (GEMV8_MAX_ROWS, GEMV8_MAX_SHARED, GEMV8_OPS, GEMV8_ROW_BUCKETS, GEMV_MAX_ROWS, GEMV_MAX_SHARED,
-                                          GEMV_ROW_BUCKETS, GEMV_THREADS, VEC_BYTES, gemv8_shared_bytes)
+from pagedcli.backends.cuda_build import (GEMV8_OPS, GEMV_MAX_ROWS, GEMV_MAX_SHARED, GEMV_ROW_BUCKETS, GEMV_THREADS,
+                                          VEC_BYTES)
 from pagedcli.backends.cuda_launch import aligned, ptr
 from pagedcli.model.fp8 import FP8_DTYPE, Fp8Weight
 
@@ -19,7 +18,7 @@ def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
     """x (or its RMSNorm) @ weight.T through gemv.cu, followed by what `op` says; None when the
     shapes are not gemv.cu's (too many rows, unaligned, other dtype): the caller uses cuBLAS.
     rope_kv: (layer, batch) for the qkv epilogue, which returns the rotated q. An fp8 weight
-    (model/fp8.py) goes to the gemv8_ kernels, with its row scales."""
+    (model/fp8.py) goes to the gemv8_ kernels, with its row scales (not the LM head's float op)."""
     fp8 = isinstance(weight, Fp8Weight)
     scales = weight.scale if fp8 else None
     if fp8:
@@ -32,7 +31,7 @@ def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
     units = N // 2 if paired else N
     tensors = [t for t in (x, norm_weight, residual) if t is not None] + ([] if fp8 else [weight])
     weight_vec = VEC_BYTES // weight.element_size()  # weights to a 16-byte load
-    if not (1 <= rows <= (GEMV8_MAX_ROWS if fp8 else GEMV_MAX_ROWS) and x.shape[1] == K and not (paired and N % 2)
+    if not (1 <= rows <= GEMV_MAX_ROWS and x.shape[1] == K and not (paired and N % 2)
             and be.fusable(*tensors)
             and (not fp8 or (weight.dtype == FP8_DTYPE and weight.is_cuda and weight.device.index == be.device_index
                              and scales.device == weight.device))
@@ -40,12 +39,9 @@ def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
             and x.stride(0) * x.element_size() % VEC_BYTES == 0 and aligned(x, weight)
             and (norm_weight is None or (norm_weight.is_contiguous() and aligned(norm_weight)))):
         return None
-    bucket = next(b for b in (GEMV8_ROW_BUCKETS if fp8 else GEMV_ROW_BUCKETS) if b >= rows)
-    if fp8:
-        shared = gemv8_shared_bytes(bucket, K, x.element_size(), op, be.fp8_operands)
-    else:
-        shared = bucket * K * x.element_size()
-    if shared > (GEMV8_MAX_SHARED if fp8 else GEMV_MAX_SHARED):
+    bucket = next(b for b in GEMV_ROW_BUCKETS if b >= rows)
+    shared = bucket * K * x.element_size()
+    if shared > GEMV_MAX_SHARED:
         return None
     if op.endswith("_add"):
         if residual.shape != (rows, N) or not residual.is_contiguous():
@@ -57,11 +53,7 @@ def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
         out = torch.empty((rows, units), dtype=torch.float32 if op.endswith("float") else x.dtype, device=x.device)
     tail = (ptr(out), np.int64(out.stride(0))) if rope_kv is None else be.rope_kv_args(*rope_kv, out)
     kernel = f"gemv{'8' if fp8 else ''}_{bucket}_{op}"
-    if fp8 and be.fp8_mma:  # a unit of 16 weight rows (8 pairs)
-        units = -(-units // 8) if paired else -(-N // 16)
-        split = be.shapes.gemv8_split(units, K)
-    else:
-        split = be.shapes.gemv_split(units, K, weight.element_size())
+    split = be.shapes.gemv_split(units, K, weight.element_size())
     ctas = be.shapes.gemv_ctas(units, split)
     be.launch(kernel, (ctas,), (GEMV_THREADS,), (ptr(weight),) + ((ptr(scales),) if fp8 else ()) + (
         np.int32(N), np.int32(K), np.int32(rows), np.int32(split), ptr(x), np.int64(x.stride(0)),

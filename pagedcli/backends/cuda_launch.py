@@ -15,8 +15,8 @@ import warnings
 import numpy as np
 import torch
 
-from pagedcli.backends.cuda_build import (GEMV8_SPLITS, GEMV_CTAS_PER_SM, GEMV_SPLITS, GEMV_THREADS, GEMV_UNROLL,
-                                          PARTITION_SIZE, SPLIT_CTAS_PER_SM, VEC_BYTES, gemv8_tile)
+from pagedcli.backends.cuda_build import (GEMV_CTAS_PER_SM, GEMV_SPLITS, GEMV_THREADS, GEMV_UNROLL, PARTITION_SIZE,
+                                          SPLIT_CTAS_PER_SM, VEC_BYTES)
 from pagedcli.engine.batch import to_device
 from pagedcli.engine.cache import KVCache
 
@@ -171,14 +171,6 @@ class LaunchShapes:
         vec = self.vec if weight_itemsize is None else VEC_BYTES // weight_itemsize
         tiles = -(-K // (32 * vec * GEMV_UNROLL))  # gemv.cu's tile_elems: a warp's 16-byte loads of one step
         return max(s for s in GEMV_SPLITS if s == 1 or (units * s <= warp_slots and s <= tiles))
-
-    def gemv8_split(self, units: int, K: int) -> int:
-        """Warps per unit (16 weight rows) of gemv8_mma: as gemv_split, from GEMV8_SPLITS (at most a
-        CTA's warps), each warp with at least one tile (gemv8_tile) of K."""
-        warps = GEMV_THREADS // 32
-        warp_slots = GEMV_CTAS_PER_SM * self.num_sms * warps
-        tiles = -(-K // gemv8_tile())
-        return max(s for s in GEMV8_SPLITS if s == 1 or (units * s <= warp_slots and s <= tiles and warps % s == 0))
 
     def gemv_ctas(self, units: int, split: int) -> int:
         """gemv.cu's grid: a warp per (unit, split), in at most one wave of GEMV_CTAS_PER_SM CTAs an SM."""

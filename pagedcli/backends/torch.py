@@ -27,7 +27,7 @@ from pagedcli.backends import composed
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.cache import KVCache
 from pagedcli.model.config import ModelConfig
-from pagedcli.model.fp8 import dequantize_kv, fp8_gemm_refusal, quantize_kv, raw
+from pagedcli.model.fp8 import dequantize_kv, quantize_kv, raw
 from pagedcli.model.rope import RotaryTable, apply_rope
 
 # Most mask entries times heads (the scores SDPA may materialize) one attention call handles:
@@ -36,18 +36,13 @@ ATTENTION_CHUNK_ELEMENTS = 1 << 26
 
 
 class TorchBackend:
-    def __init__(self, cache: KVCache, config: ModelConfig, fp8_weights: bool = False):
+    def __init__(self, cache: KVCache, config: ModelConfig):
         self.cache = cache
         self.config = config
         self.block_size = cache.geometry.block_size
         self.rope = RotaryTable(config, cache.max_model_len, cache.device, cache.geometry.dtype)
         self.cos, self.sin = self.rope.cos, self.rope.sin  # the static types' tables (None for dynamic)
         self._step: dict = {}  # per-step index tensors shared by all layers
-        # fp8 weights' products through torch._scaled_mm (fp8 tensor cores), probed once here when
-        # the weights are fp8; else (the CPU, older GPUs, a refusal) fp8_linear's float32 emulation
-        self.fp8_gemm_refusal = (fp8_gemm_refusal(cache.device, cache.geometry.dtype) if fp8_weights
-                                 else "the weights are not fp8")
-        self.fp8_gemm = self.fp8_gemm_refusal is None
 
     # --- the layer's steps around its GEMMs ------------------------------------------------------
     def rms_norm(self, x, weight, eps):
@@ -69,7 +64,7 @@ class TorchBackend:
         """residual + (x @ weight.T + bias): the o and down projections, back into the residual
         stream. The residual may be updated in place (the CUDA backend does): callers use only what
         is returned."""
-        return residual + composed.linear(x, weight, bias, self.fp8_gemm)
+        return residual + composed.linear(x, weight, bias)
 
     def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None):
         return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch, bias)

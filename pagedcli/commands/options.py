@@ -49,10 +49,9 @@ class EngineFlags:
         "pool holds twice the tokens of bf16; scaled per layer and KV head by the checkpoint's k_scale/v_scale, "
         "else 1.0 (vLLM's default).")] = DEFAULTS.kv_cache_dtype
     quantization: Annotated[str, typer.Option(
-        help="none, fp8 or fp8-lm-head: the linear layers' weights as float8 e4m3 with a scale per output channel, "
-        "quantized at load, multiplied with the activations in fp8 too, each token with its own scale (W8A8); "
-        "the embeddings and the LM head stay in --dtype, with fp8-lm-head the LM head is fp8 too. A checkpoint "
-        "that ships fp8 weights (quant_method fp8) is read as it is; with none it is dequantized to --dtype.")] = DEFAULTS.quantization
+        help="none or fp8: the linear layers' weights as float8 e4m3 with a scale per output channel, quantized "
+        "at load (the embeddings and LM head stay in --dtype). A checkpoint that ships fp8 weights "
+        "(quant_method fp8) is read as it is; with none it is dequantized to --dtype.")] = DEFAULTS.quantization
     overlap: Annotated[bool, typer.Option(help="On a GPU, queue the next decode step before this one's tokens reach "
                                           "the host, so Python's work per step hides behind the GPU's.")] = DEFAULTS.overlap
 

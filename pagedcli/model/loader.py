@@ -178,7 +178,7 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
         for op, why in backend.fallbacks.items():
             notice(f"CUDA: {op} runs as torch ops on the GPU ({why})")
     else:
-        backend = TorchBackend(cache, config, model.weights.quantized)
+        backend = TorchBackend(cache, config)
     llama = Llama(config, model.weights, backend)
     runner = ModelRunner(llama, cache, use_graphs=device.type == "cuda" and not opts.eager,
                          max_step_tokens=opts.batched_tokens(device))

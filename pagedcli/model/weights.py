@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from pagedcli.model.config import ModelConfig
 from pagedcli.errors import RunError, plural, show_value
 from pagedcli.model.files import read_json
-from pagedcli.model.fp8 import FP8_DTYPE, FP8_LM_HEAD, Fp8Weight, KVScales, quantize_weight
+from pagedcli.model.fp8 import FP8_DTYPE, Fp8Weight, KVScales, quantize_weight
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of what a weight may be stored as
 FP8_STORED = "F8_E4M3"  # safetensors' name of float8_e4m3fn: an fp8 checkpoint's linear weights
@@ -54,9 +54,7 @@ class Weights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
-    # [vocab, hidden]; the same tensor as embed when tied; an Fp8Weight (its own copy) with `quantization`
-    # fp8-lm-head
-    lm_head: torch.Tensor | Fp8Weight
+    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
     kv_scales: KVScales | None = None  # K/V scales the checkpoint ships (for an fp8 KV cache)
 
     @property
@@ -350,9 +348,9 @@ def _compressed_tensors_fp8(q: dict) -> bool:
 
 
 def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, quantization: str = "none") -> Weights:
-    """`quantization` fp8: the linear layers as Fp8Weights (model/fp8.py); fp8-lm-head: the LM head too."""
+    """`quantization` fp8: the linear layers as Fp8Weights (model/fp8.py)."""
     reader = _TensorReader(safetensors_files(Path(folder)), config, dtype, device)
-    fp8 = quantization != "none"
+    fp8 = quantization == "fp8"
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -371,8 +369,6 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, 
         ))
     embed = reader.read("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else reader.read("lm_head.weight")
-    if quantization == FP8_LM_HEAD:
-        lm_head = quantize_weight(lm_head)
     return Weights(embed=embed, layers=layers, norm=reader.read("model.norm.weight"), lm_head=lm_head,
                    kv_scales=reader.kv_scales(config))
 
@@ -396,7 +392,7 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 
         return torch.ones(n, dtype=dtype, device=device)
 
     def linear(*shape):
-        return quantize_weight(normal(*shape)) if quantization != "none" else normal(*shape)
+        return quantize_weight(normal(*shape)) if quantization == "fp8" else normal(*shape)
 
     qkv_rows = config.q_dim + 2 * config.kv_dim
     attn, mlp = config.attention_bias, config.mlp_bias
@@ -406,6 +402,4 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 
               for _ in range(config.num_layers)]
     embed = normal(config.vocab_size, h)
     lm_head = embed if config.tie_word_embeddings else normal(config.vocab_size, h)
-    if quantization == FP8_LM_HEAD:
-        lm_head = quantize_weight(lm_head)
     return Weights(embed, layers, ones(h), lm_head)
