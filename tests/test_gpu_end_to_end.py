@@ -206,7 +206,7 @@ def test_prefill_steps_from_graphs_match_eager_ones(stories, monkeypatch):
         engine.step()
         check_block_accounting(engine)
     assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
-    assert len(pairs) >= 4 and len(engine.runner.prefill_graphs.captured) >= 2
+    assert len(pairs) >= 3 and len(engine.runner.prefill_graphs.captured) >= 2  # (three prefill-kind steps, 24 tokens each at most)
     for eager, graph in pairs:
         assert eager.shape == graph.shape
         assert (eager - graph).abs().max().item() <= 0.03 * eager.abs().max().item()
