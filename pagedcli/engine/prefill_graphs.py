@@ -28,6 +28,7 @@ import torch
 from pagedcli.backends.cuda_launch import max_prefill_tiles, prefill_tile_lists
 from pagedcli.engine.batch import StepBatch, pack
 from pagedcli.engine.cache import KVCache
+from pagedcli.engine.graph_capture import capture_forward
 
 MAX_GRAPH_TOKENS = 2048  # beyond, a step's GPU time exceeds its eager host time (see the docstring)
 BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
@@ -84,22 +85,10 @@ class PrefillGraphs:
         h["tile_seq"][:] = self.pad
         self.staged.copy_(self.host)
 
-    def _forward(self, batch: StepBatch):
-        logits = self.model.forward(batch)
-        return logits, self.model.greedy(logits)
-
     def _capture(self, n: int):
         batch = self._batch(n)
         self._stage_padding()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up outside the graph (cuBLAS, scratch buffers)
-            self._forward(batch)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits, tokens = self._forward(batch)
-        torch.cuda.synchronize()
+        graph, logits, tokens = capture_forward(self.model, batch, self.pool)
         return graph, batch, logits, tokens
 
     def graph(self, n: int):

@@ -14,6 +14,7 @@ import torch
 
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.cache import KVCache
+from pagedcli.engine.graph_capture import capture_forward
 from pagedcli.engine.prefill_graphs import PrefillGraphs
 from pagedcli.model.network import Llama
 from pagedcli.engine.sequence import Sequence
@@ -131,23 +132,11 @@ class DecodeGraphs:
             context_lens_host=[1] * n,
         )
 
-    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model.forward(batch)
-        return logits, self.model.greedy(logits)
-
     def _capture(self, n: int):
         batch = self._batch(n)
         self.inputs["positions"][:n] = -1  # capture with padding rows only: nothing is written to the pool
         self.inputs["context_lens"][:n] = 0
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up outside the graph (allocator, lazy inits)
-            self._forward(batch)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits, tokens = self._forward(batch)
-        torch.cuda.synchronize()
+        graph, logits, tokens = capture_forward(self.model, batch, self.pool)
         return graph, batch, logits, tokens
 
     def graph(self, n: int):
