@@ -210,3 +210,23 @@ def test_prefill_steps_from_graphs_match_eager_ones(stories, monkeypatch):
     for eager, graph in pairs:
         assert eager.shape == graph.shape
         assert (eager - graph).abs().max().item() <= 0.03 * eager.abs().max().item()
+
+
+def test_serve_captures_every_graph_before_its_first_request(stories, capsys):
+    """The server's engine (commands/serve.py's load_model) has every decode and prefill graph
+    captured before it answers: a burst of requests must not stall on a capture per new batch size."""
+    from pagedcli.commands.serve import capture_graphs
+
+    opts = EngineOptions(model=str(stories), device="cuda", dtype="bfloat16", batch=20, num_blocks=400,
+                         chunked_prefill=True, max_num_batched_tokens=300)
+    engine = build_engine(load_model(opts), opts)
+    runner = engine.runner
+    assert not runner.graphs.captured and not runner.prefill_graphs.captured
+    capture_graphs(runner)
+    assert sorted(runner.graphs.captured) == runner.graphs.buckets == [1, 2, 4, 8, 16, 20]
+    assert sorted(runner.prefill_graphs.captured) == runner.prefill_graphs.buckets and runner.prefill_graphs.buckets[-1] == 300
+    num_prefill = len(runner.prefill_graphs.buckets)
+    assert f"captured {6 + num_prefill} CUDA graphs (6 decode and {num_prefill} prefill)" in capsys.readouterr().err
+    done = engine.run_to_completion([[1, 403, 407], [1, 261]], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert all(len(s.output_token_ids) == 5 for s in done)
+    assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks

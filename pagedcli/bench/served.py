@@ -38,8 +38,9 @@ READ_TIMEOUT_S = 600.0  # the longest wait for a stream's next chunk: a long que
 PROGRESS_EVERY_S = 0.25  # the progress callback's period (not a call per token: 40k tokens/s on a GPU)
 WARM_UP_TOKENS = 4
 # Parsing the streams is Python, some 30 us a chunk through httpx on a slow core: more streams than
-# this are spread over processes, each its share (a GPU server writes more chunks than one parses)
-STREAMS_PER_PROCESS = 16
+# this are spread over processes, each its share (a GPU server writes more chunks than one parses;
+# at 16 a process, 64 streams from the H200's server kept the busiest one 60-75% busy)
+STREAMS_PER_PROCESS = 8
 # a client process's CPU time over the run's wall time past which the figures may be the client's limit
 CLIENT_BUSY = 0.9
 
@@ -305,6 +306,21 @@ async def send_spread(url: str, api_key: str | None, bodies: list[dict], times: 
     return outcomes, start, max(end for _, end, _ in results), max(cpu for _, _, cpu in results)
 
 
+async def open_connections(client, n: int) -> None:
+    """`n` connections opened (and kept alive in the pool) before the clock starts, by as many
+    GET /v1/models at once: a client that streams from a server holds its connection, and opening
+    64 of them, the client's own work, would otherwise count in the first requests' TTFT."""
+    import httpx
+
+    async def one():
+        try:
+            (await client.get("/v1/models")).raise_for_status()
+        except httpx.HTTPError:  # a failure shows in the timed requests themselves
+            pass
+
+    await asyncio.gather(*(one() for _ in range(n)))
+
+
 def _expect(conn, *kinds: str) -> tuple:
     """The next message of a client process, one of `kinds`; its failure as a RunError."""
     try:
@@ -323,6 +339,7 @@ def _client_process(conn, url: str, api_key: str | None, bodies: list[dict], tim
 
     async def main():
         client = _client(url, api_key, concurrency)
+        await open_connections(client, concurrency)
         conn.send(("ready",))
         start = conn.recv()
         outcomes, _, end, cpu = await send_all(client, bodies, times, concurrency,
@@ -401,6 +418,7 @@ async def run_batch(server: Server, batch: int, w: Workload, progress=None, noti
     times = arrival_times(n, w.request_rate, w.seed)
     told = progress and (lambda received, finished: progress(received, asked, finished))
     if len(shares(batch)) == 1 or "fork" not in multiprocessing.get_all_start_methods():  # (Windows: one process)
+        await open_connections(server.client, batch)
         outcomes, start, end, cpu = await send_all(server.client, bodies, times, batch, told)
     else:
         outcomes, start, end, cpu = await send_spread(server.url, server.api_key, bodies, times, batch, told)

@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Annotated, Optional
 
 import typer
@@ -24,7 +25,7 @@ from pagedcli.commands.exits import friendly_errors, notice, signals_handled
 from pagedcli.commands.generate import load_for_text, request_params, sampling_defaults
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
 from pagedcli.errors import RunError, UsageError, plural
-from pagedcli.serve import DEFAULT_MAX_WAITING, LOG_FORMAT
+from pagedcli.serve import DEFAULT_MAX_WAITING, LOG_FORMAT, freeze_heap
 
 GRACE_S = 10.0  # seconds the requests in flight get to finish once a signal stops the server
 CLOSE_S = 5.0  # then, after they are aborted, seconds their handlers get to write their endings
@@ -94,6 +95,7 @@ def serve(
         say(f"serving {name} at http://{url_host(bound_host)}:{bound_port}/v1 with OpenAI's API "
             f"({plural(ready.max_slots, 'slot')}; Ctrl-C stops)", shared)
         server = make_server(config, engine)
+        freeze_heap()
         server.run(sockets=[sock])
     finally:
         engine.stop()
@@ -103,8 +105,9 @@ def serve(
 
 
 def load_model(engine_flags: EngineFlags, requests: RequestFlags):
-    """The model as generate loads it, in the engine's process; but one without a tokenizer
-    (random weights, for a benchmark through the server) is served too, for prompts of token ids."""
+    """The model as generate loads it, in the engine's process, with its CUDA graphs captured; but
+    one without a tokenizer (random weights, for a benchmark through the server) is served too, for
+    prompts of token ids."""
     from pagedcli.model.loader import load
 
     if engine_flags.model is not None and engine_flags.model.startswith("random:"):
@@ -112,8 +115,25 @@ def load_model(engine_flags: EngineFlags, requests: RequestFlags):
             raise UsageError("--chat-template: random weights have no tokenizer to render it with")
         notice(f"--model {engine_flags.model} has no tokenizer: prompts as token ids, answers without text "
                "(count them by usage)")
-        return load(engine_flags.options(), notice)
-    return load_for_text(engine_flags, requests, "serve", None)
+        loaded = load(engine_flags.options(), notice)
+    else:
+        loaded = load_for_text(engine_flags, requests, "serve", None)
+    capture_graphs(loaded.engine.runner)
+    return loaded
+
+
+def capture_graphs(runner) -> None:
+    """Every CUDA graph before the first request, as vLLM's server does: captured on first use,
+    each new batch size or prompt bucket would stall every running stream while it is captured,
+    and a burst of requests meets a dozen of them (a one-shot generate captures only what it uses)."""
+    kinds = {"decode": runner.graphs, "prefill": runner.prefill_graphs}
+    counts = {kind: len(graphs.buckets) for kind, graphs in kinds.items() if graphs is not None}
+    if not counts:
+        return
+    started = time.perf_counter()
+    runner.capture_graphs()
+    notice(f"captured {plural(sum(counts.values()), 'CUDA graph')} "
+           f"({' and '.join(f'{n} {kind}' for kind, n in counts.items())}) in {time.perf_counter() - started:.1f} s")
 
 
 def say(text: str, shared) -> None:

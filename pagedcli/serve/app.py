@@ -24,7 +24,7 @@ from pagedcli.serve.engine_process import Ready
 from pagedcli.serve.errors import APIError, not_found, too_many_waiting, unauthorized
 from pagedcli.serve.metrics import Metrics
 from pagedcli.serve.protocol import ChatRequest, CompletionRequest, parse
-from pagedcli.serve.responses import Answer, Shapes, failure, new_id, sse, usage
+from pagedcli.serve.responses import NO_USAGE, Answer, Shapes, failure, new_id, sse, usage
 from pagedcli.serve.sampling import Prompts, chat_prompt, completion_prompts, request_params
 
 CLIENT_GONE = 499  # nginx's status for a request whose client closed the connection (logged only)
@@ -129,10 +129,8 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
                         yield sse(error.body())
                         continue
                     num_tokens += len(delta.token_ids)
-                    chunk = shapes.chunk(delta, not started[delta.index], include_usage)
-                    if continuous:
-                        chunk["usage"] = usage(num_prompt_tokens, num_tokens)
-                    yield sse(chunk)
+                    counted = usage(num_prompt_tokens, num_tokens) if continuous else None if include_usage else NO_USAGE
+                    yield shapes.chunk(delta, not started[delta.index], counted)
                     started[delta.index] = True
             if include_usage:
                 yield sse(shapes.usage_chunk(usage(num_prompt_tokens, num_tokens)))

@@ -1,10 +1,10 @@
 """The API process's side of the engine (which runs in a process of its own, engine_process.py):
 start it, send it commands, and hand each request the tokens its answers gained.
 
-A request is a Job: the route submits it (an "add" command through the pipe) and reads its
-deltas from an asyncio queue. The event loop watches the pipe (loop.add_reader): each message the
-engine sends after a turn is read there, and its deltas go into their jobs' queues, one
-put_nowait per job, so a token reaches its client as soon as the engine has sampled it.
+A request is a Job: the route submits it (an "add" command through the pipe) and awaits its
+deltas. The event loop watches the pipe (loop.add_reader): each message the engine sends after a
+turn is read there, and its deltas go to their jobs, each waking its route, so a token reaches its
+client as soon as the engine has sampled it.
 
 Commands leave through a thread of their own: a send that blocked the event loop (the engine
 process's end full while it waits for this one to read) would stop it from reading, and the two
@@ -59,15 +59,16 @@ class Delta:
 
 
 class Job:
-    """One HTTP request in the engine: its prompts, and the queue its deltas arrive in. Its text
-    is decoded here, once per read, not per token in the engine's process."""
+    """One HTTP request in the engine: its prompts, and what its answers gained that its route has
+    not taken yet. Its text is decoded here, once per read, not per token in the engine's process."""
 
     def __init__(self, request_id: str, prompts: Prompts, tokenizer):
         self.request_id = request_id
         self.prompts = prompts
         self.arrival = time.perf_counter()
         self.key = 0  # its number in the pipe's messages (EngineClient.submit)
-        self.deltas: asyncio.Queue[list[Delta]] = asyncio.Queue()
+        self.pending: dict[int, Delta] = {}  # answer index -> what it gained since the last receive
+        self.waiter: asyncio.Future | None = None  # the route's receive, while nothing is pending
         self.num_open = prompts.num_answers  # answers whose last delta has not been received
         self.ended: set[int] = set()  # answers whose last delta has been delivered
         answers = [ids for ids, params in zip(prompts.token_ids, prompts.params) for _ in params]
@@ -80,27 +81,33 @@ class Job:
         """Every answer's last delta has been received."""
         return self.num_open == 0
 
+    def deliver(self, delta: Delta) -> None:
+        """What an answer gained in one engine turn (in the event loop). A route that has not read
+        the turns before gets them merged into one delta: the engine never waits for a client."""
+        if (earlier := self.pending.get(delta.index)) is not None:
+            earlier.extend(delta)
+        else:
+            self.pending[delta.index] = delta
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
     async def receive(self) -> list[Delta]:
-        """What the answers gained since the last call, a delta per answer that gained anything:
-        the engine's next turn, or when the client fell behind, every turn since, in one piece
-        (the engine never waits for a client)."""
-        turns = [await self.deltas.get()]
-        while not self.deltas.empty():
-            turns.append(self.deltas.get_nowait())
-        merged: dict[int, Delta] = {}
-        for deltas in turns:
-            for d in deltas:
-                if d.index in merged:
-                    merged[d.index].extend(d)
-                else:
-                    merged[d.index] = d
-        for d in merged.values():
+        """What the answers gained since the last call, a delta per answer that gained anything;
+        waits for the engine's next turn when nothing is pending."""
+        while not self.pending:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        deltas, self.pending = list(self.pending.values()), {}
+        for d in deltas:
             self.outputs[d.index] += d.token_ids
             if d.text is None:
                 decoder = self.decoders[d.index]
                 d.text = decoder.catch_up_at_once(self.outputs[d.index]) if decoder is not None else ""
             self.num_open -= d.finish_reason is not None
-        return list(merged.values())
+        return deltas
 
 
 class EngineClient:
@@ -233,10 +240,20 @@ class EngineClient:
             self.loop.add_reader(self.conn.fileno(), self._read)
 
     def _send_commands(self) -> None:
-        while (command := self.outbox.get()) is not None:
+        """Every command queued since the last send, in one message: this thread needs the GIL for
+        each send, and while the event loop is busy, getting it can take a switch interval (5 ms),
+        so a burst of 64 requests would otherwise reach the engine one switch interval apart."""
+        while True:
+            commands = [self.outbox.get()]
+            while not self.outbox.empty():
+                commands.append(self.outbox.get())
+            last = commands.index(None) if None in commands else len(commands)
             try:
-                self.conn.send(command)
+                if last:
+                    self.conn.send(commands[:last])
             except OSError:  # the engine process is gone; the reader says so
+                return
+            if last < len(commands):  # the end (stop)
                 return
 
     # --- the engine's messages (in the event loop) --------------------------------------------------
@@ -252,19 +269,17 @@ class EngineClient:
             self._engine_gone()
 
     def _deliver(self, deltas: list[tuple], report) -> None:
-        by_job: dict[Job, list[Delta]] = {}
+        jobs = self.jobs
         for key, index, *rest in deltas:
-            job = self.jobs.get(key)
+            job = jobs.get(key)
             if job is None or index in job.ended:  # aborted here already
                 continue
             delta = Delta(index, *rest)
-            by_job.setdefault(job, []).append(delta)
+            job.deliver(delta)
             if delta.finish_reason is not None:
                 job.ended.add(index)
                 if len(job.ended) == job.prompts.num_answers:
-                    del self.jobs[key]
-        for job, ds in by_job.items():
-            job.deltas.put_nowait(ds)
+                    del jobs[key]
         self.num_taken, self.num_engine_waiting = report.num_taken, report.waiting
         self.num_free_slots = report.free_slots
         self.metrics.record(report)
@@ -287,8 +302,9 @@ class EngineClient:
         self.process.join(1)
         log.error("the engine process ended (exit code %s): every request gets 503 now", self.process.exitcode)
         for job in self.jobs.values():  # ("abort": a 503, as when the server stops)
-            job.deltas.put_nowait([Delta(i, [], "", [], "abort", ENGINE_GONE)
-                                   for i in range(job.prompts.num_answers) if i not in job.ended])
+            for i in range(job.prompts.num_answers):
+                if i not in job.ended:
+                    job.deliver(Delta(i, [], "", [], "abort", ENGINE_GONE))
         self.jobs.clear()
         for future in self.snapshots.values():
             if not future.done():

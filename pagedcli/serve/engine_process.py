@@ -7,7 +7,8 @@ HTTP event loop take turns at one GIL, and on a GPU the engine's host work betwe
 what keeps the GPU busy. Here the engine has an interpreter to itself; the API process
 (engine_client.py) turns its messages into server-sent events.
 
-The pipe carries plain tuples, cheap to pickle:
+The pipe carries plain tuples, cheap to pickle; the API process sends its commands in lists, all
+that queued up since its last send:
 
     API -> engine   ("add", key, request_id, arrival, prompts)   a request (sampling.Prompts)
                     ("abort", key)                               its client went away
@@ -40,7 +41,7 @@ from pagedcli.engine.sequence import Sequence
 from pagedcli.errors import PagedCliError, RunError, allocation_failure
 from pagedcli.model.config import CacheGeometry
 from pagedcli.model.tokenizer import Tokenizer
-from pagedcli.serve import LOG_FORMAT
+from pagedcli.serve import LOG_FORMAT, freeze_heap
 from pagedcli.serve.metrics import Tally
 
 log = logging.getLogger("pagedcli.serve")
@@ -73,6 +74,7 @@ def main(conn, build, args: tuple, live: bool) -> None:
             conn.send(("failed", as_error(e)))
             return
         engine = loaded.engine
+        freeze_heap()
         conn.send(("ready", Ready(loaded.source.name, loaded.source.generation_config, loaded.tokenizer,
                                   engine.scheduler.limits, engine.cache.max_slots, engine.cache.geometry)))
         view = None
@@ -131,7 +133,8 @@ class EngineProcess:
                 # idle: wait for a command (with a live view, at most a tick: it redraws)
                 if engine.has_unfinished or self.conn.poll(IDLE_TICK_S if view is not None else None):
                     while self.conn.poll():
-                        self._handle(self.conn.recv())
+                        for command in self.conn.recv():
+                            self._handle(command)
                 if engine.has_unfinished and not self.stopped:
                     out = self._step()
                 if self.changed:

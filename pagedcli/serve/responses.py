@@ -12,16 +12,20 @@ from pagedcli.serve.errors import APIError, server_error
 
 LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf
 COMPACT = (",", ":")  # a chunk a step and stream: no spaces to send
+NO_USAGE = object()  # a stream chunk without a usage field
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sse(data: dict | str) -> str:
+def to_json(data) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=COMPACT)
+
+
+def sse(data: dict | str) -> bytes:
     """One server-sent event: `data: {...}` and a blank line."""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=COMPACT)
-    return f"data: {text}\n\n"
+    return f"data: {data if isinstance(data, str) else to_json(data)}\n\n".encode()
 
 
 def failure(delta: Delta) -> APIError | None:
@@ -61,6 +65,9 @@ class Shapes:
         self.token_text = token_text  # id -> its text, special tokens written out
         self.want_logprobs = want_logprobs
         self.offsets: dict[int, int] = {}  # completions' text_offset so far, per answer
+        # a stream's chunks differ only in their choice (and usage): the rest is written once
+        head = to_json(self._head("chat.completion.chunk" if chat else "text_completion"))
+        self.chunk_start = f"data: {head[:-1]},\"choices\":[".encode()
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -99,8 +106,10 @@ class Shapes:
         return self._head("chat.completion" if self.chat else "text_completion") | {"choices": choices, "usage": usage}
 
     # --- streamed ---------------------------------------------------------------------------------
-    def chunk(self, delta: Delta, first: bool, with_usage: bool) -> dict:
-        """One answer's delta as a chunk (a chat answer's first chunk also says its role)."""
+    def chunk(self, delta: Delta, first: bool, usage=NO_USAGE) -> bytes:
+        """One answer's delta as a chunk's server-sent event (a chat answer's first chunk also says
+        its role). `usage`: the chunk's usage field, None for OpenAI's null (with include_usage,
+        until the last chunk); NO_USAGE: none."""
         logprobs = self.logprobs(delta.index, list(zip(delta.token_ids, delta.logprobs))) if delta.token_ids else None
         choice = {"index": delta.index, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         if self.chat:
@@ -108,10 +117,8 @@ class Shapes:
                                                                            if delta.text or first else {})
         else:
             choice["text"] = delta.text
-        body = self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
-        if with_usage:
-            body["usage"] = None  # OpenAI's chunks, with include_usage: null until the last one
-        return body
+        tail = "]}" if usage is NO_USAGE else f'],"usage":{to_json(usage)}}}'
+        return b"%s%s%s\n\n" % (self.chunk_start, to_json(choice).encode(), tail.encode())
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [], "usage": usage}
