@@ -575,8 +575,9 @@ def test_the_serve_extra_and_the_test_extra_name_the_servers_packages():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ASSETS.parents[1] / "pyproject.toml").read_text())
     extras = {name: " ".join(packages) for name, packages in project["project"]["optional-dependencies"].items()}
-    assert "fastapi" in extras["serve"] and "uvicorn" in extras["serve"]
-    for name in ("fastapi", "uvicorn", "openai", "prometheus_client", "httpx"):
+    for name in ("fastapi", "uvicorn", "uvloop", "httptools"):
+        assert name in extras["serve"], name
+    for name in ("fastapi", "uvicorn", "uvloop", "httptools", "openai", "prometheus_client", "httpx"):
         assert name in extras["test"], name
     assert "pagedcli.serve" in project["tool"]["setuptools"]["packages"]
 
@@ -630,3 +631,36 @@ def test_decoding_several_tokens_at_once_gives_the_same_text(model, stories):
             cut += rng.randrange(1, 6)
             at_once.catch_up_at_once(output[:cut])
         assert at_once.text == one_by_one.text
+
+
+def test_commands_never_block_the_event_loop_and_arrive_whole_and_in_order():
+    """The command pipe (serve/command_pipe.py) takes more than a pipe holds while nothing reads it,
+    without blocking the event loop; a reader (the engine's Connection.recv) then gets every
+    command whole and in order, a command handed over from another thread among them."""
+    import multiprocessing
+
+    from pagedcli.serve.command_pipe import CommandPipe
+
+    reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    pipe = CommandPipe(writer)
+    big = list(range(40_000))  # ~200 kB pickled: a pipe holds 64 kB
+    sent = [("add", i, big if i % 3 == 0 else [i]) for i in range(12)]
+
+    async def main():
+        pipe.attach(asyncio.get_running_loop())
+        started = time.perf_counter()
+        for command in sent[:6]:
+            pipe.send(command)
+        other = threading.Thread(target=pipe.send, args=(sent[6],))
+        other.start()
+        other.join()
+        await asyncio.sleep(0)  # (the other thread's command joins the queue here)
+        for command in sent[7:]:
+            pipe.send(command)
+        assert time.perf_counter() - started < 1.0 and len(pipe.unsent) > 100_000  # waiting, not blocking
+        got = await asyncio.to_thread(lambda: [reader.recv() for _ in sent])
+        assert not pipe.unsent
+        return got
+
+    assert asyncio.run(main()) == sent
+    pipe.close()

@@ -5,6 +5,7 @@
 - sampling.py       a request's prompt and options -> token ids and SamplingParams, or a 400
 - engine_process.py the one engine, in a process of its own: builds it, steps it, sends each turn's tokens
 - engine_client.py  the API process's side of it: requests (Jobs) in, their tokens out to each one
+- command_pipe.py   the pipe its commands go by, written from the event loop without blocking
 - responses.py      OpenAI's response objects and stream chunks
 - metrics.py        Prometheus text, with vLLM's metric names where it has one
 - cache_view.py     /v1/cache: the cache snapshot as inspect-cache's JSON, per running request

@@ -6,10 +6,10 @@ deltas. The event loop watches the pipe (loop.add_reader): each message the engi
 turn is read there, and its deltas go to their jobs, each waking its route, so a token reaches its
 client as soon as the engine has sampled it.
 
-Commands leave through a thread of their own: a send that blocked the event loop (the engine
-process's end full while it waits for this one to read) would stop it from reading, and the two
-processes would wait for each other. The engine never waits for a client, only for this process,
-when it falls a pipe's worth behind.
+Commands go down a pipe of their own (command_pipe.py), written from the event loop without ever
+blocking it: a blocked send (the pipe full while the engine waits for this process to read its
+messages) would stop the loop from reading, and the two processes would wait for each other. The
+engine never waits for a client, only for this process, when it falls a pipe's worth behind.
 
 A dead engine process (killed, crashed) closes its end: the reader sees EOF, every open request
 ends with an error, and from then on /health and new requests answer 503 at once."""
@@ -20,7 +20,6 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import queue
 import signal
 import threading
 import time
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pagedcli.errors import RunError
 from pagedcli.model.tokenizer import StreamDecoder
 from pagedcli.serve import engine_process
+from pagedcli.serve.command_pipe import CommandPipe, frame
 from pagedcli.serve.engine_process import Ready
 from pagedcli.serve.errors import APIError, server_error
 from pagedcli.serve.metrics import Metrics
@@ -116,10 +116,9 @@ class EngineClient:
         (spawn pickles it by name); `live`: it draws the live view."""
         self.build, self.args, self.live = build, args, live
         self.metrics = metrics
-        self.conn = None
+        self.conn = None  # the engine's messages
+        self.commands: CommandPipe | None = None
         self.process = None
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.sender = threading.Thread(target=self._send_commands, name="pagedcli-commands", daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.jobs: dict[int, Job] = {}  # key -> the job, until its answers have all ended
         self.snapshots: dict[int, asyncio.Future] = {}
@@ -135,9 +134,10 @@ class EngineClient:
         """Start the engine process and wait until it has built the engine; raise here what
         building it raised there (a UsageError, say)."""
         context = multiprocessing.get_context("spawn")  # never fork: CUDA does not survive a fork
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=engine_process.main, args=(child, self.build, self.args, self.live),
-                                       name="pagedcli-engine")
+        self.conn, child = context.Pipe(duplex=False)  # the engine's messages
+        commands_in, commands_out = context.Pipe(duplex=False)
+        self.process = context.Process(target=engine_process.main,
+                                       args=(child, commands_in, self.build, self.args, self.live), name="pagedcli-engine")
         # started with SIGINT and SIGTERM ignored (exec keeps that): a Ctrl-C while it starts up
         # must not kill it before it ignores them itself
         previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if is_main() else {}
@@ -147,6 +147,8 @@ class EngineClient:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         child.close()  # the engine process's end, which it alone holds now: its death is EOF here
+        commands_in.close()
+        self.commands = CommandPipe(commands_out)
         try:
             kind, what = self.conn.recv()
         except EOFError:
@@ -158,34 +160,40 @@ class EngineClient:
             raise what
         self.metrics.describe(what.model_name, what.geometry.num_blocks)
         self.num_free_slots = what.max_slots
-        self.sender.start()
         return what
 
     def stop(self) -> None:
         """Abort what still runs, let the engine process end and wait for it (idempotent)."""
         if self.process is None or self.process.pid is None:
             return
-        if self.process.is_alive() and self.sender.is_alive():
-            self.outbox.put(("stop",))
-            self.outbox.put(None)  # the sender's end
-            self._drain(time.monotonic() + STOP_S)
+        if self.process.is_alive() and self.commands is not None and not self.commands.closed:
+            deadline = time.monotonic() + STOP_S
+            self.commands.write_blocking(frame(("stop",)), deadline, self._drop_a_message)
+            self._drain(deadline)
         if self.process.is_alive():  # still building, or stuck: it holds GPU memory, so it goes
             self.process.kill()
         self.process.join()
         if self.loop is not None and not self.loop.is_closed() and not self.gone:
             self.loop.remove_reader(self.conn.fileno())
+        if self.commands is not None and not self.commands.closed:
+            self.commands.close()
         self.conn.close()
 
     def _drain(self, deadline: float) -> None:
         """Read (and drop) what the engine still sends until it exits: a send of its to a full
         pipe would otherwise keep it from reading the stop."""
-        while self.process.is_alive() and time.monotonic() < deadline:
-            try:
-                if self.conn.poll(0.05):
-                    self.conn.recv()
-            except (EOFError, OSError):
-                break
+        while self.process.is_alive() and time.monotonic() < deadline and self._drop_a_message():
+            pass
         self.process.join(max(0.0, deadline - time.monotonic()))
+
+    def _drop_a_message(self) -> bool:
+        """Read one message of the engine's, if one comes within 50 ms; False once its end has closed."""
+        try:
+            if self.conn.poll(0.05):
+                self.conn.recv()
+            return True
+        except (EOFError, OSError):
+            return False
 
     @property
     def alive(self) -> bool:
@@ -204,12 +212,12 @@ class EngineClient:
         job.key = next(self.keys)
         self.jobs[job.key] = job
         self.num_sent += job.prompts.num_answers
-        self.outbox.put(("add", job.key, job.request_id, job.arrival, job.prompts))
+        self.commands.send(("add", job.key, job.request_id, job.arrival, job.prompts))
 
     def abort(self, job: Job) -> None:
         """The client went away: its answers end now and their blocks go back."""
         if self.jobs.pop(job.key, None) is not None and not self.gone:
-            self.outbox.put(("abort", job.key))
+            self.commands.send(("abort", job.key))
 
     async def snapshot(self):
         """The cache as the engine has it between two steps (engine/snapshot.py)."""
@@ -217,16 +225,16 @@ class EngineClient:
         self._attach()
         key = next(self.keys)
         future = self.snapshots[key] = asyncio.get_running_loop().create_future()
-        self.outbox.put(("snapshot", key))
+        self.commands.send(("snapshot", key))
         return await future
 
     def end_all(self) -> None:
         """Every answer still open ends now ("abort": the server is shutting down)."""
-        self.outbox.put(("end_all",))
+        self.commands.send(("end_all",))
 
     def log(self, text: str) -> None:
         """A line for the live view, printed above its frame."""
-        self.outbox.put(("log", text))
+        self.commands.send(("log", text))
 
     def _check_alive(self) -> None:
         """A command for a process that is gone would wait for ever: 503 at once instead."""
@@ -238,23 +246,7 @@ class EngineClient:
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
             self.loop.add_reader(self.conn.fileno(), self._read)
-
-    def _send_commands(self) -> None:
-        """Every command queued since the last send, in one message: this thread needs the GIL for
-        each send, and while the event loop is busy, getting it can take a switch interval (5 ms),
-        so a burst of 64 requests would otherwise reach the engine one switch interval apart."""
-        while True:
-            commands = [self.outbox.get()]
-            while not self.outbox.empty():
-                commands.append(self.outbox.get())
-            last = commands.index(None) if None in commands else len(commands)
-            try:
-                if last:
-                    self.conn.send(commands[:last])
-            except OSError:  # the engine process is gone; the reader says so
-                return
-            if last < len(commands):  # the end (stop)
-                return
+            self.commands.attach(self.loop)
 
     # --- the engine's messages (in the event loop) --------------------------------------------------
     def _read(self) -> None:

@@ -7,8 +7,8 @@ HTTP event loop take turns at one GIL, and on a GPU the engine's host work betwe
 what keeps the GPU busy. Here the engine has an interpreter to itself; the API process
 (engine_client.py) turns its messages into server-sent events.
 
-The pipe carries plain tuples, cheap to pickle; the API process sends its commands in lists, all
-that queued up since its last send:
+Two one-way pipes carry plain tuples, cheap to pickle: the API process's commands (written by its
+event loop, command_pipe.py) and this process's messages:
 
     API -> engine   ("add", key, request_id, arrival, prompts)   a request (sampling.Prompts)
                     ("abort", key)                               its client went away
@@ -62,9 +62,10 @@ class Ready:
     geometry: CacheGeometry
 
 
-def main(conn, build, args: tuple, live: bool) -> None:
+def main(conn, commands, build, args: tuple, live: bool) -> None:
     """The process: `build(*args)` (a module-level function, so that it pickles by name) gives
-    the Loaded model and engine; `live`: draw the live view on this process's stdout."""
+    the Loaded model and engine; `commands`: the pipe the API process's commands come by, `conn`
+    the one this process's messages go by; `live`: draw the live view on this process's stdout."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     try:
@@ -85,7 +86,7 @@ def main(conn, build, args: tuple, live: bool) -> None:
 
             view = ServerView(engine, Console(file=sys.stdout), loaded.tokenizer and loaded.tokenizer.decode)
         log_to(view.out if view is not None else sys.stderr)
-        EngineProcess(conn, engine, view).run()
+        EngineProcess(conn, commands, engine, view).run()
     except (EOFError, OSError):  # the API process is gone (killed, or it ended): nobody to answer
         pass
 
@@ -109,8 +110,9 @@ def log_to(stream) -> None:
 
 
 class EngineProcess:
-    def __init__(self, conn, engine, view=None):
-        self.conn = conn
+    def __init__(self, conn, commands, engine, view=None):
+        self.conn = conn  # messages out
+        self.inbox = commands  # commands in
         self.engine = engine
         self.view = view
         self.answers: dict[int, tuple[int, int, list[int]]] = {}  # seq id -> request key, index, what was sent
@@ -131,10 +133,9 @@ class EngineProcess:
             while not self.stopped:
                 out = None
                 # idle: wait for a command (with a live view, at most a tick: it redraws)
-                if engine.has_unfinished or self.conn.poll(IDLE_TICK_S if view is not None else None):
-                    while self.conn.poll():
-                        for command in self.conn.recv():
-                            self._handle(command)
+                if engine.has_unfinished or self.inbox.poll(IDLE_TICK_S if view is not None else None):
+                    while self.inbox.poll():
+                        self._handle(self.inbox.recv())
                 if engine.has_unfinished and not self.stopped:
                     out = self._step()
                 if self.changed:
