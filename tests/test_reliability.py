@@ -122,3 +122,61 @@ def test_random_interleavings_keep_every_block_accounted_for(operations, blocks_
     check_block_accounting(view)
     assert sorted(cache.allocator.free) == list(range(geometry.num_blocks)), "the free list is not whole again"
     assert all(s.status in (Status.FINISHED,) for s in seqs if s.status is not Status.WAITING)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["allocate", "release", "share"]), st.integers(0, 10_000)),
+                    max_size=120),
+       num_blocks=st.integers(1, 40), seed=st.one_of(st.none(), st.integers(0, 5)))
+def test_the_free_list_is_a_queue_of_least_recently_freed_blocks(ops, num_blocks, seed):
+    """BlockAllocator against a plain model of its free list (an OrderedDict: taken from the front,
+    freed to the back, a block a prefix shares taken out wherever it is): the same blocks handed
+    out in the same order, the same free list after every operation."""
+    from collections import OrderedDict
+
+    from pagedcli.engine.cache import BlockAllocator
+
+    allocator = BlockAllocator(num_blocks, shuffle_seed=seed)
+    order = list(range(num_blocks))
+    if seed is not None:
+        random.Random(seed).shuffle(order)
+    free, owners = OrderedDict.fromkeys(order), [0] * num_blocks
+    for op, x in ops:
+        if op == "allocate" and free:
+            n = 1 + x % len(free)
+            want = [free.popitem(last=False)[0] for _ in range(n)]
+            for b in want:
+                owners[b] = 1
+            assert allocator.allocate(n) == want
+        elif op == "release" and any(owners):
+            owned = [b for b in range(num_blocks) if owners[b]]
+            blocks = [owned[(x + 7 * i) % len(owned)] for i in range(1 + x % 3)]
+            blocks = [b for i, b in enumerate(blocks) if blocks.index(b) == i and owners[b] >= blocks.count(b)]
+            for b in blocks:
+                owners[b] -= 1
+                if owners[b] == 0:
+                    free[b] = None
+            allocator.release(blocks)
+        elif op == "share":
+            b = x % num_blocks
+            if owners[b] == 0:
+                del free[b]
+            owners[b] += 1
+            allocator.share([b])
+        assert allocator.free == list(free) and allocator.num_free == len(free)
+        assert allocator.ref_count.tolist() == owners
+
+
+def test_the_free_list_gives_the_garbage_collector_nothing_to_walk():
+    """A pool sized to a GPU has millions of blocks: the allocator keeps them in arrays, not in a
+    container the collector walks at every full collection (an OrderedDict of 4 million blocks
+    took 140 ms a collection)."""
+    import gc
+
+    from pagedcli.engine.cache import BlockAllocator
+
+    allocator = BlockAllocator(50_000, shuffle_seed=1)
+    allocator.release(allocator.allocate(20_000)[::-1])
+    walked = [name for name, value in vars(allocator).items() if len(gc.get_referents(value)) >= 1_000]
+    assert not walked, f"containers the collector walks, one entry a block: {walked}"
+    assert allocator.num_free == 50_000 and sorted(allocator.free) == list(range(50_000))

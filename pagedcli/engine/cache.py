@@ -20,7 +20,7 @@ that changed, once per step (`sync_device_table`).
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from array import array
 
 import numpy as np
 import torch
@@ -40,26 +40,56 @@ class BlockAllocator:
     tiny-vllm's free list is a stack (the block freed last is taken first). Ours is a queue: blocks
     are taken least recently freed first, so a freed block that still holds a cached prefix
     survives as long as possible (prefix caching's LRU eviction). `shuffle_seed` hands blocks out
-    in a random order, so a kernel that ignores the block table cannot pass a test by luck."""
+    in a random order, so a kernel that ignores the block table cannot pass a test by luck.
+
+    The queue is a doubly linked list in two arrays indexed by block id (next and previous free
+    block, NONE at the ends): O(1) to take from the front, append at the back, or take out a block a
+    cached prefix shares. Arrays, not an OrderedDict of the blocks: a pool sized to the GPU holds
+    millions (4 million 32 KiB blocks in 90% of an H200), and an OrderedDict of them costs ~100 bytes
+    a block and, at every full garbage collection, a walk over all of them (140 ms for 4 million on
+    this project's CPU) in which the engine queues nothing. A block is free exactly when its
+    reference count is 0."""
+
+    NONE = -1
 
     def __init__(self, num_blocks: int, shuffle_seed: int | None = None, on_reuse=None):
         self.num_blocks = num_blocks
         order = list(range(num_blocks))
         if shuffle_seed is not None:
             random.Random(shuffle_seed).shuffle(order)
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(order)  # least recently freed first
+        order = np.asarray(order, dtype=np.int64)
+        links = np.full((2, num_blocks), self.NONE, dtype=np.int64)  # next, prev: linked in `order`
+        links[0, order[:-1]], links[1, order[1:]] = order[1:], order[:-1]
+        self.next, self.prev = array("q", links[0].tobytes()), array("q", links[1].tobytes())
+        self.head = int(order[0]) if num_blocks else self.NONE
+        self.tail = int(order[-1]) if num_blocks else self.NONE
+        self.num_free = num_blocks
         self.ref_count = np.zeros(num_blocks, dtype=np.int32)
         self.on_reuse = on_reuse  # told of each block handed out, so a stale prefix entry is dropped
 
     @property
-    def num_free(self) -> int:
-        return len(self.free)
+    def free(self) -> list[int]:
+        """The free blocks, least recently freed first (a walk over the list: for checks)."""
+        blocks, b = [], self.head
+        while b != self.NONE:
+            blocks.append(b)
+            b = self.next[b]
+        return blocks
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free):
+        if n > self.num_free:
             # the scheduler asks only for blocks it has counted free: reaching this is a bug
-            raise RuntimeError(f"{n} blocks asked, {len(self.free)} free")
-        blocks = [self.free.popitem(last=False)[0] for _ in range(n)]
+            raise RuntimeError(f"{n} blocks asked, {self.num_free} free")
+        blocks, b, nxt = [], self.head, self.next
+        for _ in range(n):
+            blocks.append(b)
+            b = nxt[b]
+        self.head = b
+        if b == self.NONE:
+            self.tail = self.NONE
+        else:
+            self.prev[b] = self.NONE
+        self.num_free -= n
         self.ref_count[blocks] = 1
         if self.on_reuse is not None:
             for b in blocks:
@@ -71,7 +101,7 @@ class BlockAllocator:
         free leaves the free list."""
         for b in blocks:
             if self.ref_count[b] == 0:
-                del self.free[b]
+                self._unlink(int(b))
             self.ref_count[b] += 1
 
     def release(self, blocks) -> None:
@@ -79,7 +109,29 @@ class BlockAllocator:
             assert self.ref_count[b] > 0, f"block {b} released twice"
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
-                self.free[int(b)] = None
+                self._append(int(b))
+
+    def _unlink(self, b: int) -> None:
+        before, after = self.prev[b], self.next[b]
+        if before == self.NONE:
+            self.head = after
+        else:
+            self.next[before] = after
+        if after == self.NONE:
+            self.tail = before
+        else:
+            self.prev[after] = before
+        self.prev[b] = self.next[b] = self.NONE
+        self.num_free -= 1
+
+    def _append(self, b: int) -> None:
+        self.prev[b], self.next[b] = self.tail, self.NONE
+        if self.tail == self.NONE:
+            self.head = b
+        else:
+            self.next[self.tail] = b
+        self.tail = b
+        self.num_free += 1
 
 
 class KVCache:
