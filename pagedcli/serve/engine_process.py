@@ -41,7 +41,7 @@ from pagedcli.engine.sequence import Sequence
 from pagedcli.errors import PagedCliError, RunError, allocation_failure
 from pagedcli.model.config import CacheGeometry
 from pagedcli.model.tokenizer import Tokenizer
-from pagedcli.serve import LOG_FORMAT, freeze_heap
+from pagedcli.serve import LOG_FORMAT, frozen_heap
 from pagedcli.serve.metrics import Tally
 
 log = logging.getLogger("pagedcli.serve")
@@ -75,9 +75,6 @@ def main(conn, commands, build, args: tuple, live: bool) -> None:
             conn.send(("failed", as_error(e)))
             return
         engine = loaded.engine
-        freeze_heap()
-        conn.send(("ready", Ready(loaded.source.name, loaded.source.generation_config, loaded.tokenizer,
-                                  engine.scheduler.limits, engine.cache.max_slots, engine.cache.geometry)))
         view = None
         if live:
             from rich.console import Console
@@ -86,7 +83,10 @@ def main(conn, commands, build, args: tuple, live: bool) -> None:
 
             view = ServerView(engine, Console(file=sys.stdout), loaded.tokenizer and loaded.tokenizer.decode)
         log_to(view.out if view is not None else sys.stderr)
-        EngineProcess(conn, commands, engine, view).run()
+        with frozen_heap():
+            conn.send(("ready", Ready(loaded.source.name, loaded.source.generation_config, loaded.tokenizer,
+                                      engine.scheduler.limits, engine.cache.max_slots, engine.cache.geometry)))
+            EngineProcess(conn, commands, engine, view).run()
     except (EOFError, OSError):  # the API process is gone (killed, or it ended): nobody to answer
         pass
 
