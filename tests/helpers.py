@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import time
 import torch
 
 
@@ -175,3 +176,9 @@ def serve_build(model: str, batch: int, engine: dict, template: str | None, pois
 
         engine.add_request, engine.step = add_request, failing_step
     return loaded
+
+
+def slow_build(seconds: float):
+    """An engine process's build that takes `seconds` (module-level: spawn pickles it by name)."""
+    time.sleep(seconds)
+    raise RuntimeError("a slow build's end")

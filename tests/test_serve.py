@@ -639,11 +639,11 @@ def test_commands_never_block_the_event_loop_and_arrive_whole_and_in_order():
     command whole and in order, a command handed over from another thread among them."""
     import multiprocessing
 
-    from pagedcli.serve.command_pipe import CommandPipe
+    from pagedcli.serve.command_pipe import PIPE_BYTES, CommandPipe
 
     reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
     pipe = CommandPipe(writer)
-    big = list(range(40_000))  # ~200 kB pickled: a pipe holds 64 kB
+    big = list(range(PIPE_BYTES // 4))  # more than a pipe holds, pickled
     sent = [("add", i, big if i % 3 == 0 else [i]) for i in range(12)]
 
     async def main():
@@ -657,10 +657,89 @@ def test_commands_never_block_the_event_loop_and_arrive_whole_and_in_order():
         await asyncio.sleep(0)  # (the other thread's command joins the queue here)
         for command in sent[7:]:
             pipe.send(command)
-        assert time.perf_counter() - started < 1.0 and len(pipe.unsent) > 100_000  # waiting, not blocking
+        assert time.perf_counter() - started < 1.0 and len(pipe.unsent) > PIPE_BYTES  # waiting, not blocking
         got = await asyncio.to_thread(lambda: [reader.recv() for _ in sent])
         assert not pipe.unsent
         return got
 
     assert asyncio.run(main()) == sent
     pipe.close()
+
+
+def test_commands_survive_a_send_from_inside_a_write_a_dead_engine_and_a_closed_loop():
+    """A command sent while another is half written (a signal handler's, in the loop's thread)
+    waits for the loop instead of cutting into it; a backlog left when the loop closes is written
+    by the blocking path, with a command after it; a pipe whose engine has gone takes commands
+    without an error, and closes its descriptor."""
+    import multiprocessing
+
+    from pagedcli.serve.command_pipe import PIPE_BYTES, CommandPipe, frame
+
+    reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    pipe = CommandPipe(writer)
+    big = list(range(PIPE_BYTES // 4))  # more than a pipe holds, pickled
+    sent = [("add", 0, big), ("end_all",), ("add", 1, big), ("add", 2, [2])]
+    write_some, interrupted = pipe._write_some, []
+
+    def write_with_a_signal(data):
+        if not interrupted:  # a signal lands inside the first write
+            interrupted.append(True)
+            pipe.send(sent[1])
+        return write_some(data)
+
+    pipe._write_some = write_with_a_signal
+
+    async def main():
+        pipe.attach(asyncio.get_running_loop())
+        pipe.send(sent[0])
+        await asyncio.sleep(0)
+        pipe.send(sent[2])
+        pipe.send(sent[3])
+        assert pipe.unsent  # more than the pipe holds, and nobody reads: left for later
+
+    asyncio.run(main())  # the loop closes with the backlog unsent
+    got = []
+    reading = threading.Thread(target=lambda: got.extend(reader.recv() for _ in range(len(sent) + 1)))
+    reading.start()
+    pipe.write_blocking(frame(("stop",)), time.monotonic() + 10)
+    reading.join(10)
+    assert got == sent + [("stop",)]
+
+    reader.close()  # the engine's end goes away
+    pipe.send(("abort", 3))
+    assert pipe.broken
+    fd = pipe.fd
+    pipe.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_stopping_a_server_whose_engine_is_still_building_kills_it_at_once():
+    """An engine process still building reads no command: stop() (Ctrl-C during the load) kills it
+    at once instead of waiting out the stop's deadline for an answer."""
+    from helpers import slow_build
+    from pagedcli.errors import RunError
+    from pagedcli.serve.engine_client import STOP_S, EngineClient
+    from pagedcli.serve.metrics import Metrics
+
+    client = EngineClient(slow_build, (60.0,), Metrics())
+    failed = []
+
+    def start():
+        try:
+            client.start()
+        except RunError as e:
+            failed.append(str(e))
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    deadline = time.monotonic() + 30
+    while (client.process is None or client.process.pid is None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # (the engine process is building: sleeping in slow_build)
+    began = time.perf_counter()
+    client.stop()
+    took = time.perf_counter() - began
+    starting.join(10)
+    assert not client.process.is_alive() and took < STOP_S / 2, f"stop took {took:.1f} s"
+    assert failed and "ended while it built the engine" in failed[0]

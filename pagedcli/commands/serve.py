@@ -217,6 +217,14 @@ def make_server(config, engine):
         or a 503) before uvicorn's own deadline, CLOSE_S later, would cut the connections."""
 
         stopped_by: int | None = None
+        grace: threading.Timer | None = None
+
+        def run(self, sockets=None) -> None:
+            try:
+                super().run(sockets=sockets)
+            finally:  # done before the grace ran out: the engine is stopped next, not told to abort
+                if self.grace is not None:
+                    self.grace.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -228,9 +236,9 @@ def make_server(config, engine):
                 engine.end_all()
                 return
             self.stopped_by = sig
-            deadline = threading.Timer(GRACE_S, engine.end_all)
-            deadline.daemon = True
-            deadline.start()
+            self.grace = threading.Timer(GRACE_S, engine.end_all)
+            self.grace.daemon = True
+            self.grace.start()
             super().handle_exit(sig, frame)
 
     return Server(config)

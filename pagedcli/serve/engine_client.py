@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pagedcli.errors import RunError
 from pagedcli.model.tokenizer import StreamDecoder
 from pagedcli.serve import engine_process
-from pagedcli.serve.command_pipe import CommandPipe, frame
+from pagedcli.serve.command_pipe import CommandPipe, frame, widen
 from pagedcli.serve.engine_process import Ready
 from pagedcli.serve.errors import APIError, server_error
 from pagedcli.serve.metrics import Metrics
@@ -119,6 +119,7 @@ class EngineClient:
         self.conn = None  # the engine's messages
         self.commands: CommandPipe | None = None
         self.process = None
+        self.ready = False  # the engine process has built the engine and reads commands
         self.loop: asyncio.AbstractEventLoop | None = None
         self.jobs: dict[int, Job] = {}  # key -> the job, until its answers have all ended
         self.snapshots: dict[int, asyncio.Future] = {}
@@ -135,6 +136,7 @@ class EngineClient:
         building it raised there (a UsageError, say)."""
         context = multiprocessing.get_context("spawn")  # never fork: CUDA does not survive a fork
         self.conn, child = context.Pipe(duplex=False)  # the engine's messages
+        widen(self.conn.fileno())
         commands_in, commands_out = context.Pipe(duplex=False)
         self.process = context.Process(target=engine_process.main,
                                        args=(child, commands_in, self.build, self.args, self.live), name="pagedcli-engine")
@@ -160,24 +162,28 @@ class EngineClient:
             raise what
         self.metrics.describe(what.model_name, what.geometry.num_blocks)
         self.num_free_slots = what.max_slots
+        self.ready = True
         return what
 
     def stop(self) -> None:
-        """Abort what still runs, let the engine process end and wait for it (idempotent)."""
+        """Abort what still runs, let the engine process end and wait for it (idempotent). One
+        still building reads no command: it is killed at once."""
         if self.process is None or self.process.pid is None:
             return
-        if self.process.is_alive() and self.commands is not None and not self.commands.closed:
-            deadline = time.monotonic() + STOP_S
-            self.commands.write_blocking(frame(("stop",)), deadline, self._drop_a_message)
-            self._drain(deadline)
-        if self.process.is_alive():  # still building, or stuck: it holds GPU memory, so it goes
-            self.process.kill()
-        self.process.join()
-        if self.loop is not None and not self.loop.is_closed() and not self.gone:
-            self.loop.remove_reader(self.conn.fileno())
-        if self.commands is not None and not self.commands.closed:
-            self.commands.close()
-        self.conn.close()
+        try:
+            if self.ready and self.process.is_alive():
+                deadline = time.monotonic() + STOP_S
+                self.commands.write_blocking(frame(("stop",)), deadline, self._drop_a_message)
+                self._drain(deadline)
+        finally:  # (a second Ctrl-C in the wait above must not leave the engine process behind)
+            if self.process.is_alive():  # still building, or stuck: it holds GPU memory, so it goes
+                self.process.kill()
+            self.process.join()
+            if self.loop is not None and not self.loop.is_closed() and not self.gone:
+                self.loop.remove_reader(self.conn.fileno())
+            if self.commands is not None:
+                self.commands.close()
+            self.conn.close()
 
     def _drain(self, deadline: float) -> None:
         """Read (and drop) what the engine still sends until it exits: a send of its to a full
