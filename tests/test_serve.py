@@ -743,3 +743,38 @@ def test_stopping_a_server_whose_engine_is_still_building_kills_it_at_once():
     starting.join(10)
     assert not client.process.is_alive() and took < STOP_S / 2, f"stop took {took:.1f} s"
     assert failed and "ended while it built the engine" in failed[0]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_chunk_is_the_json_of_openais_chunk_object(chat):
+    """Shapes.chunk writes its JSON by hand: it must parse to OpenAI's chunk, text with quotes,
+    newlines and non-ASCII, a finish reason, log-probabilities and each kind of usage field."""
+    from pagedcli.serve.engine_client import Delta
+    from pagedcli.serve.responses import NO_USAGE, Shapes
+
+    class Logprob:
+        def __init__(self, logprob, top):
+            self.logprob, self.top = logprob, top
+
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": "cmpl-1", "object": kind, "model": 'a "model"\u2028é'}
+    for want_logprobs in (False, True):
+        shapes = Shapes(chat, "cmpl-1", head["model"], lambda t: f"<{t}>", want_logprobs)
+        twin = Shapes(chat, "cmpl-1", head["model"], lambda t: f"<{t}>", want_logprobs)  # (offsets: its own)
+        for first, text, finish, usage in ((True, 'say "hi"\n\u00e9\u2028', None, NO_USAGE), (False, "", "stop", None),
+                                           (False, "x", "length", {"prompt_tokens": 2, "completion_tokens": 3,
+                                                                   "total_tokens": 5})):
+            delta = Delta(1, [7, 8], text, [Logprob(-0.5, [(7, -0.5)]), Logprob(float("-inf"), [(9, -1.0)])], finish)
+            event = shapes.chunk(delta, first, usage)
+            assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+            got = json.loads(event[6:])
+            choice = {"index": 1, "finish_reason": finish,
+                      "logprobs": twin.logprobs(1, list(zip(delta.token_ids, delta.logprobs))) if want_logprobs else None}
+            if chat:
+                choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+            else:
+                choice["text"] = text
+            want = head | {"created": shapes.created, "choices": [choice]}
+            if usage is not NO_USAGE:
+                want["usage"] = usage
+            assert got == want

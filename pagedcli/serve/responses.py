@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from json.encoder import encode_basestring as json_string  # a str as JSON, as json.dumps(ensure_ascii=False)
 
 from pagedcli.serve.engine_client import Delta
 from pagedcli.serve.errors import APIError, server_error
@@ -109,16 +110,21 @@ class Shapes:
     def chunk(self, delta: Delta, first: bool, usage=NO_USAGE) -> bytes:
         """One answer's delta as a chunk's server-sent event (a chat answer's first chunk also says
         its role). `usage`: the chunk's usage field, None for OpenAI's null (with include_usage,
-        until the last chunk); NO_USAGE: none."""
-        logprobs = self.logprobs(delta.index, list(zip(delta.token_ids, delta.logprobs))) if delta.token_ids else None
-        choice = {"index": delta.index, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        until the last chunk); NO_USAGE: none. Written as text around the values, the JSON of
+        the dict {"index", "logprobs", "finish_reason", "delta" or "text"} (a chunk a step and
+        stream: json.dumps of the whole took most of this process's own work for a token)."""
+        logprobs = (to_json(self.logprobs(delta.index, list(zip(delta.token_ids, delta.logprobs))))
+                    if delta.token_ids and self.want_logprobs else "null")
+        finish = "null" if delta.finish_reason is None else json_string(delta.finish_reason)
         if self.chat:
-            choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": delta.text}
-                                                                           if delta.text or first else {})
+            fields = (['"role":"assistant"'] if first else []) + ([f'"content":{json_string(delta.text)}']
+                                                                  if delta.text or first else [])
+            body = f'"delta":{{{",".join(fields)}}}'
         else:
-            choice["text"] = delta.text
-        tail = "]}" if usage is NO_USAGE else f'],"usage":{to_json(usage)}}}'
-        return b"%s%s%s\n\n" % (self.chunk_start, to_json(choice).encode(), tail.encode())
+            body = f'"text":{json_string(delta.text)}'
+        tail = "]}" if usage is NO_USAGE else '],"usage":null}' if usage is None else f'],"usage":{to_json(usage)}}}'
+        choice = f'{{"index":{delta.index},"logprobs":{logprobs},"finish_reason":{finish},{body}}}{tail}\n\n'
+        return self.chunk_start + choice.encode()
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [], "usage": usage}
