@@ -135,6 +135,7 @@ class StreamDecoder:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] = ()):
         self.tokenizer = tokenizer
+        self.decode = tokenizer.decode
         self.ids: list[int] = list(prompt_ids[-self.CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -143,6 +144,9 @@ class StreamDecoder:
 
     def catch_up(self, output_ids: list[int]) -> str:
         """Push the output tokens not seen yet; returns the new text."""
+        if len(output_ids) == self.num_seen + 1:  # a step's token: the common case, in a server once a chunk
+            self.num_seen += 1
+            return self.push(output_ids[-1])
         new = "".join(self.push(t) for t in output_ids[self.num_seen:])
         self.num_seen = len(output_ids)
         return new
@@ -153,8 +157,8 @@ class StreamDecoder:
         all whole characters, token by token, as catch_up: the pieces may split differently."""
         new = output_ids[self.num_seen:]
         if len(new) > 1:
-            prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-            text = self.tokenizer.decode(self.ids[self.prefix_offset:] + new)
+            prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
+            text = self.decode(self.ids[self.prefix_offset:] + new)
             if len(text) > len(prefix) and "\ufffd" not in text:
                 self.ids += new
                 self.num_seen = len(output_ids)
@@ -165,11 +169,12 @@ class StreamDecoder:
         return self.catch_up(output_ids)
 
     def push(self, token: int) -> str:
-        self.ids.append(token)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        ids, start = self.ids, self.prefix_offset
+        ids.append(token)
+        prefix = self.decode(ids[start:self.read_offset])
+        text = self.decode(ids[start:])
         if len(text) > len(prefix) and not text.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
             piece = text[len(prefix):]
             self.text += piece
             return piece
