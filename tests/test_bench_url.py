@@ -245,7 +245,9 @@ def test_the_table_shows_the_errors(server):
 
 def test_every_request_failing_is_one_line(server):
     code, _, err = bench_url(server(Behaviour(faults={1: "500", 2: "500"})), "--batch", "2")
-    assert_one_line(code, err, 1, "every request failed, the first: HTTP 500: the test refuses request 1")
+    # the two are sent at once: on a loaded machine either may reach the server first (its number 1)
+    assert_one_line(code, err, 1, "every request failed, the first: HTTP 500: the test refuses request ")
+    assert err.strip()[-1] in "12", err
 
 
 def test_a_server_that_refuses_the_requests_shape_is_one_line(server):
