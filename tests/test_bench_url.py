@@ -155,7 +155,8 @@ def test_the_served_figures_and_the_requests_sent(server):
     w = Workload(num_prompts=4, input_len="8", output_len="5")
     expected = requests_for(prompt_model("demo", None), w, 2)
     warm_up, *sent = b.bodies
-    assert [s["prompt"] for s in sent] == [r.prompt_token_ids for r in expected]
+    # (two streams are open at a time: on a loaded machine they may arrive in either order)
+    assert sorted(s["prompt"] for s in sent) == sorted(r.prompt_token_ids for r in expected)
     assert warm_up["prompt"] == expected[0].prompt_token_ids[::-1] and warm_up["max_tokens"] == 4
     for s in sent:
         assert s["model"] == "demo" and s["max_tokens"] == 5 and s["stream"] is True
