@@ -85,19 +85,15 @@ def tiny(tmp_path_factory) -> Path:
     return hf_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-TEST_CACHE_SIZE = "32MiB"
-
-
 @pytest.fixture
 def make_engine():
+    from helpers import TEST_CACHE_SIZE
     from pagedcli.model.loader import EngineOptions, load
 
     def make(model, **opts):
         opts.setdefault("device", "cpu")
         opts.setdefault("shuffle_blocks", 1234)
         if not opts.keys() & {"num_blocks", "cache_size", "gpu_memory_utilization"}:
-            # the CPU default (256 MiB) is zeroed at every load: 65536 blocks of the tiny model where
-            # a test's requests take a few hundred (32 MiB: the demo model's 8 slots at full length)
             opts["cache_size"] = TEST_CACHE_SIZE
         return load(EngineOptions(model=str(model), **opts))
 

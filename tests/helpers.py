@@ -7,6 +7,11 @@ from collections import Counter
 import numpy as np
 import torch
 
+# The pool of a test's engine where the test does not size it. The CPU default (256 MiB) is zeroed
+# at every load: 65536 blocks of the tiny model where a test's requests take a few hundred; 32 MiB
+# holds the demo model's 8 slots at full length.
+TEST_CACHE_SIZE = "32MiB"
+
 
 def invoke(*args) -> tuple[int, str, str]:
     """`pagedcli *args` in-process: (exit code, stdout, stderr). An exception the CLI did not turn
@@ -160,7 +165,8 @@ def serve_build(model: str, batch: int, engine: dict, template: str | None, pois
     "CRASH" the step that runs it."""
     from pagedcli.model.loader import EngineOptions, load
 
-    loaded = load(EngineOptions(model=model, device="cpu", batch=batch, shuffle_blocks=7, **engine))
+    sized = engine if "num_blocks" in engine else {"cache_size": TEST_CACHE_SIZE} | engine
+    loaded = load(EngineOptions(model=model, device="cpu", batch=batch, shuffle_blocks=7, **sized))
     if loaded.tokenizer is not None and template is not None:
         loaded.tokenizer.use_chat_template(template)
     if poison:
