@@ -1,8 +1,9 @@
 """Every CUDA kernel compiles, with nvcc, for every preset geometry and dtype, with a pool in the
 model dtype and an fp8 pool, exactly as the CUDA backend would build it (cuda_build.plan_kernels:
-the same files, kernels and -D defines), and what the plan sends to torch ops instead is what our
-kernels truly cannot serve. The builds run at once, one nvcc per core. fp8.cuh's software float -> e4m3 conversion (what GPUs before sm_89
-run) is compiled into a host program and compared with torch's cast.
+the same files, kernels and -D defines; the builds run at once, one nvcc per core), and what the
+plan sends to torch ops instead is what our kernels truly cannot serve. fp8.cuh's software float ->
+e4m3 conversion (what GPUs before sm_89 run) is compiled into a host program and compared with
+torch's cast.
 
 No GPU needed: nvcc is on the developers' and CI's machines (skipped with a reason without it).
 A geometry that fails here is one a user would have hit at run time.
