@@ -87,11 +87,14 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def make_engine():
+    from helpers import TEST_CACHE_SIZE
     from pagedcli.model.loader import EngineOptions, load
 
     def make(model, **opts):
         opts.setdefault("device", "cpu")
         opts.setdefault("shuffle_blocks", 1234)
+        if not opts.keys() & {"num_blocks", "cache_size", "gpu_memory_utilization"}:
+            opts["cache_size"] = TEST_CACHE_SIZE
         return load(EngineOptions(model=str(model), **opts))
 
     return make

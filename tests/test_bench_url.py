@@ -155,7 +155,8 @@ def test_the_served_figures_and_the_requests_sent(server):
     w = Workload(num_prompts=4, input_len="8", output_len="5")
     expected = requests_for(prompt_model("demo", None), w, 2)
     warm_up, *sent = b.bodies
-    assert [s["prompt"] for s in sent] == [r.prompt_token_ids for r in expected]
+    # (two streams are open at a time: on a loaded machine they may arrive in either order)
+    assert sorted(s["prompt"] for s in sent) == sorted(r.prompt_token_ids for r in expected)
     assert warm_up["prompt"] == expected[0].prompt_token_ids[::-1] and warm_up["max_tokens"] == 4
     for s in sent:
         assert s["model"] == "demo" and s["max_tokens"] == 5 and s["stream"] is True
@@ -245,7 +246,9 @@ def test_the_table_shows_the_errors(server):
 
 def test_every_request_failing_is_one_line(server):
     code, _, err = bench_url(server(Behaviour(faults={1: "500", 2: "500"})), "--batch", "2")
-    assert_one_line(code, err, 1, "every request failed, the first: HTTP 500: the test refuses request 1")
+    # the two are sent at once: on a loaded machine either may reach the server first (its number 1)
+    assert_one_line(code, err, 1, "every request failed, the first: HTTP 500: the test refuses request ")
+    assert err.strip()[-1] in "12", err
 
 
 def test_a_server_that_refuses_the_requests_shape_is_one_line(server):

@@ -63,6 +63,7 @@ def test_a_corrupt_bandwidth_cache_is_measured_again(tmp_path, monkeypatch, cont
     cache = tmp_path / "bandwidth.json"
     cache.write_bytes(content)
     monkeypatch.setattr(bench, "BANDWIDTH_CACHE", cache)
+    monkeypatch.setitem(bench.COPY_BYTES, "cpu", 1 << 20)  # what is checked is the rewrite, not the figure
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     gbps = bench.measure_bandwidth(torch.device("cpu"))
     assert gbps > 0 and json.loads(cache.read_text())["cpu:1t"] == gbps  # rewritten with the measurement

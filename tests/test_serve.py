@@ -62,7 +62,8 @@ class Served:
             time.sleep(0.01)
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", self.api_key or "none"), max_retries=0,
+                             **kw)
 
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
@@ -97,6 +98,13 @@ def served(**opts):
 @pytest.fixture(scope="module")
 def server():
     with served() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def one_slot():
+    """One running request at a time, one more waiting, and a key: for the tests of what waits."""
+    with served(batch=1, max_waiting=1, api_key="sekrit") as s:
         yield s
 
 
@@ -228,22 +236,23 @@ def test_clients_that_go_away_mid_stream_leave_nothing_behind(server):
     assert server.metrics.num_aborted == aborted + 3
 
 
-def test_a_client_that_gives_up_waiting_for_a_whole_answer_is_aborted():
-    with served(batch=1) as s:
-        client = s.client()
-        busy = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=400, temperature=0, stream=True,
-                                         extra_body={"ignore_eos": True})
-        next(iter(busy))  # it holds the only slot
-        with pytest.raises(openai.APITimeoutError):
-            s.client(timeout=0.3).completions.create(model="demo", prompt="KING", max_tokens=50)
-        deadline = time.monotonic() + 5
-        while s.metrics.num_aborted < 1:  # the waiting one, not the running one
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert s.engine.num_waiting == 0 and s.metrics.running == 1
-        busy.close()
-        s.settle()
-        assert (s.metrics.running, s.metrics.used_blocks) == (0, 0), "the gauges saw the abort (and no step after it)"
+def test_a_client_that_gives_up_waiting_for_a_whole_answer_is_aborted(one_slot):
+    s = one_slot
+    client = s.client()
+    aborted = s.metrics.num_aborted
+    busy = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=400, temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True})
+    next(iter(busy))  # it holds the only slot
+    with pytest.raises(openai.APITimeoutError):
+        s.client(timeout=0.3).completions.create(model="demo", prompt="KING", max_tokens=50)
+    deadline = time.monotonic() + 5
+    while s.metrics.num_aborted < aborted + 1:  # the waiting one, not the running one
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert s.engine.num_waiting == 0 and s.metrics.running == 1
+    busy.close()
+    s.settle()
+    assert (s.metrics.running, s.metrics.used_blocks) == (0, 0), "the gauges saw the abort (and no step after it)"
 
 
 # --- bad requests -----------------------------------------------------------------------------
@@ -300,30 +309,30 @@ def test_bad_chat_requests_and_other_requests_unharmed(server):
     server.settle()
 
 
-def test_past_max_waiting_is_429_and_a_wrong_key_401():
-    with served(batch=1, max_waiting=1, api_key="sekrit") as s:
-        with pytest.raises(openai.AuthenticationError):
-            s.client(api_key="wrong").models.list()
-        assert httpx.get(s.url + "/health").status_code == 200, "only /v1 asks for the key"
-        lower = httpx.get(s.url + "/v1/models", headers={"Authorization": "bearer sekrit"})
-        assert lower.status_code == 200, "the scheme's case does not count (RFC 7235)"
-        client = s.client(api_key="sekrit")
-        assert [m.id for m in client.models.list().data] == ["demo"]
-        s.engine.num_sent += 1  # a request on its way to the engine takes the free slot: it does not wait
-        assert s.engine.num_free_slots == 1 and s.engine.num_waiting == 0
-        s.engine.num_sent -= 1
-        first = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=300, temperature=0, stream=True,
-                                          extra_body={"ignore_eos": True})
-        next(iter(first))  # running
-        second = client.completions.create(model="demo", prompt="KING", max_tokens=5, temperature=0, stream=True)
-        while s.engine.num_waiting < 1:  # (its job is queued once its response starts)
-            time.sleep(0.01)
-        with pytest.raises(openai.RateLimitError) as e:  # the second waits: a third is one too many
-            client.completions.create(model="demo", prompt="KING", max_tokens=5)
-        assert e.value.status_code == 429 and e.value.body["code"] == "rate_limit_exceeded"
-        first.close()
-        assert "".join(c.choices[0].text for c in second if c.choices), "the waiting one runs once a slot frees"
-        s.settle()
+def test_past_max_waiting_is_429_and_a_wrong_key_401(one_slot):
+    s = one_slot
+    with pytest.raises(openai.AuthenticationError):
+        s.client(api_key="wrong").models.list()
+    assert httpx.get(s.url + "/health").status_code == 200, "only /v1 asks for the key"
+    lower = httpx.get(s.url + "/v1/models", headers={"Authorization": "bearer sekrit"})
+    assert lower.status_code == 200, "the scheme's case does not count (RFC 7235)"
+    client = s.client(api_key="sekrit")
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    s.engine.num_sent += 1  # a request on its way to the engine takes the free slot: it does not wait
+    assert s.engine.num_free_slots == 1 and s.engine.num_waiting == 0
+    s.engine.num_sent -= 1
+    first = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=300, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+    next(iter(first))  # running
+    second = client.completions.create(model="demo", prompt="KING", max_tokens=5, temperature=0, stream=True)
+    while s.engine.num_waiting < 1:  # (its job is queued once its response starts)
+        time.sleep(0.01)
+    with pytest.raises(openai.RateLimitError) as e:  # the second waits: a third is one too many
+        client.completions.create(model="demo", prompt="KING", max_tokens=5)
+    assert e.value.status_code == 429 and e.value.body["code"] == "rate_limit_exceeded"
+    first.close()
+    assert "".join(c.choices[0].text for c in second if c.choices), "the waiting one runs once a slot frees"
+    s.settle()
 
 
 # --- what the server shows --------------------------------------------------------------------

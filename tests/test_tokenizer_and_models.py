@@ -35,15 +35,14 @@ def test_raw_prompt_gets_bos_from_the_post_processor(llama3, stories):
     assert Tokenizer(stories).encode("Once upon a time") == [1, 403, 407, 261, 378]
 
 
-def test_chat_template_matches_transformers_apply_chat_template(llama3_tokenizer):
+def test_chat_template_matches_transformers_apply_chat_template(llama3_tokenizer, llama3):
     from transformers import PreTrainedTokenizerFast
 
-    folder = llama3_tokenizer
-    hf = PreTrainedTokenizerFast.from_pretrained(folder)
+    hf = PreTrainedTokenizerFast.from_pretrained(llama3_tokenizer)
     for prompt in ["  padded  ", "line one\nline two", "Größe? 日本"]:
         ref = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
         ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
-        assert Tokenizer(folder).encode(prompt, chat=True) == list(ref)
+        assert llama3.encode(prompt, chat=True) == list(ref)
 
 
 def test_stream_decoder_never_splits_characters(llama3):

@@ -74,6 +74,8 @@ class BlockAllocator:
         while b != self.NONE:
             blocks.append(b)
             b = self.next[b]
+            if len(blocks) > self.num_blocks:  # (a bug would loop the list: say so, not spin)
+                raise RuntimeError("the free list runs in a circle")
         return blocks
 
     def allocate(self, n: int) -> list[int]:
