@@ -25,7 +25,6 @@ DEFAULT_MAX_WAITING = 4096  # answers (n a request) waiting for a slot before th
 LOG_FORMAT = "%(levelname)s: %(message)s"  # the server's own log lines, in both of its processes
 
 
-
 @contextmanager
 def frozen_heap():
     """While the server runs, what its process holds once built (torch's and the model's
