@@ -124,7 +124,7 @@ def test_random_interleavings_keep_every_block_accounted_for(operations, blocks_
     assert all(s.status in (Status.FINISHED,) for s in seqs if s.status is not Status.WAITING)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["allocate", "release", "share"]), st.integers(0, 10_000)),
                     max_size=120),
        num_blocks=st.integers(1, 40), seed=st.one_of(st.none(), st.integers(0, 5)))
@@ -142,8 +142,8 @@ def test_the_free_list_is_a_queue_of_least_recently_freed_blocks(ops, num_blocks
         random.Random(seed).shuffle(order)
     free, owners = OrderedDict.fromkeys(order), [0] * num_blocks
     for op, x in ops:
-        if op == "allocate" and free:
-            n = 1 + x % len(free)
+        if op == "allocate":
+            n = x % (len(free) + 1)  # (none, too)
             want = [free.popitem(last=False)[0] for _ in range(n)]
             for b in want:
                 owners[b] = 1
@@ -164,6 +164,11 @@ def test_the_free_list_is_a_queue_of_least_recently_freed_blocks(ops, num_blocks
             owners[b] += 1
             allocator.share([b])
         assert allocator.free == list(free) and allocator.num_free == len(free)
+        backwards, b = [], allocator.tail  # the other links: from the back
+        while b != allocator.NONE and len(backwards) <= num_blocks:
+            backwards.append(b)
+            b = allocator.prev[b]
+        assert backwards == list(free)[::-1]
         assert allocator.ref_count.tolist() == owners
 
 

@@ -212,3 +212,20 @@ def test_ctrl_c_in_the_live_view_leaves_one_true_frame(stories, tmp_path):
     assert "^C" not in screen
     counts = re.search(r"waiting 0   finished (\d+)   aborted (\d+)", screen)
     assert counts and int(counts[1]) + int(counts[2]) == len(PROMPTS) and int(counts[2]) >= 4, screen
+
+
+def test_the_heap_stays_frozen_until_the_last_of_nested_freezes_ends():
+    """The live view inside a server's engine process both freeze the heap (heap.frozen_heap):
+    the freeze is the process's, so the view ending must not give the heap back under the server."""
+    import gc
+
+    from pagedcli.heap import frozen_heap
+
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with frozen_heap(collect=False):
+            pass
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0

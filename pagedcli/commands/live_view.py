@@ -10,7 +10,6 @@ tensors.
 from __future__ import annotations
 
 import contextlib
-import gc
 import signal
 import sys
 import time
@@ -28,6 +27,7 @@ from rich.text import Text
 
 from pagedcli.commands.drawing import Decode, render
 from pagedcli.commands.exits import signals_handled
+from pagedcli.heap import frozen_heap
 
 REFRESH_S = 0.2  # seconds between frames: five a second reads as live
 MAX_SHARE = 0.03  # of the wall time, at most, spent taking snapshots and drawing them
@@ -87,10 +87,10 @@ class LiveView:
         self.num_frames = 0
 
     def __enter__(self) -> "LiveView":
-        # Frames allocate thousands of short-lived objects, which make Python's garbage collector
-        # run its full collections, and a full collection walks every object of the model and of
-        # torch: 60-80 ms each, measured. Frozen, those objects are left out of collections.
-        gc.freeze()
+        # frames allocate thousands of short-lived objects: full collections would walk the
+        # model's and torch's objects (60-80 ms each, measured) between two frames (heap.py)
+        self.frozen = frozen_heap(collect=False)
+        self.frozen.__enter__()
         self.keys = no_echoed_control_keys(self.console.file)
         self.keys.__enter__()
         self.start = self.clock()
@@ -104,7 +104,7 @@ class LiveView:
         finally:
             self.live.stop()
             self.keys.__exit__(None, None, None)
-            gc.unfreeze()
+            self.frozen.__exit__(None, None, None)
 
     def on_step(self, out) -> None:
         self.num_tokens += len(out.tokens)

@@ -25,7 +25,8 @@ from pagedcli.commands.exits import friendly_errors, notice, signals_handled
 from pagedcli.commands.generate import load_for_text, request_params, sampling_defaults
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
 from pagedcli.errors import RunError, UsageError, plural
-from pagedcli.serve import DEFAULT_MAX_WAITING, LOG_FORMAT, frozen_heap
+from pagedcli.heap import frozen_heap
+from pagedcli.serve import DEFAULT_MAX_WAITING, LOG_FORMAT
 
 GRACE_S = 10.0  # seconds the requests in flight get to finish once a signal stops the server
 CLOSE_S = 5.0  # then, after they are aborted, seconds their handlers get to write their endings

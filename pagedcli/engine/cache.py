@@ -54,13 +54,15 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int, shuffle_seed: int | None = None, on_reuse=None):
         self.num_blocks = num_blocks
-        order = list(range(num_blocks))
-        if shuffle_seed is not None:
-            random.Random(shuffle_seed).shuffle(order)
-        order = np.asarray(order, dtype=np.int64)
-        links = np.full((2, num_blocks), self.NONE, dtype=np.int64)  # next, prev: linked in `order`
+        if shuffle_seed is None:
+            order = np.arange(num_blocks, dtype=np.int32)
+        else:
+            shuffled = list(range(num_blocks))
+            random.Random(shuffle_seed).shuffle(shuffled)
+            order = np.asarray(shuffled, dtype=np.int32)
+        links = np.full((2, num_blocks), self.NONE, dtype=np.int32)  # next, prev: linked in `order`
         links[0, order[:-1]], links[1, order[1:]] = order[1:], order[:-1]
-        self.next, self.prev = array("q", links[0].tobytes()), array("q", links[1].tobytes())
+        self.next, self.prev = array("i", links[0].tobytes()), array("i", links[1].tobytes())  # (ids: int32)
         self.head = int(order[0]) if num_blocks else self.NONE
         self.tail = int(order[-1]) if num_blocks else self.NONE
         self.num_free = num_blocks
@@ -79,7 +81,7 @@ class BlockAllocator:
         return blocks
 
     def allocate(self, n: int) -> list[int]:
-        if n > self.num_free:
+        if not 0 <= n <= self.num_free:
             # the scheduler asks only for blocks it has counted free: reaching this is a bug
             raise RuntimeError(f"{n} blocks asked, {self.num_free} free")
         blocks, b, nxt = [], self.head, self.next
@@ -108,7 +110,7 @@ class BlockAllocator:
 
     def release(self, blocks) -> None:
         for b in blocks:
-            assert self.ref_count[b] > 0, f"block {b} released twice"
+            assert b >= 0 and self.ref_count[b] > 0, f"block {b} released twice, or not a block"
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
                 self._append(int(b))

@@ -16,26 +16,8 @@
 Nothing here is imported unless the server is started: pagedcli works without fastapi.
 """
 
-import gc
-from contextlib import contextmanager
-
 MISSING = "pagedcli serve needs FastAPI and uvicorn"
 INSTALL_HINT = "install them with: pip install 'pagedcli[serve]'"
 DEFAULT_MAX_WAITING = 4096  # answers (n a request) waiting for a slot before the next request is refused (429)
 LOG_FORMAT = "%(levelname)s: %(message)s"  # the server's own log lines, in both of its processes
 
-
-@contextmanager
-def frozen_heap():
-    """While the server runs, what its process holds once built (torch's and the model's
-    objects: ~200,000 in the API process, more in the engine's) is out of the garbage collector's
-    way (its permanent generation), as vLLM's server and engine do: otherwise the chunks'
-    short-lived objects set off full collections that walk all of it, pauses of tens of ms (89 ms
-    on this project's CPU) in which no stream gets a token. Given back after, so that a process
-    that goes on (a test's) can collect it."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()

@@ -39,9 +39,10 @@ from dataclasses import dataclass
 from pagedcli.engine.scheduler import PromptLimits
 from pagedcli.engine.sequence import Sequence
 from pagedcli.errors import PagedCliError, RunError, allocation_failure
+from pagedcli.heap import frozen_heap
 from pagedcli.model.config import CacheGeometry
 from pagedcli.model.tokenizer import Tokenizer
-from pagedcli.serve import LOG_FORMAT, frozen_heap
+from pagedcli.serve import LOG_FORMAT
 from pagedcli.serve.metrics import Tally
 
 log = logging.getLogger("pagedcli.serve")
