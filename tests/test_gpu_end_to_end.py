@@ -224,7 +224,8 @@ def test_serve_captures_every_graph_before_its_first_request(stories, capsys):
     assert not runner.graphs.captured and not runner.prefill_graphs.captured
     capture_graphs(runner)
     assert sorted(runner.graphs.captured) == runner.graphs.buckets == [1, 2, 4, 8, 16, 20]
-    assert sorted(runner.prefill_graphs.captured) == runner.prefill_graphs.buckets and runner.prefill_graphs.buckets[-1] == 300
+    prefill = runner.prefill_graphs
+    assert sorted(prefill.captured) == prefill.buckets and prefill.buckets[-1] == 300
     num_prefill = len(runner.prefill_graphs.buckets)
     assert f"captured {6 + num_prefill} CUDA graphs (6 decode and {num_prefill} prefill)" in capsys.readouterr().err
     done = engine.run_to_completion([[1, 403, 407], [1, 261]], SamplingParams(max_tokens=5, ignore_eos=True))

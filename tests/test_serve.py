@@ -777,10 +777,11 @@ def test_a_stream_chunk_is_the_json_of_openais_chunk_object(chat):
             event = shapes.chunk(delta, first, usage)
             assert event.startswith(b"data: ") and event.endswith(b"\n\n")
             got = json.loads(event[6:])
-            choice = {"index": 1, "finish_reason": finish,
-                      "logprobs": twin.logprobs(1, list(zip(delta.token_ids, delta.logprobs))) if want_logprobs else None}
+            logprobs = twin.logprobs(1, list(zip(delta.token_ids, delta.logprobs))) if want_logprobs else None
+            choice = {"index": 1, "finish_reason": finish, "logprobs": logprobs}
             if chat:
-                choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+                role = {"role": "assistant"} if first else {}
+                choice["delta"] = role | ({"content": text} if text or first else {})
             else:
                 choice["text"] = text
             want = head | {"created": shapes.created, "choices": [choice]}

@@ -129,7 +129,8 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
                         yield sse(error.body())
                         continue
                     num_tokens += len(delta.token_ids)
-                    counted = usage(num_prompt_tokens, num_tokens) if continuous else None if include_usage else NO_USAGE
+                    counted = (usage(num_prompt_tokens, num_tokens) if continuous
+                               else None if include_usage else NO_USAGE)
                     yield shapes.chunk(delta, not started[delta.index], counted)
                     started[delta.index] = True
             if include_usage:

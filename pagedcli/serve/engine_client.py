@@ -138,8 +138,8 @@ class EngineClient:
         self.conn, child = context.Pipe(duplex=False)  # the engine's messages
         widen(self.conn.fileno())
         commands_in, commands_out = context.Pipe(duplex=False)
-        self.process = context.Process(target=engine_process.main,
-                                       args=(child, commands_in, self.build, self.args, self.live), name="pagedcli-engine")
+        self.process = context.Process(target=engine_process.main, name="pagedcli-engine",
+                                       args=(child, commands_in, self.build, self.args, self.live))
         # started with SIGINT and SIGTERM ignored (exec keeps that): a Ctrl-C while it starts up
         # must not kill it before it ignores them itself
         previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if is_main() else {}
