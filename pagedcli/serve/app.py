@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from pagedcli.engine.sequence import SamplingParams
 from pagedcli.serve import DEFAULT_MAX_WAITING, cache_view
@@ -51,6 +52,10 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, e: APIError):
         return JSONResponse(e.body(), e.status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_request: Request, _e: ClientDisconnect):  # it went away before its body came whole
+        return Response(status_code=CLIENT_GONE)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # 404, 405: OpenAI's shape too
