@@ -352,6 +352,42 @@ def test_a_client_gone_before_its_body_came_whole_leaves_no_traceback(server):
     assert [r for r in records if r.levelno >= logging.ERROR] == []
 
 
+def test_a_long_text_is_tokenized_off_the_event_loop_while_other_requests_go_on(server, monkeypatch):
+    """It was tokenized on the event loop: a 10 MB prompt stalled every stream for 5 s. Here the
+    tokenizer takes 0.5 s (a sleep lets go of the GIL, as its encode_batch does)."""
+    tokenizer = server.ready.tokenizer
+    encode, threads = tokenizer.encode, []
+
+    def slow_encode(text, *args, **kw):
+        threads.append(threading.current_thread())
+        if len(text) > 100_000:
+            time.sleep(0.5)
+        return encode(text, *args, **kw)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    big = threading.Thread(target=lambda: threads.append(httpx.post(server.url + "/v1/completions", timeout=10,
+                                                                    json={"prompt": "hello " * 20_000})))
+    big.start()
+    while not threads:
+        time.sleep(0.01)
+    started = time.monotonic()
+    small = httpx.post(server.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2})
+    assert small.status_code == 200 and time.monotonic() - started < 0.4, "the small request waited for the big one"
+    big.join()
+    assert threads[0] is not server.thread, "the big body was tokenized on the event loop's thread"
+    assert threads[-1].status_code == 400 and "the prompt has 40,003 tokens" in threads[-1].json()["error"]["message"]
+
+
+def test_a_request_of_more_answers_than_may_run_and_wait_is_a_400(one_slot):
+    headers = {"Authorization": "Bearer sekrit"}  # 1 slot, --max-waiting 1: 2 answers at most
+    for body, param in [({"prompt": "x", "n": 3}, "n"), ({"prompt": ["x", "y", "z"]}, "prompt")]:
+        r = httpx.post(one_slot.url + "/v1/completions", json=body | {"max_tokens": 1}, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "asks for 3 answers" in r.json()["error"]["message"] and "--max-waiting 1" in r.json()["error"]["message"]
+    r = httpx.post(one_slot.url + "/v1/completions", json={"prompt": "x", "n": 2, "max_tokens": 1}, headers=headers)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
 def test_past_max_waiting_is_429_and_a_wrong_key_401(one_slot):
     s = one_slot
     with pytest.raises(openai.AuthenticationError):
