@@ -383,7 +383,8 @@ def test_a_request_of_more_answers_than_may_run_and_wait_is_a_400(one_slot):
     for body, param in [({"prompt": "x", "n": 3}, "n"), ({"prompt": ["x", "y", "z"]}, "prompt")]:
         r = httpx.post(one_slot.url + "/v1/completions", json=body | {"max_tokens": 1}, headers=headers)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-        assert "asks for 3 answers" in r.json()["error"]["message"] and "--max-waiting 1" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert "asks for 3 answers" in message and "--max-waiting 1" in message, message
     r = httpx.post(one_slot.url + "/v1/completions", json={"prompt": "x", "n": 2, "max_tokens": 1}, headers=headers)
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
 

@@ -115,9 +115,10 @@ def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits
         raise bad_request(f"`{name}` {value}: {why}" + (f" ({hint})" if hint else ""), name)
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"`n` {req.n}: must be from 1 to {MAX_N}", "n")
-    if room is not None and len(token_ids) * req.n > sum(room):
-        raise bad_request(f"the request asks for {len(token_ids) * req.n:,} answers ({plural(len(token_ids), 'prompt')} "
-                          f"times `n` {req.n}), more than this server runs and lets wait at once ({sum(room):,}: "
+    num_answers = len(token_ids) * req.n
+    if room is not None and num_answers > sum(room):
+        raise bad_request(f"the request asks for {num_answers:,} answers ({plural(len(token_ids), 'prompt')} times "
+                          f"`n` {req.n}), more than this server runs and lets wait at once ({sum(room):,}: "
                           f"{room[0]} slots and its --max-waiting {room[1]})", "n" if len(token_ids) == 1 else "prompt")
     limit = limits.max_model_len
     prompt_field = "messages" if isinstance(req, ChatRequest) else "prompt"
