@@ -278,6 +278,15 @@ BAD = [
     (b'{"prompt": "ROMEO:", "echo": true}', "echo", "`echo` (the prompt in the answer) is not supported"),
     (b'{"prompt": "ROMEO:", "best_of": 3}', "best_of", "`best_of` 3: not supported"),
     (b'{"prompt": "ROMEO:", "suffix": "x"}', "suffix", "`suffix`"),
+    # bodies that were 500s with a traceback: a lone surrogate (the tokenizer's TypeError), nesting past
+    # Python's recursion limit, a number past its 4,300 digits (json's ValueError)
+    (b'{"prompt": ["ok", "a\\ud800"]}', "prompt[1]", "`prompt[1]` is not valid Unicode text (a lone surrogate U+D800"),
+    (b'{"prompt": "ROMEO:", "\\udfff": 1}', None, "a key of the body is not valid Unicode text"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nests arrays or objects too deeply"),
+    (b'{"prompt": [' + b"9" * 5000 + b"]}", None, "a number with thousands of digits"),
+    # one that made a NaN distribution: the draw's error failed the whole step, its batch mates too
+    (b'{"prompt": "ROMEO:", "temperature": 1, "repetition_penalty": 1e-300}', "repetition_penalty",
+     "`repetition_penalty` 1e-300: must be a positive number from 0.0001 to 10000"),
 ]
 
 
@@ -307,6 +316,77 @@ def test_bad_chat_requests_and_other_requests_unharmed(server):
     expected = client.completions.create(model="demo", prompt="KING", max_tokens=80, temperature=0).choices[0].text
     assert "".join(c.choices[0].text for c in running) == expected
     server.settle()
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_a_400_and_an_escaped_emoji_is_text(server):
+    def chat(body: dict) -> httpx.Response:  # json.dumps writes non-ASCII as escapes: 😀 as \ud83d\ude00
+        return httpx.post(server.url + "/v1/chat/completions", content=json.dumps(body))
+
+    for content in ["\ud800", [{"type": "text", "text": "x\udfff"}]]:
+        r = chat({"messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"].startswith("messages[0].content") and "U+D" in r.json()["error"]["message"]
+    assert chat({"messages": [{"role": "user", "content": "😀"}], "max_tokens": 2}).status_code == 200
+
+
+def test_a_client_gone_before_its_body_came_whole_leaves_no_traceback(server):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(handler)
+    try:
+        with socket.create_connection(server.sock.getsockname()) as sock:  # 100 bytes promised, 10 sent
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+            deadline = time.monotonic() + 2
+            while not server.server.server_state.tasks:  # the route is waiting for the rest
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        while server.server.server_state.tasks:  # then hears of the disconnect and ends
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        log.removeHandler(handler)
+    assert [r for r in records if r.levelno >= logging.ERROR] == []
+
+
+def test_a_long_text_is_tokenized_off_the_event_loop_while_other_requests_go_on(server, monkeypatch):
+    """It was tokenized on the event loop: a 10 MB prompt stalled every stream for 5 s. Here the
+    tokenizer takes 0.5 s (a sleep lets go of the GIL, as its encode_batch does)."""
+    tokenizer = server.ready.tokenizer
+    encode, threads = tokenizer.encode, []
+
+    def slow_encode(text, *args, **kw):
+        threads.append(threading.current_thread())
+        if len(text) > 100_000:
+            time.sleep(0.5)
+        return encode(text, *args, **kw)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    big = threading.Thread(target=lambda: threads.append(httpx.post(server.url + "/v1/completions", timeout=10,
+                                                                    json={"prompt": "hello " * 20_000})))
+    big.start()
+    while not threads:
+        time.sleep(0.01)
+    started = time.monotonic()
+    small = httpx.post(server.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2})
+    assert small.status_code == 200 and time.monotonic() - started < 0.4, "the small request waited for the big one"
+    big.join()
+    assert threads[0] is not server.thread, "the big body was tokenized on the event loop's thread"
+    assert threads[-1].status_code == 400 and "the prompt has 40,003 tokens" in threads[-1].json()["error"]["message"]
+
+
+def test_a_request_of_more_answers_than_may_run_and_wait_is_a_400(one_slot):
+    headers = {"Authorization": "Bearer sekrit"}  # 1 slot, --max-waiting 1: 2 answers at most
+    for body, param in [({"prompt": "x", "n": 3}, "n"), ({"prompt": ["x", "y", "z"]}, "prompt")]:
+        r = httpx.post(one_slot.url + "/v1/completions", json=body | {"max_tokens": 1}, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        message = r.json()["error"]["message"]
+        assert "asks for 3 answers" in message and "--max-waiting 1" in message, message
+    r = httpx.post(one_slot.url + "/v1/completions", json={"prompt": "x", "n": 2, "max_tokens": 1}, headers=headers)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
 def test_past_max_waiting_is_429_and_a_wrong_key_401(one_slot):

@@ -17,6 +17,9 @@ from pagedcli.defaults import DEFAULTS
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # the most top tokens a step reports (vLLM's default cap)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range, vLLM's check)
+# The repetition penalty lies in [1/R, R]: a logit divided by one near 0 overflows float32 (inf, then a
+# NaN distribution that no draw takes), and one past float32's range is inf (0 * inf is NaN)
+MAX_REPETITION_PENALTY = 1e4
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,10 @@ class SamplingParams:
             ("top_p", finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]", "1 turns it off"),
             ("top_k", self.top_k >= 0, "must be 0 (off) or more", None),
             ("min_p", finite(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]", "0 turns it off"),
-            ("repetition_penalty", finite(self.repetition_penalty) and self.repetition_penalty > 0,
-             "must be a positive number", "1 turns it off; above 1 discourages repeats"),
+            ("repetition_penalty", finite(self.repetition_penalty)
+             and 1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             f"must be a positive number from {1 / MAX_REPETITION_PENALTY:g} to {MAX_REPETITION_PENALTY:g}",
+             "1 turns it off; above 1 discourages repeats"),
             ("presence_penalty", finite(self.presence_penalty) and abs(self.presence_penalty) <= MAX_PENALTY,
              f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", "0 turns it off"),
             ("frequency_penalty", finite(self.frequency_penalty) and abs(self.frequency_penalty) <= MAX_PENALTY,

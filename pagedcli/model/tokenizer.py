@@ -57,7 +57,7 @@ class Tokenizer:
         add_bos_token) puts one."""
         if chat:
             return self.encode_rendered(self.render_chat(chat_messages(prompt, system)))
-        ids = self.tok.encode(prompt).ids
+        ids = self.tok.encode_batch([prompt])[0].ids  # a batch of one: encode_batch lets go of the GIL (serve)
         bos = self.token_id(self.bos_token)
         if self.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids = [bos] + ids
@@ -65,7 +65,7 @@ class Tokenizer:
 
     def encode_rendered(self, text: str) -> list[int]:
         """Text the chat template rendered: its special tokens are written out, none is added."""
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def use_chat_template(self, path: Path) -> None:
         """Take the Jinja template in `path` (`chat_template`) instead of the model folder's; a

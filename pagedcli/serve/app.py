@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from pagedcli.engine.sequence import SamplingParams
 from pagedcli.serve import DEFAULT_MAX_WAITING, cache_view
@@ -28,6 +29,9 @@ from pagedcli.serve.responses import NO_USAGE, Answer, Shapes, failure, new_id, 
 from pagedcli.serve.sampling import Prompts, chat_prompt, completion_prompts, request_params
 
 CLIENT_GONE = 499  # nginx's status for a request whose client closed the connection (logged only)
+# A body past this size is parsed and tokenized in a worker thread (the tokenizer lets go of the GIL),
+# so that a long text does not stall every other answer's stream for seconds meanwhile
+OFF_LOOP_BYTES = 1 << 16
 
 
 @dataclass
@@ -51,6 +55,10 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, e: APIError):
         return JSONResponse(e.body(), e.status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_request: Request, _e: ClientDisconnect):  # it went away before its body came whole
+        return Response(status_code=CLIENT_GONE)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # 404, 405: OpenAI's shape too
@@ -82,17 +90,26 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(await request.body(), CompletionRequest)
-        check_model(req.model)
-        token_ids, texts = completion_prompts(req, tokenizer)
+        req, token_ids, texts = await off_loop_if_big(await request.body(), completion_request)
         return await run(request, req, token_ids, texts, chat=False, want_logprobs=req.logprobs is not None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(await request.body(), ChatRequest)
-        check_model(req.model)
-        token_ids, texts = chat_prompt(req, tokenizer, settings.model_name)
+        req, token_ids, texts = await off_loop_if_big(await request.body(), chat_request)
         return await run(request, req, token_ids, texts, chat=True, want_logprobs=req.logprobs)
+
+    def completion_request(raw: bytes):
+        req = parse(raw, CompletionRequest)
+        check_model(req.model)
+        return req, *completion_prompts(req, tokenizer)
+
+    def chat_request(raw: bytes):
+        req = parse(raw, ChatRequest)
+        check_model(req.model)
+        return req, *chat_prompt(req, tokenizer, settings.model_name)
+
+    async def off_loop_if_big(raw: bytes, prepare):
+        return await asyncio.to_thread(prepare, raw) if len(raw) > OFF_LOOP_BYTES else prepare(raw)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != settings.model_name:
@@ -100,7 +117,8 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
                            "model", code="model_not_found")
 
     async def run(request: Request, req, token_ids, texts, chat: bool, want_logprobs: bool):
-        params = request_params(req, settings.defaults, limits, token_ids, tokenizer is not None)
+        params = request_params(req, settings.defaults, limits, token_ids, tokenizer is not None,
+                                (ready.max_slots, settings.max_waiting))
         if engine.num_waiting >= settings.max_waiting:
             raise too_many_waiting(settings.max_waiting)
         request_id = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")

@@ -8,6 +8,7 @@ the like), as vLLM does. `parse` turns a body into a request or an APIError nami
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -73,18 +74,53 @@ class ChatRequest(Sampling):
     top_logprobs: Optional[int] = None
 
 
+# a UTF-16 surrogate, as a JSON escape or as the bytes Python's json lets through (surrogatepass):
+# most are halves of an escaped pair (an emoji), checked only where one may be
+SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
 def parse(raw: bytes, model: type[Body]) -> Body:
     """The request in `raw`, or a 400 naming the first field that is wrong."""
     try:
         data = json.loads(raw)
+    except RecursionError:
+        raise bad_request("the body is not valid JSON (it nests arrays or objects too deeply)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the body is not valid JSON ({e})") from None
+    except ValueError:  # Python's limit on an integer's digits (4,300), which no field takes anyway
+        raise bad_request("the body is not valid JSON (it has a number with thousands of digits)") from None
     if not isinstance(data, dict):
         raise bad_request(f"the body must be a JSON object, not {type(data).__name__}")
+    if SURROGATE.search(raw):
+        check_text(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise field_error(e) from None
+
+
+def check_text(data: dict) -> None:
+    """A 400 for a string with half of a UTF-16 surrogate pair (an escape such as "\\ud800" alone):
+    it is no Unicode text, so no tokenizer or answer can take it."""
+    todo = [("", data)]  # not recursive: the body may nest as deep as json.loads went
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, dict):
+            for key in value:
+                unicode_error(key, f"a key in `{path}`" if path else "a key of the body", path or None)
+            todo += reversed([(f"{path}.{k}" if path else k, v) for k, v in value.items()])
+        elif isinstance(value, list):  # reversed: the first broken string is the one named
+            todo += reversed([(f"{path}[{i}]", v) for i, v in enumerate(value)])
+        elif isinstance(value, str):
+            unicode_error(value, f"`{path}`", path)
+
+
+def unicode_error(text: str, what: str, param: str | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{what} is not valid Unicode text (a lone surrogate U+{ord(text[e.start]):04X} at character "
+                          f"{e.start + 1})", param) from None
 
 
 def field_error(e: ValidationError) -> APIError:

@@ -88,9 +88,11 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer, model_name: str) -> tupl
 
 
 def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits, token_ids: list[list[int]],
-                   has_tokenizer: bool = True) -> list[list[SamplingParams]]:
+                   has_tokenizer: bool = True, room: tuple[int, int] | None = None) -> list[list[SamplingParams]]:
     """The answers' params for each prompt, `n` each: the i-th answer of the request samples
-    with seed + i, as generate's answers do, so that it does not depend on its batch mates."""
+    with seed + i, as generate's answers do, so that it does not depend on its batch mates.
+    `room`: the server's slots and --max-waiting; a request with more answers than both hold is
+    refused (it would queue past --max-waiting)."""
     given = {f: getattr(req, f) for f in FIELDS if getattr(req, f) is not None}
     if isinstance(req, ChatRequest):
         if req.max_completion_tokens is not None:
@@ -113,6 +115,11 @@ def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits
         raise bad_request(f"`{name}` {value}: {why}" + (f" ({hint})" if hint else ""), name)
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"`n` {req.n}: must be from 1 to {MAX_N}", "n")
+    num_answers = len(token_ids) * req.n
+    if room is not None and num_answers > sum(room):
+        raise bad_request(f"the request asks for {num_answers:,} answers ({plural(len(token_ids), 'prompt')} times "
+                          f"`n` {req.n}), more than this server runs and lets wait at once ({sum(room):,}: "
+                          f"{room[0]} slots and its --max-waiting {room[1]})", "n" if len(token_ids) == 1 else "prompt")
     limit = limits.max_model_len
     prompt_field = "messages" if isinstance(req, ChatRequest) else "prompt"
     params = []
