@@ -53,7 +53,7 @@ def test_a_prompt_argument_that_is_not_utf8_is_one_line(stories, prompt, fragmen
 def test_top_p_keeps_the_likeliest_token_however_small(top_p):
     logits = torch.tensor([0.5, 3.0, 1.0, 2.9])
     seq = Sequence(0, [1], SamplingParams(temperature=1.0, top_p=top_p, seed=0))
-    assert [int(_draw(logits, seq)) for _ in range(5)] == [1] * 5
+    assert [int(_draw(logits, seq)[0]) for _ in range(5)] == [1] * 5
 
 
 # --- bench -----------------------------------------------------------------------------------------

@@ -159,3 +159,33 @@ def test_a_request_whose_logits_are_not_finite_fails_alone(overflowing, sampling
     code, out, err = invoke(*args, "Once upon a time there was", "Lily")
     assert code == 1 and "[1] Once upon a time there was [error]\n" in out
     assert "Traceback" not in err and "\n[2] Lily " in out
+
+
+@pytest.mark.parametrize("penalized", [False, True])
+def test_a_distribution_that_overflows_after_the_temperature_fails_alone(tiny, make_engine, monkeypatch, penalized):
+    """Finite logits that the sampler's own arithmetic turns non-finite (the temperature, a
+    penalty): that request ends with an error, its batch mates get what they get alone (before,
+    multinomial refused the NaN and failed the whole step)."""
+    from pagedcli.engine import sampler
+
+    warp = sampler.warp
+
+    def overflow_for_seed_7(logits, params):  # as a temperature near 0 would make of a large logit
+        out = warp(logits, params)
+        return out * float("inf") if params.seed == 7 else out
+
+    monkeypatch.setattr(sampler, "warp", overflow_for_seed_7)
+    penalty = dict(repetition_penalty=1.2) if penalized else {}
+    good = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=3, **penalty),
+            SamplingParams(max_tokens=10, ignore_eos=True, **penalty)]
+    bad = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=7, **penalty)
+    prompts = [[5, 9, 14], [11, 4, 150], [3, 3, 200]]
+    alone = [make_engine(tiny, batch=1).engine.run_to_completion([p], q)[0].output_token_ids
+             for p, q in zip(prompts[1:], good)]
+    engine = make_engine(tiny, batch=3).engine
+    seqs = [engine.add_request(p, q) for p, q in zip(prompts, [bad, *good])]
+    while engine.has_unfinished:
+        engine.step()
+    assert seqs[0].finish_reason == "error" and "not finite" in seqs[0].error
+    assert [s.output_token_ids for s in seqs[1:]] == alone and all(s.finish_reason == "length" for s in seqs[1:])
+    assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks

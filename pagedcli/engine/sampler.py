@@ -43,17 +43,23 @@ class Sampler:
             index = torch.tensor(penalized).to(logits.device, non_blocking=True)
             rows, slots = self.penalties.apply(logits[index], [seqs[b] for b in penalized])
             logits = logits.index_copy(0, index, rows)  # a copy: the raw logits stay for logprobs
-            tokens = greedy.index_copy(0, index, torch.where(bad[index], NOT_FINITE, rows.argmax(-1)))
+            bad = bad.index_copy(0, index, bad[index] | ~torch.isfinite(rows).all(-1))  # (an overflow in them)
+            tokens = greedy.index_copy(0, index, rows.argmax(-1))
         for b in sampled:  # a row that is not finite draws from zeros (multinomial refuses NaN)
-            tokens[b] = _draw(torch.where(bad[b], 0.0, logits[b]), seqs[b])
-        if sampled:
+            tokens[b], finite = _draw(torch.where(bad[b], 0.0, logits[b]), seqs[b])
+            bad[b] |= ~finite
+        if penalized or sampled:
             tokens = torch.where(bad, NOT_FINITE, tokens)
         if penalized:
             self.penalties.count(slots, tokens[index])
         return tokens, StepLogprobs.of(raw, tokens, seqs)
 
 
-def _draw(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+def _draw(logits: torch.Tensor, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token drawn from `logits` as `seq` samples, and whether its distribution was finite: one
+    that is not (what the temperature or the penalties made of it overflowed) draws from a uniform
+    one instead, so that multinomial, which refuses NaN and would fail every row of the step, takes
+    it; the row then ends as NOT_FINITE, and its batch mates go on."""
     p = seq.params
     if seq.generator is None:
         seq.generator = torch.Generator(device=logits.device)
@@ -62,7 +68,8 @@ def _draw(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
         else:
             seq.generator.seed()
     probs = warp(logits, p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=seq.generator)[0]
+    finite = torch.isfinite(probs).all()
+    return torch.multinomial(torch.where(finite, probs, 1.0), 1, generator=seq.generator)[0], finite
 
 
 class TokenLogprobs(NamedTuple):
