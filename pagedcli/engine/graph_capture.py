@@ -1,5 +1,5 @@
-"""One forward pass captured into a CUDA graph, as both kinds of graph are (runner.DecodeGraphs,
-prefill_graphs.PrefillGraphs)."""
+"""One forward pass captured into a CUDA graph, and a graph a bucket captured on first use: what
+both kinds of graph share (runner.DecodeGraphs, prefill_graphs.PrefillGraphs)."""
 
 from __future__ import annotations
 
@@ -25,3 +25,18 @@ def capture_forward(model, batch, pool) -> tuple[torch.cuda.CUDAGraph, torch.Ten
         logits, tokens = forward()
     torch.cuda.synchronize()
     return graph, logits, tokens
+
+
+class CapturedGraphs:
+    """Graphs of the forward pass, one per bucket, captured on first use (`graph(n)`): what the
+    decode and the prefill graphs share. A subclass sets `model`, `pool`, `buckets` and
+    `captured` = {} (bucket -> (graph, its static batch, its logits, its greedy tokens); the batch
+    lives as long as its graph, which reads its tensors' memory) and gives `padding_batch(n)`:
+    bucket n's static batch with padding inputs staged, so that the capture writes nothing."""
+
+    def graph(self, n: int):
+        if n not in self.captured:
+            batch = self.padding_batch(n)
+            graph, logits, tokens = capture_forward(self.model, batch, self.pool)
+            self.captured[n] = graph, batch, logits, tokens
+        return self.captured[n]

@@ -28,13 +28,13 @@ import torch
 from pagedcli.backends.cuda_launch import max_prefill_tiles, prefill_tile_lists
 from pagedcli.engine.batch import StepBatch, pack
 from pagedcli.engine.cache import KVCache
-from pagedcli.engine.graph_capture import capture_forward
+from pagedcli.engine.graph_capture import CapturedGraphs
 
 MAX_GRAPH_TOKENS = 2048  # beyond, a step's GPU time exceeds its eager host time (see the docstring)
 BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
-class PrefillGraphs:
+class PrefillGraphs(CapturedGraphs):
     def __init__(self, model, cache: KVCache, max_tokens: int):
         self.model, self.cache = model, cache
         self.rows = model.backend.prefill_rows  # new tokens a tile of the prefill kernel covers
@@ -85,16 +85,9 @@ class PrefillGraphs:
         h["tile_seq"][:] = self.pad
         self.staged.copy_(self.host)
 
-    def _capture(self, n: int):
-        batch = self._batch(n)
+    def padding_batch(self, n: int) -> StepBatch:
         self._stage_padding()
-        graph, logits, tokens = capture_forward(self.model, batch, self.pool)
-        return graph, batch, logits, tokens
-
-    def graph(self, n: int):
-        if n not in self.captured:
-            self.captured[n] = self._capture(n)
-        return self.captured[n]
+        return self._batch(n)
 
     def replay(self, slots: list[int], token_ids: list[list[int]], num_cached: list[int],
                samples: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.cache import KVCache
-from pagedcli.engine.graph_capture import capture_forward
+from pagedcli.engine.graph_capture import CapturedGraphs
 from pagedcli.engine.prefill_graphs import PrefillGraphs
 from pagedcli.model.network import Llama
 from pagedcli.engine.sequence import Sequence
@@ -82,7 +82,7 @@ class ModelRunner:
         return logits, self.model.greedy(logits)
 
 
-class DecodeGraphs:
+class DecodeGraphs(CapturedGraphs):
     """One CUDA graph per batch-size bucket, captured on first use. Rows past the real batch are
     padding: position -1 (no K/V written) and context length 0 (attention does nothing)."""
 
@@ -132,17 +132,10 @@ class DecodeGraphs:
             context_lens_host=[1] * n,
         )
 
-    def _capture(self, n: int):
-        batch = self._batch(n)
-        self.inputs["positions"][:n] = -1  # capture with padding rows only: nothing is written to the pool
+    def padding_batch(self, n: int) -> StepBatch:
+        self.inputs["positions"][:n] = -1  # padding rows only: nothing is written to the pool
         self.inputs["context_lens"][:n] = 0
-        graph, logits, tokens = capture_forward(self.model, batch, self.pool)
-        return graph, batch, logits, tokens
-
-    def graph(self, n: int):
-        if n not in self.captured:
-            self.captured[n] = self._capture(n)
-        return self.captured[n]
+        return self._batch(n)
 
     def replay(self, slots: list[int], tokens: list[int], num_cached: list[int],
             feed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
