@@ -37,7 +37,6 @@ import torch
 
 from pagedcli.backends import composed
 from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, DTYPE_DEFINES,
-                                          FP8_PREFILL_MIN_HEAD_DIM,
                                           GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS, SILU_THREADS, VEC_BYTES,
                                           gemv_kernel_names, plan_kernels)
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
@@ -93,10 +92,6 @@ class CudaBackend:
         self.attention_kernel = plan.attention_decode
         self.prefill_kernel, self.prefill_shared, self.prefill_rows = (plan.attention_prefill, plan.prefill_shared,
                                                                        plan.prefill_rows)
-        if self.kv_fp8 and self.prefill_kernel and geo.head_dim < FP8_PREFILL_MIN_HEAD_DIM:
-            self.prefill_kernel = False
-            self.fallbacks["prefill attention"] = (f"`kv_cache_dtype` fp8 at head_dim {geo.head_dim}: the e4m3 prefill "
-                                                   f"kernel is checked from head_dim {FP8_PREFILL_MIN_HEAD_DIM} on")
         self._prefill_tiles: tuple | None = None  # this prefill step's work list (cuda_launch.prefill_tiles)
         # a prefill step can be replayed from a CUDA graph (engine/prefill_graphs.py) when nothing in
         # it is decided from the step's host lists: our prefill kernel with the tiles the caller

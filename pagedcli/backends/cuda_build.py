@@ -47,11 +47,6 @@ CLUSTER_MIN_SPAN = 64
 # over 64 their accumulators would not fit in registers), keys per tile, and the largest head_dim
 # the accumulators hold.
 PREFILL_WARPS = 4
-# paged_prefill.cu over an fp8 pool passed its GPU tests at head_dim 64 and 128 (the kernel against
-# float64, and whole engines against the torch backend); at head_dim 8 (stories260K in bf16) the one
-# engine comparison was off by more than its bound, so narrower rows keep the torch backend's ops
-# (which dequantize) for prefill attention, with a notice
-FP8_PREFILL_MIN_HEAD_DIM = 16
 PREFILL_M_TILES_SMALL_D = 2  # head_dim <= 64
 PREFILL_BLOCK_N = 64
 PREFILL_MAX_HEAD_DIM = 256

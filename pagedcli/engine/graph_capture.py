@@ -3,6 +3,8 @@ both kinds of graph share (runner.DecodeGraphs, prefill_graphs.PrefillGraphs).""
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 
@@ -21,8 +23,16 @@ def capture_forward(model, batch, pool) -> tuple[torch.cuda.CUDAGraph, torch.Ten
         forward()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        logits, tokens = forward()
+    # no garbage collection while capturing: one that frees an earlier engine's graph (a bench's
+    # previous batch size, a test's) destroys it inside the capture, which CUDA then refuses
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            logits, tokens = forward()
+    finally:
+        if collecting:
+            gc.enable()
     torch.cuda.synchronize()
     return graph, logits, tokens
 
