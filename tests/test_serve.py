@@ -236,6 +236,58 @@ def test_clients_that_go_away_mid_stream_leave_nothing_behind(server):
     assert server.metrics.num_aborted == aborted + 3
 
 
+def test_a_streamed_request_is_in_the_engine_before_its_answer_starts(server):
+    """The route submits its job before it returns (not once a streaming task first runs, after
+    whatever requests the event loop took meanwhile): nothing is sent to the client before the job
+    is in the engine, and a client gone before the first token has it aborted."""
+    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.serve.app import Settings, create_app
+    from pagedcli.serve.engine_client import Delta
+
+    class Engine:  # the EngineClient's face to the routes, answering each job at once
+        num_waiting, alive = 0, True
+
+        def __init__(self):
+            self.submitted, self.aborted = [], []
+
+        def submit(self, job):
+            self.submitted.append(job)
+            if not hang_up:
+                job.deliver(Delta(0, [7], " x", [], "length"))
+
+        def abort(self, job):
+            self.aborted.append(job)
+
+    async def post(app, body: dict) -> list[dict]:
+        sent, raw = [], json.dumps(body).encode()
+        messages = [{"type": "http.request", "body": raw, "more_body": False}, {"type": "http.disconnect"}]
+
+        async def receive():
+            return messages.pop(0) if messages else await asyncio.sleep(60)
+
+        async def send(message):
+            assert engine.submitted, f"{message['type']} was sent before the job reached the engine"
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1)}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        return sent
+
+    for hang_up in (False, True):
+        engine = Engine()
+        app = create_app(engine, server.ready, Settings("demo", SamplingParams()), server.metrics)
+        sent = asyncio.run(post(app, {"model": "demo", "prompt": "KING", "max_tokens": 1, "stream": True}))
+        assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+        body = b"".join(m.get("body", b"") for m in sent[1:])
+        if hang_up:  # the client went away with no token sent: its job is aborted
+            assert engine.aborted == engine.submitted and b"[DONE]" not in body
+        else:
+            assert b'"text":" x"' in body and body.endswith(b"data: [DONE]\n\n") and not engine.aborted
+
+
 def test_a_client_that_gives_up_waiting_for_a_whole_answer_is_aborted(one_slot):
     s = one_slot
     client = s.client()
@@ -442,6 +494,9 @@ def test_metrics_parse_and_count_what_ran(server):
     ttft = "vllm:time_to_first_token_seconds_count"
     assert value(after, "vllm:time_to_first_token_seconds", ttft) - value(before, "vllm:time_to_first_token_seconds",
                                                                           ttft) == 2
+    itl = "vllm:inter_token_latency_seconds_count"  # one a token after each answer's first
+    assert value(after, "vllm:inter_token_latency_seconds", itl) - value(before, "vllm:inter_token_latency_seconds",
+                                                                         itl) == got.usage.completion_tokens - 2
     assert value(after, "pagedcli:kv_blocks_free") == server.ready.geometry.num_blocks
     assert value(after, "vllm:num_requests_running") == 0
 

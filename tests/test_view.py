@@ -227,5 +227,7 @@ def test_the_heap_stays_frozen_until_the_last_of_nested_freezes_ends():
         assert frozen > 0
         with frozen_heap(collect=False):
             pass
-        assert gc.get_freeze_count() == frozen
+        # still frozen (an unfreeze empties the permanent generation; a few of its objects may be
+        # freed meanwhile by another test's threads winding down, so not exactly as many)
+        assert gc.get_freeze_count() > frozen // 2
     assert gc.get_freeze_count() == 0

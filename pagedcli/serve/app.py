@@ -1,7 +1,8 @@
 """The routes: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, and /health,
 /metrics and /v1/cache. Every request becomes a Job in the one engine (engine_client.py, which
 talks to the engine's own process); a streamed one sends each delta as a server-sent event the
-moment the engine's message with it is read.
+moment the engine's message with it is read. The two routes that run jobs are plain ASGI apps in
+FastAPI's router (asgi.py says why).
 
 A client that goes away (mid-stream, or while a whole answer is computed) has its job aborted,
 which frees its blocks at the engine's next step. Errors are OpenAI's error object (errors.py)."""
@@ -14,13 +15,14 @@ import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from pagedcli.engine.sequence import SamplingParams
 from pagedcli.serve import DEFAULT_MAX_WAITING, cache_view
-from pagedcli.serve.engine_client import EngineClient, Job
+from pagedcli.serve.asgi import Endpoint, EventStream, watch_for_hang_up
+from pagedcli.serve.engine_client import ClientGone, EngineClient, Job
 from pagedcli.serve.engine_process import Ready
 from pagedcli.serve.errors import APIError, not_found, too_many_waiting, unauthorized
 from pagedcli.serve.metrics import Metrics
@@ -88,15 +90,16 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
         snap = await engine.snapshot()
         return await asyncio.to_thread(cache_view.to_json, snap, tokenizer)
 
-    @app.post("/v1/completions")
     async def completions(request: Request):
         req, token_ids, texts = await off_loop_if_big(await request.body(), completion_request)
         return await run(request, req, token_ids, texts, chat=False, want_logprobs=req.logprobs is not None)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, token_ids, texts = await off_loop_if_big(await request.body(), chat_request)
         return await run(request, req, token_ids, texts, chat=True, want_logprobs=req.logprobs)
+
+    app.add_route("/v1/completions", Endpoint(completions), methods=["POST"])
+    app.add_route("/v1/chat/completions", Endpoint(chat_completions), methods=["POST"])
 
     def completion_request(raw: bytes):
         req = parse(raw, CompletionRequest)
@@ -130,51 +133,41 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
             options = req.stream_options
             include_usage = bool(options and options.include_usage)
             continuous = include_usage and options.continuous_usage_stats
-            return StreamingResponse(stream(job, shapes, num_prompt_tokens, include_usage, continuous), headers=headers,
-                                     media_type="text/event-stream")
+            return EventStream(engine, job, events(job, shapes, num_prompt_tokens, include_usage, continuous), headers)
         return await whole(request, job, shapes, num_prompt_tokens, headers)
 
-    async def stream(job: Job, shapes: Shapes, num_prompt_tokens: int, include_usage: bool, continuous: bool):
-        """The SSE body. Cancelled when the client goes away (Starlette listens for it): the
-        job is aborted on the way out."""
-        engine.submit(job)
+    async def events(job: Job, shapes: Shapes, num_prompt_tokens: int, include_usage: bool, continuous: bool):
+        """The SSE body (EventStream submits the job, and aborts it if the client goes away)."""
         started = [False] * job.prompts.num_answers
         num_tokens = 0
-        try:
-            while not job.done:
-                for delta in await job.receive():
-                    if (error := failure(delta)) is not None:
-                        yield sse(error.body())
-                        continue
-                    num_tokens += len(delta.token_ids)
-                    counted = (usage(num_prompt_tokens, num_tokens) if continuous
-                               else None if include_usage else NO_USAGE)
-                    yield shapes.chunk(delta, not started[delta.index], counted)
-                    started[delta.index] = True
-            if include_usage:
-                yield sse(shapes.usage_chunk(usage(num_prompt_tokens, num_tokens)))
-            yield sse("[DONE]")
-        finally:
-            if not job.done:
-                engine.abort(job)
+        while not job.done:
+            for delta in await job.receive():
+                if (error := failure(delta)) is not None:
+                    yield sse(error.body())
+                    continue
+                num_tokens += len(delta.token_ids)
+                counted = (usage(num_prompt_tokens, num_tokens) if continuous
+                           else None if include_usage else NO_USAGE)
+                yield shapes.chunk(delta, not started[delta.index], counted)
+                started[delta.index] = True
+        if include_usage:
+            yield sse(shapes.usage_chunk(usage(num_prompt_tokens, num_tokens)))
+        yield sse("[DONE]")
 
     async def whole(request: Request, job: Job, shapes: Shapes, num_prompt_tokens: int, headers: dict) -> Response:
         engine.submit(job)
         answers = [Answer() for _ in range(job.prompts.num_answers)]
-        gone = asyncio.ensure_future(disconnected(request))
+        watch = watch_for_hang_up(request.receive, job)
         try:
             while not job.done:
-                got = asyncio.ensure_future(job.receive())
-                await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not got.done():  # the client went away: nobody reads the answer
-                    got.cancel()
-                    return Response(status_code=CLIENT_GONE)
-                for delta in got.result():
+                for delta in await job.receive():
                     if (error := failure(delta)) is not None:
                         raise error
                     answers[delta.index].add(delta)
+        except ClientGone:  # nobody reads the answer
+            return Response(status_code=CLIENT_GONE)
         finally:
-            gone.cancel()
+            watch.cancel()
             if not job.done:
                 engine.abort(job)
         body = shapes.whole(answers, usage(num_prompt_tokens, sum(a.num_tokens for a in answers)))
@@ -201,9 +194,3 @@ class BearerKey:
                 return
         await self.app(scope, receive, send)
 
-
-async def disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read: what comes next is
-    the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

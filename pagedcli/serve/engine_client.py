@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import select
 import signal
 import threading
 import time
@@ -37,9 +38,10 @@ from pagedcli.serve.sampling import Prompts
 log = logging.getLogger("pagedcli.serve")
 STOP_S = 10.0  # seconds the engine process gets to end its requests and exit, once told to stop
 ENGINE_GONE = "the engine process has stopped; restart the server"
+READ_AT_ONCE = 8  # engine messages read in one go before the event loop runs the routes again
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """What one answer gained: in one engine turn, or since the client's last read (Job.receive)."""
 
@@ -56,6 +58,10 @@ class Delta:
         self.text = None if self.text is None or later.text is None else self.text + later.text
         self.logprobs += later.logprobs
         self.finish_reason, self.error = later.finish_reason, later.error
+
+
+class ClientGone(Exception):
+    """The request's client closed its connection: nobody reads what its answers gain."""
 
 
 class Job:
@@ -75,6 +81,7 @@ class Job:
         # (a model without a tokenizer, random weights for a benchmark, answers token ids only: no text)
         self.decoders = [StreamDecoder(tokenizer, ids) if tokenizer is not None else None for ids in answers]
         self.outputs: list[list[int]] = [[] for _ in answers]  # each answer's tokens received so far
+        self.gone = False  # its client has closed the connection (hang_up)
 
     @property
     def done(self) -> bool:
@@ -88,13 +95,31 @@ class Job:
             earlier.extend(delta)
         else:
             self.pending[delta.index] = delta
+        self._wake()
+
+    def deliver_token(self, index: int, token: int) -> None:
+        """deliver() for the common case: answer `index` gained one token, and nothing else."""
+        if (earlier := self.pending.get(index)) is not None:
+            earlier.token_ids.append(token)
+        else:
+            self.pending[index] = Delta(index, [token], None)
+        self._wake()
+
+    def hang_up(self) -> None:
+        """The client went away: the route's receive raises ClientGone (its stream ends, the job is aborted)."""
+        self.gone = True
+        self._wake()
+
+    def _wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
     async def receive(self) -> list[Delta]:
         """What the answers gained since the last call, a delta per answer that gained anything;
-        waits for the engine's next turn when nothing is pending."""
-        while not self.pending:
+        waits for the engine's next turn when nothing is pending. ClientGone once the client has gone."""
+        while not self.pending or self.gone:
+            if self.gone:
+                raise ClientGone
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
@@ -125,6 +150,7 @@ class EngineClient:
         self.snapshots: dict[int, asyncio.Future] = {}
         self.keys = itertools.count(1)
         self.gone = False  # the engine process's end of the pipe closed
+        self.pending: select.poll | None = None  # whether a message of the engine's waits (set with the loop)
         self.num_sent = 0  # answers submitted so far
         self.num_taken = 0  # of those, taken out of the pipe by the engine, as of its last message
         self.num_engine_waiting = 0  # answers waiting in the engine after its last turn
@@ -243,31 +269,44 @@ class EngineClient:
         self.commands.send(("log", text))
 
     def _check_alive(self) -> None:
-        """A command for a process that is gone would wait for ever: 503 at once instead."""
-        if not self.alive:
+        """A command for a process that is gone would wait for ever: 503 at once instead. (Its
+        death closes the pipe, which the loop sees as EOF: `gone`, without a waitpid per request.)"""
+        if self.gone:
             raise APIError(ENGINE_GONE, 503, type="server_error")
 
     def _attach(self) -> None:
         """At the first command, its event loop (uvicorn's) starts reading the engine's messages."""
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
+            self.pending = select.poll()  # (Connection.poll builds a selector each call: a tenth of _read's time)
+            self.pending.register(self.conn.fileno(), select.POLLIN)
             self.loop.add_reader(self.conn.fileno(), self._read)
             self.commands.attach(self.loop)
 
     # --- the engine's messages (in the event loop) --------------------------------------------------
     def _read(self) -> None:
+        """The messages waiting, a few at most: the routes' writes then run before the next ones
+        (the fd is still readable, so the loop calls this again), and a lagging client's deltas merge."""
         try:
-            while self.conn.poll():
+            for _ in range(READ_AT_ONCE):
+                if not self.pending.poll(0):
+                    break
                 message = self.conn.recv()
                 if message[0] == "step":
-                    self._deliver(message[1], message[2])
+                    self._deliver(*message[1:])
                 else:
                     self._snapshot_taken(*message[1:])
         except (EOFError, OSError):
             self._engine_gone()
 
-    def _deliver(self, deltas: list[tuple], report) -> None:
+    def _deliver(self, tokens, deltas: list[tuple], report) -> None:
+        """One engine turn's message: `tokens` (key, index, token) flat, the answers that gained one
+        token and nothing else; `deltas` the rest (engine_process.py)."""
         jobs = self.jobs
+        triples = iter(tokens)
+        for key, index, token in zip(triples, triples, triples):
+            if (job := jobs.get(key)) is not None:  # (None: aborted here already)
+                job.deliver_token(index, token)
         for key, index, *rest in deltas:
             job = jobs.get(key)
             if job is None or index in job.ended:  # aborted here already

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from array import array
 from collections import deque
 from typing import NamedTuple
 
@@ -35,6 +36,13 @@ class Histogram:
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
+
+    def observe_all(self, values) -> None:
+        """Each of `values` (a step's inter-token latencies: one per running answer)."""
+        counts, buckets = self.counts, self.buckets
+        for value in values:
+            counts[bisect.bisect_left(buckets, value)] += 1
+        self.sum += sum(values)
 
     def lines(self, name: str, labels: str) -> list[str]:
         out, total = [], 0
@@ -62,7 +70,7 @@ class StepReport(NamedTuple):
     preemptions: int
     generated: int  # tokens handed out in the turn
     ttfts: list[float]  # seconds, one per answer that got its first token
-    itls: list[float]  # seconds between an answer's last two tokens, one per other answer that got tokens
+    itls: array  # seconds between an answer's last two tokens, one per other answer that got tokens ('d')
     finished: list[tuple[str, float]]  # (finish reason, seconds since arrival), one per answer that ended
     aborted: int  # answers aborted in the turn
 
@@ -75,7 +83,7 @@ class Tally:
 
     def _clear(self) -> None:
         self.num_steps = self.generated = self.num_aborted = 0
-        self.ttfts, self.itls, self.finishes = [], [], []
+        self.ttfts, self.itls, self.finishes = [], array("d"), []
         self.now = None
 
     def tokens(self, seq, n: int, first: bool) -> None:
@@ -87,6 +95,13 @@ class Tally:
             self.ttfts.append(seq.first_token_time - seq.arrival_time)
         elif len(seq.token_times) > 1:
             self.itls.append(seq.token_times[-1] - seq.token_times[-2])
+
+    def next_token(self, seq) -> None:
+        """One token of `seq`'s handed out, not its first: a decode step's, the common case."""
+        self.generated += 1
+        times = seq.token_times
+        if len(times) > 1:
+            self.itls.append(times[-1] - times[-2])
 
     def finished(self, seq, now: float) -> None:
         self.finishes.append((seq.finish_reason, now - seq.arrival_time))
@@ -134,10 +149,8 @@ class Metrics:
         self.prompt_tokens, self.cached_prompt_tokens = r.prompt_tokens, r.cached_prompt_tokens
         self.preemptions = r.preemptions
         self.generation_tokens += r.generated
-        for value in r.ttfts:
-            self.ttft.observe(value)
-        for value in r.itls:
-            self.itl.observe(value)
+        self.ttft.observe_all(r.ttfts)
+        self.itl.observe_all(r.itls)
         for reason, seconds in r.finished:
             self.finished_by[reason if reason in self.finished_by else "error"] += 1
             self.e2e.observe(seconds)

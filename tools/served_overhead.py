@@ -1,0 +1,183 @@
+#!/usr/bin/env python
+"""The served path's own cost, without a GPU: `pagedcli bench` in-process against `pagedcli serve`
+and a lean client, with the network replaced by a clock, so that only the host's work differs.
+
+    python tools/served_overhead.py --step-ms 1.7 --num-prompts 512
+
+Every decode step "computes" for --step-ms and a prefill step for --prefill-us a token, as a GPU's
+queue would: busy from the end of the step before, the host's work between two steps overlapping
+it (the engine's overlap on a GPU). Everything else is real: the engine, its process, the pipes,
+the API process, uvicorn. The client is raw HTTP on one socket a stream (httpx's ~30 us a chunk
+would take a core of the two a CI machine has); it counts time from its first request to the last
+stream's end. Prints both runs' tokens/s, the served run's TTFT, and the CPU seconds the API and the
+engine processes used during it (Linux). A --step-ms at which served falls short of in-process is
+where the served path, not the "GPU", sets the pace (docs/serve.md has this machine's figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the pagedcli of this checkout, installed or not
+STEP_ENV, PREFILL_ENV = "SERVED_OVERHEAD_STEP_MS", "SERVED_OVERHEAD_PREFILL_US"
+
+
+def replace_the_network() -> None:
+    """ModelRunner.execute becomes a clock (greedy tokens that never stop: the answers run to max_tokens)."""
+    import torch
+
+    from pagedcli.engine import runner
+
+    step_s, prefill_s = float(os.environ[STEP_ENV]) / 1e3, float(os.environ[PREFILL_ENV]) / 1e6
+    done = [0.0]  # when the "GPU" finished the step before
+
+    def execute(self, seqs, is_prefill, feed=None, num_new=None):
+        new = num_new or [len(s) - s.num_cached for s in seqs]
+        cost = 0.0002 + prefill_s * sum(new) if is_prefill else step_s
+        # the step began when the one before ended, or (the host slower) when the host queued it
+        done[0] = max(done[0], time.perf_counter() - cost) + cost
+        while (left := done[0] - time.perf_counter()) > 0:
+            time.sleep(max(0.0, left - 50e-6))
+        rows = sum(s.num_cached + n >= len(s) for s, n in zip(seqs, new)) if is_prefill else len(seqs)
+        vocab = self.model.config.vocab_size
+        return torch.zeros(rows, 1), (torch.arange(rows, dtype=torch.int64) * 7 + 11) % (vocab - 300) + 256
+
+    runner.ModelRunner.execute = execute
+
+
+if STEP_ENV in os.environ:  # this process, or the engine process that spawn started from this file
+    replace_the_network()
+
+
+# --- the client ----------------------------------------------------------------------------------
+async def stream(port: int, body: bytes) -> tuple[float, float | None, float]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    start = time.perf_counter()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    first, tail = None, b""
+    while data := await reader.read(65536):
+        first = first or (time.perf_counter() if b"data: {" in tail + data else None)
+        tail = (tail + data)[-64:]
+        if tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+            break
+    writer.close()
+    return start, first, time.perf_counter()
+
+
+async def clients(port: int, bodies: list[bytes], concurrency: int) -> dict:
+    queue = list(reversed(bodies))
+    results = []
+
+    async def worker():
+        while queue:
+            results.append(await stream(port, queue.pop()))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "ttft_ms_p50": statistics.median((f - s) * 1e3 for s, f, _ in results if f)}
+
+
+# --- the runs ------------------------------------------------------------------------------------
+def cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_pid(api_pid: int) -> int:
+    """The API process's busiest child: the engine's (the other is multiprocessing's resource tracker)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == api_pid:
+                children.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            pass
+    return max(children, key=cpu_s)
+
+
+def served(args, env: dict) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, __file__, "--role", "serve", "--model", args.model,
+                               "--batch", str(args.batch), "--port", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("the server did not start")
+                time.sleep(0.2)
+        rng = random.Random(0)
+
+        def body(max_tokens: int) -> bytes:
+            return json.dumps({"model": args.model, "prompt": [rng.randrange(5, 400) for _ in range(args.input_len)],
+                               "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                               "ignore_eos": True}).encode()
+
+        asyncio.run(clients(port, [body(4) for _ in range(4)], 4))  # warm-up (and the engine has started)
+        engine = engine_pid(server.pid)
+        api0, engine0 = cpu_s(server.pid), cpu_s(engine)
+        result = asyncio.run(clients(port, [body(args.output_len) for _ in range(args.num_prompts)], args.batch))
+        result |= {"api_cpu_s": cpu_s(server.pid) - api0, "engine_cpu_s": cpu_s(engine) - engine0}
+        result["output_tokens_per_s"] = args.num_prompts * args.output_len / result["elapsed_s"]
+        return result
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def in_process(args, env: dict) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--role", "bench", "--model", args.model, "--batch", str(args.batch),
+                          "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+                          "--output-len", str(args.output_len), "--json"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--role":  # a child: the command with the clock for a network
+        from pagedcli.commands.app import main as pagedcli
+
+        sys.argv = ["pagedcli", sys.argv[2], *sys.argv[3:]]
+        pagedcli()
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--step-ms", type=float, default=1.7, help="a decode step's time (default 1.7: batch 64 on an H200)")
+    p.add_argument("--prefill-us", type=float, default=4.0, help="a prefill step's time a token (default 4)")
+    p.add_argument("--model", default="demo")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    args = p.parse_args()
+    env = os.environ | {STEP_ENV: str(args.step_ms), PREFILL_ENV: str(args.prefill_us), "PYTHONPATH": str(ROOT)}
+    alone = in_process(args, env)["output_tokens_per_s"]
+    s = served(args, env)
+    print(f"clock: {args.step_ms} ms a decode step; {args.num_prompts} prompts of {args.input_len} + {args.output_len} "
+          f"tokens, {args.batch} at once")
+    print(f"in-process {alone:,.0f} tok/s; served {s['output_tokens_per_s']:,.0f} tok/s "
+          f"({s['output_tokens_per_s'] / alone:.0%}), TTFT p50 {s['ttft_ms_p50']:.1f} ms; CPU during the served run: "
+          f"API process {s['api_cpu_s']:.2f} s, engine process {s['engine_cpu_s']:.2f} s of {s['elapsed_s']:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
