@@ -61,8 +61,8 @@ if STEP_ENV in os.environ:  # this process, or the engine process that spawn sta
 
 
 # --- the client ----------------------------------------------------------------------------------
-async def stream(port: int, body: bytes) -> tuple[float, float | None, float]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def stream(reader, writer, body: bytes) -> tuple[float, float | None, float]:
+    """One streamed completion on a kept-alive connection: when it was sent, its first token came, it ended."""
     start = time.perf_counter()
     writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
@@ -70,24 +70,35 @@ async def stream(port: int, body: bytes) -> tuple[float, float | None, float]:
     while data := await reader.read(65536):
         first = first or (time.perf_counter() if b"data: {" in tail + data else None)
         tail = (tail + data)[-64:]
-        if tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+        if tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):  # the last event, then the chunked body's end
             break
-    writer.close()
     return start, first, time.perf_counter()
 
 
 async def clients(port: int, bodies: list[bytes], concurrency: int) -> dict:
+    """`bodies` sent over `concurrency` connections, opened before the clock starts, a request at a time each."""
     queue = list(reversed(bodies))
     results = []
+    connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(concurrency)]
 
-    async def worker():
+    async def worker(reader, writer):
         while queue:
-            results.append(await stream(port, queue.pop()))
+            results.append(await stream(reader, writer, queue.pop()))
+        writer.close()
 
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await asyncio.gather(*(worker(*c) for c in connections))
     elapsed = time.perf_counter() - start
     return {"elapsed_s": elapsed, "ttft_ms_p50": statistics.median((f - s) * 1e3 for s, f, _ in results if f)}
+
+
+def run_async(coroutine):
+    try:  # the cheaper loop where it is installed (the serve extra brings it), as the server's
+        import uvloop
+
+        return uvloop.run(coroutine)
+    except ImportError:
+        return asyncio.run(coroutine)
 
 
 # --- the runs ------------------------------------------------------------------------------------
@@ -114,7 +125,8 @@ def served(args, env: dict) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, __file__, "--role", "serve", "--model", args.model,
-                               "--batch", str(args.batch), "--port", str(port)], env=env,
+                               "--batch", str(args.batch), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                               "--port", str(port)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -133,10 +145,10 @@ def served(args, env: dict) -> dict:
                                "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                                "ignore_eos": True}).encode()
 
-        asyncio.run(clients(port, [body(4) for _ in range(4)], 4))  # warm-up (and the engine has started)
+        run_async(clients(port, [body(4) for _ in range(4)], 4))  # warm-up (and the engine has started)
         engine = engine_pid(server.pid)
         api0, engine0 = cpu_s(server.pid), cpu_s(engine)
-        result = asyncio.run(clients(port, [body(args.output_len) for _ in range(args.num_prompts)], args.batch))
+        result = run_async(clients(port, [body(args.output_len) for _ in range(args.num_prompts)], args.batch))
         result |= {"api_cpu_s": cpu_s(server.pid) - api0, "engine_cpu_s": cpu_s(engine) - engine0}
         result["output_tokens_per_s"] = args.num_prompts * args.output_len / result["elapsed_s"]
         return result
@@ -147,6 +159,7 @@ def served(args, env: dict) -> dict:
 
 def in_process(args, env: dict) -> dict:
     out = subprocess.run([sys.executable, __file__, "--role", "bench", "--model", args.model, "--batch", str(args.batch),
+                          "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                           "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
                           "--output-len", str(args.output_len), "--json"],
                          env=env, capture_output=True, text=True, check=True).stdout
@@ -163,6 +176,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--step-ms", type=float, default=1.7, help="a decode step's time (default 1.7: batch 64 on an H200)")
     p.add_argument("--prefill-us", type=float, default=4.0, help="a prefill step's time a token (default 4)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="a step's tokens (default 8192: a GPU's)")
     p.add_argument("--model", default="demo")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=512)
