@@ -4,8 +4,8 @@ chat, built from the deltas the engine hands out (engine_client.Delta)."""
 from __future__ import annotations
 
 import json
+import random
 import time
-import uuid
 from json.encoder import encode_basestring as json_string  # a str as JSON, as json.dumps(ensure_ascii=False)
 
 from pagedcli.serve.engine_client import Delta
@@ -17,7 +17,9 @@ NO_USAGE = object()  # a stream chunk without a usage field
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """A request's id, as vLLM's (random, 32 hex digits); from `random`, not the system's entropy:
+    uuid4 reads os.urandom, a syscall a request, and an id needs to be unique, not unguessable."""
+    return f"{prefix}-{random.getrandbits(128):032x}"
 
 
 def to_json(data) -> str:
