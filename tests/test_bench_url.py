@@ -368,6 +368,19 @@ def test_the_load_test_tool(server):
     assert "TTFT" in done.stdout and "ITL" in done.stdout and "p99" in done.stdout
 
 
+def test_the_served_overhead_tool_runs_both_sides_on_its_clock():
+    """tools/served_overhead.py: in-process and served with the network a clock (in both
+    processes of the server); neither can beat the clock (a step of 2 ms, 4 rows: 2,000 tokens/s)."""
+    tool = [sys.executable, str(REPO / "tools" / "served_overhead.py"), "--step-ms", "2", "--batch", "4",
+            "--num-prompts", "8", "--input-len", "8", "--output-len", "8"]
+    done = subprocess.run(tool, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    figures = done.stdout.splitlines()[-1]
+    alone, through = (float(figures.split(name)[1].split("tok/s")[0].replace(",", "")) for name in ("in-process", "served"))
+    assert 0 < alone <= 2000 and 0 < through <= 2000, figures
+    assert "API process" in figures and "engine process" in figures
+
+
 def test_bench_url_against_pagedcli_serve():
     """The real server on the built-in model: every request goes through and runs to its length
     (the server honours ignore_eos), at the arrivals asked for."""
