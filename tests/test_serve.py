@@ -587,6 +587,17 @@ def test_a_failed_add_or_step_fails_its_requests_and_a_killed_engine_is_503_at_o
         assert httpx.get(s.url + "/v1/cache").status_code == 503
 
 
+def test_an_engine_killed_before_the_first_request_is_503_for_a_stream_too():
+    """Nothing reads the engine's pipe before the first request (so no EOF says it is gone): the
+    first request, streamed, was a 200 with an error event instead of the 503 every later one gets."""
+    with served() as s:
+        os.kill(s.engine.process.pid, signal.SIGKILL)
+        s.engine.process.join(10)
+        body = {"model": "demo", "prompt": "KING", "max_tokens": 3, "stream": True}
+        first = httpx.post(s.url + "/v1/completions", json=body, timeout=10)
+        assert first.status_code == 503 and first.json()["error"]["type"] == "server_error", first.text
+
+
 def test_sigterm_finishes_what_runs_and_exits_0(tmp_path):
     proc, url = start_server()
     try:
