@@ -551,6 +551,14 @@ def test_models_and_health(server):
     assert r.status_code == 404 and "error" in r.json()
 
 
+def test_other_methods_on_the_post_routes_are_405_saying_allow_post(server):
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        for method in ("GET", "HEAD", "PUT"):
+            r = httpx.request(method, server.url + route)
+            assert r.status_code == 405 and r.headers.get("allow") == "POST", (route, method, r.headers)
+            assert method == "HEAD" or r.json()["error"]["message"] == "Method Not Allowed"
+
+
 # --- the command ------------------------------------------------------------------------------
 def test_the_answers_id_is_the_request_id_header(server):
     """One id a request: the body's `id` is the X-Request-Id header, given or made."""
