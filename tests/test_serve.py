@@ -551,6 +551,14 @@ def test_models_and_health(server):
     assert r.status_code == 404 and "error" in r.json()
 
 
+def test_other_methods_on_the_post_routes_are_405_saying_allow_post(server):
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        for method in ("GET", "HEAD", "PUT"):
+            r = httpx.request(method, server.url + route)
+            assert r.status_code == 405 and r.headers.get("allow") == "POST", (route, method, r.headers)
+            assert method == "HEAD" or r.json()["error"]["message"] == "Method Not Allowed"
+
+
 # --- the command ------------------------------------------------------------------------------
 def test_the_answers_id_is_the_request_id_header(server):
     """One id a request: the body's `id` is the X-Request-Id header, given or made."""
@@ -585,6 +593,17 @@ def test_a_failed_add_or_step_fails_its_requests_and_a_killed_engine_is_503_at_o
         gone = httpx.post(s.url + "/v1/completions", json=body | {"prompt": "KING"}, timeout=10)
         assert gone.status_code == 503 and gone.json()["error"]["type"] == "server_error"
         assert httpx.get(s.url + "/v1/cache").status_code == 503
+
+
+def test_an_engine_killed_before_the_first_request_is_503_for_a_stream_too():
+    """Nothing reads the engine's pipe before the first request (so no EOF says it is gone): the
+    first request, streamed, was a 200 with an error event instead of the 503 every later one gets."""
+    with served() as s:
+        os.kill(s.engine.process.pid, signal.SIGKILL)
+        s.engine.process.join(10)
+        body = {"model": "demo", "prompt": "KING", "max_tokens": 3, "stream": True}
+        first = httpx.post(s.url + "/v1/completions", json=body, timeout=10)
+        assert first.status_code == 503 and first.json()["error"]["type"] == "server_error", first.text
 
 
 def test_sigterm_finishes_what_runs_and_exits_0(tmp_path):

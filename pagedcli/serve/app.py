@@ -65,7 +65,7 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # 404, 405: OpenAI's shape too
         error = not_found(request.url.path) if e.status_code == 404 else APIError(str(e.detail), e.status_code)
-        return JSONResponse(error.body(), error.status)
+        return JSONResponse(error.body(), error.status, headers=e.headers)  # (a 405's Allow)
 
     if settings.api_key is not None:
         app.add_middleware(BearerKey, key=settings.api_key)

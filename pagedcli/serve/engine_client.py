@@ -270,8 +270,9 @@ class EngineClient:
 
     def _check_alive(self) -> None:
         """A command for a process that is gone would wait for ever: 503 at once instead. (Its
-        death closes the pipe, which the loop sees as EOF: `gone`, without a waitpid per request.)"""
-        if self.gone:
+        death closes the pipe, which the loop sees as EOF: `gone`, without a waitpid per request;
+        but before the first command nothing reads the pipe yet, so then it asks the process.)"""
+        if self.gone or (self.loop is None and not self.process.is_alive()):
             raise APIError(ENGINE_GONE, 503, type="server_error")
 
     def _attach(self) -> None:
