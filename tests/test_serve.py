@@ -288,6 +288,31 @@ def test_a_streamed_request_is_in_the_engine_before_its_answer_starts(server):
             assert b'"text":" x"' in body and body.endswith(b"data: [DONE]\n\n") and not engine.aborted
 
 
+def test_a_stream_that_fails_past_its_first_byte_ends_with_an_error_event(server, monkeypatch):
+    """A bug while a stream runs (its 200 sent): an error event and [DONE], not a cut connection;
+    its job is aborted and the others go on."""
+    from pagedcli.serve.responses import Shapes
+
+    real, calls = Shapes.chunk, []
+
+    def chunk(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a bug in a chunk")
+        return real(self, *args)
+
+    monkeypatch.setattr(Shapes, "chunk", chunk)
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=10,
+                      json={"model": "demo", "prompt": "KING", "max_tokens": 50, "ignore_eos": True, "stream": True}) as r:
+        events = [x for x in r.iter_lines() if x.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "data: [DONE]", events[-3:]
+    assert "the stream failed: RuntimeError: a bug in a chunk" in events[-2] and len(events) == 4
+    monkeypatch.undo()
+    server.settle()  # aborted: every block back
+    again = server.client().completions.create(model="demo", prompt="KING", max_tokens=5, temperature=0)
+    assert again.usage.completion_tokens == 5
+
+
 def test_a_client_that_gives_up_waiting_for_a_whole_answer_is_aborted(one_slot):
     s = one_slot
     client = s.client()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from dataclasses import dataclass
 
@@ -24,12 +25,13 @@ from pagedcli.serve import DEFAULT_MAX_WAITING, cache_view
 from pagedcli.serve.asgi import Endpoint, EventStream, watch_for_hang_up
 from pagedcli.serve.engine_client import ClientGone, EngineClient, Job
 from pagedcli.serve.engine_process import Ready
-from pagedcli.serve.errors import APIError, not_found, too_many_waiting, unauthorized
+from pagedcli.serve.errors import APIError, not_found, server_error, too_many_waiting, unauthorized
 from pagedcli.serve.metrics import Metrics
 from pagedcli.serve.protocol import ChatRequest, CompletionRequest, parse
 from pagedcli.serve.responses import NO_USAGE, Answer, Shapes, failure, new_id, sse, usage
 from pagedcli.serve.sampling import Prompts, chat_prompt, completion_prompts, request_params
 
+log = logging.getLogger("pagedcli.serve")
 CLIENT_GONE = 499  # nginx's status for a request whose client closed the connection (logged only)
 # A body past this size is parsed and tokenized in a worker thread (the tokenizer lets go of the GIL),
 # so that a long text does not stall every other answer's stream for seconds meanwhile
@@ -137,19 +139,29 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
         return await whole(request, job, shapes, num_prompt_tokens, headers)
 
     async def events(job: Job, shapes: Shapes, num_prompt_tokens: int, include_usage: bool, continuous: bool):
-        """The SSE body (EventStream submits the job, and aborts it if the client goes away)."""
+        """The SSE body (EventStream submits the job, and aborts it if the client goes away). A
+        bug past the first byte ends it with an error event and [DONE], as vLLM's stream does, not
+        a cut connection (the answer's status, 200, has gone out already)."""
         started = [False] * job.prompts.num_answers
         num_tokens = 0
-        while not job.done:
-            for delta in await job.receive():
-                if (error := failure(delta)) is not None:
-                    yield sse(error.body())
-                    continue
-                num_tokens += len(delta.token_ids)
-                counted = (usage(num_prompt_tokens, num_tokens) if continuous
-                           else None if include_usage else NO_USAGE)
-                yield shapes.chunk(delta, not started[delta.index], counted)
-                started[delta.index] = True
+        try:
+            while not job.done:
+                for delta in await job.receive():
+                    if (error := failure(delta)) is not None:
+                        yield sse(error.body())
+                        continue
+                    num_tokens += len(delta.token_ids)
+                    counted = (usage(num_prompt_tokens, num_tokens) if continuous
+                               else None if include_usage else NO_USAGE)
+                    yield shapes.chunk(delta, not started[delta.index], counted)
+                    started[delta.index] = True
+        except ClientGone:
+            raise
+        except Exception as e:
+            log.exception("streaming %s failed", job.request_id)
+            yield sse(server_error(f"the stream failed: {type(e).__name__}: {e}").body())
+            yield sse("[DONE]")
+            return
         if include_usage:
             yield sse(shapes.usage_chunk(usage(num_prompt_tokens, num_tokens)))
         yield sse("[DONE]")
