@@ -650,6 +650,117 @@ def test_sigterm_finishes_what_runs_and_exits_0(tmp_path):
         proc.kill()
 
 
+def test_an_engine_process_serves_each_link_its_own_and_outlives_one_gone(make_engine):
+    """Two API processes' links into one engine process: the same request key on both is two
+    requests, each link's messages carry its own answer only; a link whose process is gone (its
+    pipe closed) has its request aborted, and the other's runs to its end; the last stop ends it."""
+    import multiprocessing
+
+    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.serve.engine_process import EngineProcess, Link
+    from pagedcli.serve.sampling import Prompts
+
+    loaded = make_engine("demo", batch=4, num_blocks=64)
+    ids = loaded.tokenizer.encode("ROMEO:")
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    solo = loaded.engine.run_to_completion([ids], params)[0].output_token_ids
+    loaded.engine.forget()
+    links, apis = [], []
+    for _ in range(2):
+        messages_in, messages_out = multiprocessing.Pipe(duplex=False)
+        commands_in, commands_out = multiprocessing.Pipe(duplex=False)
+        links.append(Link(messages_out, commands_in))
+        apis.append((messages_in, commands_out))
+    process = EngineProcess(links, loaded.engine)
+    thread = threading.Thread(target=process.run, daemon=True)
+    thread.start()
+    for _, commands in apis:
+        commands.send(("add", 1, "r", time.perf_counter(), Prompts([ids], [None], [[params]])))
+
+    def read(messages) -> tuple[list[int], str | None]:
+        """One link's answer to request 1: its tokens, and how it ended (None: not yet)."""
+        kind, tokens, deltas, _report = messages.recv()
+        assert kind == "step"
+        triples = iter(tokens)
+        got = [t for key, index, t in zip(triples, triples, triples) if (key, index) == (1, 0)]
+        ended = None
+        for key, index, token_ids, _text, _logprobs, finish, _error in deltas:
+            assert (key, index) == (1, 0)
+            got += token_ids
+            ended = finish or ended
+        return got, ended
+
+    first = []
+    while len(first) < 3:
+        first += read(apis[1][0])[0]
+    apis[1][1].close()  # the second API process is gone
+    answer, ended = [], None
+    while ended is None:
+        got, ended = read(apis[0][0])
+        answer += got
+    assert (answer, ended) == (solo, "length"), "the first link's answer runs whole"
+    assert first == solo[:len(first)]
+    with pytest.raises(EOFError):  # the gone link's pipe was let go (after its last messages)
+        while True:
+            apis[1][0].recv()
+    assert thread.is_alive() and loaded.engine.num_forgotten["aborted"] == 1
+    apis[0][1].send(("stop",))
+    thread.join(10)
+    assert not thread.is_alive() and not loaded.engine.has_unfinished
+    check_block_accounting(loaded.engine)
+
+
+def test_two_api_processes_serve_one_engine_and_stop_together():
+    """--api-server-count 2: both API processes take connections for the one engine, every answer
+    is its solo run's, /metrics (either process's) counts the whole server; a terminal's Ctrl-C
+    (SIGINT to the group) stops them all, exit 0, every process gone."""
+    proc, url = start_server("--batch", "8", "--api-server-count", "2")
+    try:
+        engine = engine_process_of(proc.pid)
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                    text=True).stdout.split()]
+        other = next(p for p in children if p != engine and "resource_tracker" not in
+                     open(f"/proc/{p}/cmdline").read())
+
+        def sockets(pid: int) -> int:
+            return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+
+        idle = sockets(other)
+        prompts = ["ROMEO:", "KING", "To be", "JULIET:"]
+
+        async def run():
+            clients = [openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0) for _ in range(24)]
+
+            async def one(i: int) -> str:
+                got = await clients[i].completions.create(model="demo", prompt=prompts[i % 4], max_tokens=12,
+                                                          temperature=0, stream=i % 2 == 0)
+                if i % 2:
+                    return got.choices[0].text
+                return "".join([c.text async for chunk in got for c in chunk.choices])
+
+            answers = await asyncio.gather(*(one(i) for i in range(24)))
+            taken = sockets(other) - idle  # the kept-alive connections the other process accepted
+            for c in clients:
+                await c.close()
+            return answers, taken
+
+        answers, taken = asyncio.run(run())
+        solo = [openai.OpenAI(base_url=url, api_key="none", max_retries=0).completions.create(
+            model="demo", prompt=p, max_tokens=12, temperature=0).choices[0].text for p in prompts]
+        assert answers == [solo[i % 4] for i in range(24)]
+        assert 0 < taken < 24, f"the other API process accepted {taken} of 24 connections"
+        metrics = httpx.get(url.removesuffix("/v1") + "/metrics").text
+        assert f'vllm:generation_tokens_total{{model_name="demo"}} {28 * 12}' in metrics
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "stopped by SIGINT: 28 answers finished" in err and "Traceback" not in err, err
+        assert not [p for p in children if os.path.exists(f"/proc/{p}") and
+                    open(f"/proc/{p}/stat").read().split()[2] != "Z"], "a process was left behind"
+    finally:
+        proc.kill()
+
+
 def test_a_second_ctrl_c_ends_what_runs_with_an_ending_each_client_reads():
     """Ctrl-C twice at a terminal (SIGINT to the whole process group, the engine's process too):
     past the grace (here: at once, the second one) the answers in flight are aborted by the

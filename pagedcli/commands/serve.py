@@ -3,7 +3,12 @@
 engine runs in a process of its own (serve/engine_process.py), this one serves HTTP.
 
 SIGINT or SIGTERM stop it cleanly: no new connections, the requests in flight get GRACE_S to
-finish and are aborted after that, the engine gives every block back, exit code 0."""
+finish and are aborted after that, the engine gives every block back, exit code 0.
+
+With --api-server-count N (vLLM's option), N - 1 more API processes serve the same socket, each
+with its own link to the one engine (the kernel hands each new connection to one of them): the
+HTTP side's Python work, a core's worth at some 30k streamed tokens a second, spreads over N cores.
+This process forwards the signal that stops it to them, waits for them, then stops the engine."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -48,12 +54,14 @@ def serve(
         help="Answers waiting for a slot (n a request), at most; the next request gets HTTP 429.")] = DEFAULT_MAX_WAITING,
     live: Annotated[bool, typer.Option("--live", help="Watch the KV cache under the server's traffic, the access "
                                        "log above it (on a terminal only).")] = False,
+    api_server_count: Annotated[int, typer.Option(
+        help="API processes serving HTTP for the one engine (more when one core cannot keep up with the tokens).")] = 1,
     *, requests: RequestFlags, engine_flags: EngineFlags,
 ):
     """Serve the model with OpenAI's API (completions and chat, streamed or not) to many clients at once."""
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         from pagedcli.serve import INSTALL_HINT, MISSING
 
@@ -62,10 +70,16 @@ def serve(
         raise UsageError(f"--port {port}: not a port", "use 1 to 65535, or 0 for any free one")
     if max_waiting < 1:
         raise UsageError(f"--max-waiting {max_waiting}: must be at least 1")
+    if api_server_count < 1:
+        raise UsageError(f"--api-server-count {api_server_count}: must be at least 1")
+    if live and api_server_count > 1:
+        raise UsageError("--live draws one API process's log above its frame", "leave out --api-server-count, or --live")
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key is empty", "give a key, or leave the option out")
     params, given = request_params(requests)  # the options' mistakes before the model loads
-    sock = bind(host, port)
+    if api_server_count > 1 and not (sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")):
+        raise UsageError("--api-server-count needs Linux (its SO_REUSEPORT spreads the connections over the processes)")
+    sock = bind(host, port, share=api_server_count > 1)
     if api_key is None and not is_loopback(host):
         notice(f"warning: --host {host} serves anyone who can reach it, and without --api-key nothing is asked of them")
 
@@ -79,30 +93,111 @@ def serve(
     metrics = Metrics()
     engine = EngineClient(load_model, (engine_flags, requests), metrics, live)
     shared = None  # with the live view: where this process's lines go (above its frame, drawn by the engine's process)
+    others = []  # the other API processes
     try:
-        ready = engine.start()
+        ready = engine.start(api_server_count)
         if live:
             from pagedcli.serve.live import ToView
 
             shared = ToView(engine.log)
         name = ready.model_name
         defaults = sampling_defaults(params, ready.generation_config, given, f"{name}'s generation_config.json")
-        app = create_app(engine, ready, Settings(name, defaults, api_key, max_waiting), metrics)
-        config = uvicorn.Config(app, log_level="info", log_config=log_config(), lifespan="off",
-                                timeout_graceful_shutdown=GRACE_S + CLOSE_S,
-                                use_colors=False if shared is not None else None)
-        quiet_startup(shared)
+        settings = Settings(name, defaults, api_key, max_waiting)
         bound_host, bound_port = sock.getsockname()[:2]
+        others = [start_api_process(link, (bound_host, bound_port), settings) for link in engine.other_links]
+        wait_for_api_processes(others)
+        app = create_app(engine, ready, settings, metrics)
+        config = server_config(app, use_colors=False if shared is not None else None)
+        quiet_startup(shared)
+        processes = f", {api_server_count} API processes" if api_server_count > 1 else ""
         say(f"serving {name} at http://{url_host(bound_host)}:{bound_port}/v1 with OpenAI's API "
-            f"({plural(ready.max_slots, 'slot')}; Ctrl-C stops)", shared)
-        server = make_server(config, engine)
+            f"({plural(ready.max_slots, 'slot')}{processes}; Ctrl-C stops)", shared)
+        server = make_server(config, engine, on_signal=lambda: [forward_stop(p) for p in others])
         with frozen_heap():
             server.run(sockets=[sock])
     finally:
+        for process in others:  # (they stop on their own: forwarded the signal, or told here)
+            forward_stop(process)
+        for process in others:
+            process.join(GRACE_S + CLOSE_S + 5)
+            if process.is_alive():
+                process.kill()
+                process.join()
         engine.stop()
         sock.close()
     by = f" by {signal.Signals(server.stopped_by).name}" if server.stopped_by else ""
     notice(f"stopped{by}: {metrics.summary()}")  # (the live view has left the screen)
+
+
+def server_config(app, use_colors=None):
+    import uvicorn
+
+    return uvicorn.Config(app, log_level="info", log_config=log_config(), lifespan="off",
+                          timeout_graceful_shutdown=GRACE_S + CLOSE_S, use_colors=use_colors)
+
+
+def start_api_process(link, address: tuple, settings):
+    """Another API process (spawned: a fresh interpreter, as the engine's) serving `address` with the
+    engine's other end of `link`."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    started = context.Event()
+    process = context.Process(target=api_process, name="pagedcli-api", args=(link, address, settings, started))
+    process.started = started
+    # started with SIGINT ignored (exec keeps that): a terminal's Ctrl-C reaches every process of
+    # its group, and this one forwards each signal as SIGTERM, so that each counts once
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        process.start()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    for end in link:  # the process holds its own copies now: the engine sees its death as EOF
+        end.close()
+    return process
+
+
+def wait_for_api_processes(processes) -> None:
+    """Until each serves (so that "serving" is said once every socket takes connections)."""
+    deadline = time.monotonic() + 120
+    for process in processes:
+        while not process.started.wait(0.1):
+            if not process.is_alive() or time.monotonic() > deadline:
+                raise RunError(f"an API process (--api-server-count) did not start (exit code {process.exitcode})")
+
+
+def forward_stop(process) -> None:
+    if process.pid is not None and process.is_alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGTERM)
+
+
+def api_process(link, address: tuple, settings, started) -> None:
+    """An API process of --api-server-count's: the same app on a socket of its own bound to the same
+    port, its own link to the engine; it stops on SIGTERM (the first API process forwards its
+    signals) as that one does."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = bind(*address, share=True)
+    from pagedcli.serve.app import create_app
+    from pagedcli.serve.engine_client import EngineClient
+    from pagedcli.serve.metrics import Metrics
+
+    metrics = Metrics()
+    engine = EngineClient(None, (), metrics)
+    try:
+        ready = engine.join(link)
+        quiet_startup(None)
+        server = make_server(server_config(create_app(engine, ready, settings, metrics)), engine,
+                             signals=(signal.SIGTERM,), on_started=started.set)
+        with frozen_heap():
+            server.run(sockets=[sock])
+    except EOFError:  # the engine was gone before this process started: the first API process says why
+        pass
+    finally:
+        engine.stop()
+        sock.close()
 
 
 def load_model(engine_flags: EngineFlags, requests: RequestFlags):
@@ -145,8 +240,11 @@ def say(text: str, shared) -> None:
         notice(text)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound here so that a port in use is one line, before the model loads."""
+def bind(host: str, port: int, share: bool = False) -> socket.socket:
+    """The listening socket, bound here so that a port in use is one line, before the model loads;
+    `share`: other API processes bind the same port (SO_REUSEPORT: the kernel spreads the new
+    connections over their sockets; on one shared socket, uvloop's accept loop in whichever process
+    woke first took a burst's connections all)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
@@ -154,6 +252,8 @@ def bind(host: str, port: int) -> socket.socket:
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if share:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(address)
     except OSError as e:
@@ -207,7 +307,12 @@ def quiet_startup(shared) -> None:
         log_above(shared, ("uvicorn", "uvicorn.error", "uvicorn.access", "pagedcli.serve"))
 
 
-def make_server(config, engine):
+def make_server(config, engine, on_signal=lambda: None, signals=(signal.SIGINT, signal.SIGTERM),
+                on_started=lambda: None):
+    """`on_signal`: called at each signal that stops it (the other API processes hear of it);
+    `on_started`: once it serves."""
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -227,12 +332,18 @@ def make_server(config, engine):
                 if self.grace is not None:
                     self.grace.cancel()
 
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            engine.attach(asyncio.get_running_loop())  # its messages are read from now on
+            on_started()
+
         @contextlib.contextmanager
         def capture_signals(self):
-            with signals_handled((signal.SIGINT, signal.SIGTERM), self.handle_exit):
+            with signals_handled(signals, self.handle_exit):
                 yield
 
         def handle_exit(self, sig, frame) -> None:
+            on_signal()
             if self.stopped_by is not None:  # a second signal: end what runs now
                 engine.end_all()
                 return

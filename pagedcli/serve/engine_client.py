@@ -143,7 +143,8 @@ class EngineClient:
         self.metrics = metrics
         self.conn = None  # the engine's messages
         self.commands: CommandPipe | None = None
-        self.process = None
+        self.process = None  # the engine's, when this process started it (the first API process)
+        self.other_links: list[tuple] = []  # for the other API processes (--api-server-count), until handed out
         self.ready = False  # the engine process has built the engine and reads commands
         self.loop: asyncio.AbstractEventLoop | None = None
         self.jobs: dict[int, Job] = {}  # key -> the job, until its answers have all ended
@@ -157,15 +158,20 @@ class EngineClient:
         self.num_free_slots = 0  # slots no answer held after its last turn
 
     # --- start and end ------------------------------------------------------------------------------
-    def start(self) -> Ready:
+    def start(self, num_api_processes: int = 1) -> Ready:
         """Start the engine process and wait until it has built the engine; raise here what
-        building it raised there (a UsageError, say)."""
+        building it raised there (a UsageError, say). With more API processes than this one, the
+        links for the others (`other_links`: each a pair of pipe ends, for `join`) are made too."""
         context = multiprocessing.get_context("spawn")  # never fork: CUDA does not survive a fork
-        self.conn, child = context.Pipe(duplex=False)  # the engine's messages
-        widen(self.conn.fileno())
-        commands_in, commands_out = context.Pipe(duplex=False)
+        here, there = [], []
+        for _ in range(num_api_processes):
+            messages_in, messages_out = context.Pipe(duplex=False)  # the engine's messages
+            widen(messages_in.fileno())
+            commands_in, commands_out = context.Pipe(duplex=False)
+            here.append((messages_in, commands_out))
+            there.append((messages_out, commands_in))
         self.process = context.Process(target=engine_process.main, name="pagedcli-engine",
-                                       args=(child, commands_in, self.build, self.args, self.live))
+                                       args=(there, self.build, self.args, self.live))
         # started with SIGINT and SIGTERM ignored (exec keeps that): a Ctrl-C while it starts up
         # must not kill it before it ignores them itself
         previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if is_main() else {}
@@ -174,17 +180,26 @@ class EngineClient:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-        child.close()  # the engine process's end, which it alone holds now: its death is EOF here
-        commands_in.close()
-        self.commands = CommandPipe(commands_out)
+        for ends in there:  # the engine process's ends, which it alone holds now: its death is EOF here
+            for end in ends:
+                end.close()
+        self.other_links = here[1:]
         try:
-            kind, what = self.conn.recv()
+            return self.join(here[0])
         except EOFError:
             self.process.join()
             raise RunError(f"the engine process ended while it built the engine (exit code {self.process.exitcode})") \
                 from None
+
+    def join(self, link: tuple) -> Ready:
+        """Take `link` (the engine's messages in, the commands out) and its engine's Ready (another
+        API process's client does only this: the engine process is the first one's)."""
+        self.conn, commands_out = link
+        self.commands = CommandPipe(commands_out)
+        kind, what = self.conn.recv()
         if kind == "failed":
-            self.process.join()
+            if self.process is not None:
+                self.process.join()
             raise what
         self.metrics.describe(what.model_name, what.geometry.num_blocks)
         self.num_free_slots = what.max_slots
@@ -193,8 +208,17 @@ class EngineClient:
 
     def stop(self) -> None:
         """Abort what still runs, let the engine process end and wait for it (idempotent). One
-        still building reads no command: it is killed at once."""
-        if self.process is None or self.process.pid is None:
+        still building reads no command: it is killed at once. Another API process's client
+        says stop and reads until the engine lets its link go."""
+        if self.process is None:
+            if self.ready and not self.gone and self.conn is not None and not self.conn.closed:
+                deadline = time.monotonic() + STOP_S
+                self.commands.write_blocking(frame(("stop",)), deadline, self._drop_a_message)
+                while time.monotonic() < deadline and self._drop_a_message():
+                    pass
+            self._close_pipes()
+            return
+        if self.process.pid is None:
             return
         try:
             if self.ready and self.process.is_alive():
@@ -205,10 +229,14 @@ class EngineClient:
             if self.process.is_alive():  # still building, or stuck: it holds GPU memory, so it goes
                 self.process.kill()
             self.process.join()
-            if self.loop is not None and not self.loop.is_closed() and not self.gone:
-                self.loop.remove_reader(self.conn.fileno())
-            if self.commands is not None:
-                self.commands.close()
+            self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        if self.loop is not None and not self.loop.is_closed() and not self.gone and not self.conn.closed:
+            self.loop.remove_reader(self.conn.fileno())
+        if self.commands is not None:
+            self.commands.close()
+        if self.conn is not None:
             self.conn.close()
 
     def _drain(self, deadline: float) -> None:
@@ -229,7 +257,7 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return not self.gone and self.process.is_alive()
+        return not self.gone and (self.process is None or self.process.is_alive())
 
     # --- commands (from the event loop; end_all and log from any thread) ----------------------------
     @property
@@ -272,13 +300,20 @@ class EngineClient:
         """A command for a process that is gone would wait for ever: 503 at once instead. (Its
         death closes the pipe, which the loop sees as EOF: `gone`, without a waitpid per request;
         but before the first command nothing reads the pipe yet, so then it asks the process.)"""
-        if self.gone or (self.loop is None and not self.process.is_alive()):
+        if self.gone or (self.loop is None and self.process is not None and not self.process.is_alive()):
             raise APIError(ENGINE_GONE, 503, type="server_error")
 
     def _attach(self) -> None:
-        """At the first command, its event loop (uvicorn's) starts reading the engine's messages."""
+        """At the first command (if the server's start did not already), its event loop
+        (uvicorn's) starts reading the engine's messages."""
         if self.loop is None:
-            self.loop = asyncio.get_running_loop()
+            self.attach(asyncio.get_running_loop())
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """`loop` reads the engine's messages from now on: at the server's start, where several API
+        processes each get every turn's report (unread, they would fill the pipe and stop the engine)."""
+        if self.loop is None:
+            self.loop = loop
             self.pending = select.poll()  # (Connection.poll builds a selector each call: a tenth of _read's time)
             self.pending.register(self.conn.fileno(), select.POLLIN)
             self.loop.add_reader(self.conn.fileno(), self._read)

@@ -7,8 +7,8 @@ HTTP event loop take turns at one GIL, and on a GPU the engine's host work betwe
 what keeps the GPU busy. Here the engine has an interpreter to itself; the API process
 (engine_client.py) turns its messages into server-sent events.
 
-Two one-way pipes carry plain tuples, cheap to pickle: the API process's commands (written by its
-event loop, command_pipe.py) and this process's messages (pickled with `pickle.dumps`, which
+Two one-way pipes a link carry plain tuples, cheap to pickle: the API process's commands (written by
+its event loop, command_pipe.py) and this process's messages (pickled with `pickle.dumps`, which
 multiprocessing's Connection.recv reads: its own pickler copies a dispatch table each call):
 
     API -> engine   ("add", key, request_id, arrival, prompts)   a request (sampling.Prompts)
@@ -27,9 +27,14 @@ that gained one token and nothing else, as (key, index, token) triples in one fl
 which pickles as one string of bytes (64 tuples of lists took 8 us to pickle and 12 to unpickle,
 the array 2.5 and 2); report: metrics.StepReport.
 
+One link an API process (`pagedcli serve --api-server-count N`: N of them, one engine): each link's
+request keys are its own, its messages carry its own answers, and every link gets each turn's
+report (the numbers are the engine's, so each API process's /metrics shows the whole server). The
+process ends once every link has said stop or closed.
+
 The process ignores SIGINT and SIGTERM (a terminal sends Ctrl-C to the whole process group: the
-API process decides how the server ends, and tells this one), and ends when the API process is
-gone: its end of the pipe closes, so a read here sees EOF and a write fails."""
+API process decides how the server ends, and tells this one), and ends when the API processes are
+gone: their ends of the pipes close, so a read here sees EOF and a write fails."""
 
 from __future__ import annotations
 
@@ -70,17 +75,17 @@ class Ready:
     geometry: CacheGeometry
 
 
-def main(conn, commands, build, args: tuple, live: bool) -> None:
+def main(links: list, build, args: tuple, live: bool) -> None:
     """The process: `build(*args)` (a module-level function, so that it pickles by name) gives
-    the Loaded model and engine; `commands`: the pipe the API process's commands come by, `conn`
-    the one this process's messages go by; `live`: draw the live view on this process's stdout."""
+    the Loaded model and engine; `links`: (messages out, commands in) a pair of pipes for each API
+    process; `live`: draw the live view on this process's stdout."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     try:
         try:
             loaded = build(*args)
         except BaseException as e:  # said by the API process, which exits with the error's code
-            conn.send(("failed", as_error(e)))
+            links[0][0].send(("failed", as_error(e)))
             return
         engine = loaded.engine
         view = None
@@ -92,9 +97,11 @@ def main(conn, commands, build, args: tuple, live: bool) -> None:
             view = ServerView(engine, Console(file=sys.stdout), loaded.tokenizer and loaded.tokenizer.decode)
         log_to(view.out if view is not None else sys.stderr)
         with frozen_heap():
-            conn.send(("ready", Ready(loaded.source.name, loaded.source.generation_config, loaded.tokenizer,
-                                      engine.scheduler.limits, engine.cache.max_slots, engine.cache.geometry)))
-            EngineProcess(conn, commands, engine, view).run()
+            ready = Ready(loaded.source.name, loaded.source.generation_config, loaded.tokenizer,
+                          engine.scheduler.limits, engine.cache.max_slots, engine.cache.geometry)
+            for conn, _ in links:
+                conn.send(("ready", ready))
+            EngineProcess([Link(*pair) for pair in links], engine, view).run()
     except (EOFError, OSError):  # the API process is gone (killed, or it ended): nobody to answer
         pass
 
@@ -117,21 +124,40 @@ def log_to(stream) -> None:
     log.propagate = False
 
 
-class EngineProcess:
-    def __init__(self, conn, commands, engine, view=None):
+class Link:
+    """One API process's pipes, and what this process has for it until its next message."""
+
+    def __init__(self, conn, inbox):
         self.conn = conn  # messages out
-        self.inbox = commands  # commands in
-        self.engine = engine
-        self.view = view
-        self.answers: dict[int, tuple[int, int, list[int]]] = {}  # seq id -> request key, index, what was sent
-        self.requests: dict[int, list[Sequence]] = {}  # request key -> its answers' sequences
+        self.inbox = inbox  # commands in
+        self.pending = select.poll()  # whether a command waits (Connection.poll builds a selector each call)
+        self.pending.register(inbox.fileno(), select.POLLIN)
         self.deltas: list[tuple] = []  # for the next message
         self.tokens = array("q")  # for the next message too: (key, index, token), the answers that gained one token
-        self.pending = select.poll()  # whether a command waits (Connection.poll builds a selector each call)
-        self.pending.register(commands.fileno(), select.POLLIN)
+        self.num_taken = 0  # answers taken out of its pipe so far (its API process counts those in it)
+        self.open = True  # until it has said stop (and had its last message), or its API process is gone
+        self.stopping = False  # it has said stop: its requests have ended, its last message is due
+
+    def send(self, message: tuple) -> None:
+        if self.open:
+            try:
+                self.conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+            except OSError:  # its API process is gone: the next read of its pipe closes the link
+                pass
+
+
+class EngineProcess:
+    def __init__(self, links: list[Link], engine, view=None):
+        self.links = links
+        self.engine = engine
+        self.view = view
+        self.answers: dict[int, tuple[Link, int, int, list[int]]] = {}  # seq id -> link, request key, index, what was sent
+        self.requests: dict[tuple[int, int], list[Sequence]] = {}  # (link id, request key) -> its answers' sequences
+        self.waiting = select.poll()  # any link's command, or a link closing: the idle engine's wake-up
+        for link in links:
+            self.waiting.register(link.inbox.fileno(), select.POLLIN)
         self.tally = Tally()
-        self.num_taken = 0  # answers taken out of the pipe so far (the API process counts those in it)
-        self.changed = False  # the next message has something to say
+        self.changed = False  # the next messages have something to say
         self.stopped = False
         self.commands = {"add": self._add, "abort": self._abort, "snapshot": self._snapshot, "end_all": self._end_all,
                          "stop": self._stop, "log": self._log}
@@ -144,80 +170,108 @@ class EngineProcess:
             while not self.stopped:
                 out = None
                 # idle: wait for a command (with a live view, at most a tick: it redraws)
-                if engine.has_unfinished or self.inbox.poll(IDLE_TICK_S if view is not None else None):
-                    while self.pending.poll(0):
-                        self._handle(self.inbox.recv())
+                if engine.has_unfinished or self.waiting.poll(int(IDLE_TICK_S * 1000) if view is not None else None):
+                    for link in self.links:
+                        self._take_commands(link)
                 if engine.has_unfinished and not self.stopped:
                     out = self._step()
                 if self.changed:
                     self._send()
+                for link in self.links:
+                    if link.stopping:
+                        self._close(link)
                 if view is not None:
                     view.after(out)  # a frame when one is due (live.py)
         finally:
             if view is not None:
                 view.__exit__(None, None, None)
 
+    def _take_commands(self, link: Link) -> None:
+        """Every command waiting in `link`'s pipe; one whose API process is gone closes it."""
+        try:
+            while link.open and not link.stopping and link.pending.poll(0):
+                self._handle(link, link.inbox.recv())
+        except (EOFError, OSError):
+            self._close(link)
+
     # --- commands --------------------------------------------------------------------------------
-    def _handle(self, command: tuple) -> None:
+    def _handle(self, link: Link, command: tuple) -> None:
         """One command; one that fails (a bug) fails its own request, and the engine goes on."""
         kind = command[0]
         try:
-            self.commands[kind](*command[1:])
+            self.commands[kind](link, *command[1:])
         except Exception as e:
             log.exception("serving a %s command failed", kind)
             if kind == "add":
                 key, prompts = command[1], command[4]
-                self._drop(key)
-                self._fail(key, prompts.num_answers, f"the server could not take the request: {e}")
+                self._drop(link, key)
+                self._fail(link, key, prompts.num_answers, f"the server could not take the request: {e}")
             elif kind == "snapshot":
-                self.conn.send(("snapshot", command[1], None, str(e)))
+                link.send(("snapshot", command[1], None, str(e)))
         self.changed = True
 
-    def _add(self, key: int, request_id: str, arrival: float, prompts) -> None:
+    def _add(self, link: Link, key: int, request_id: str, arrival: float, prompts) -> None:
         engine = self.engine
-        self.num_taken += prompts.num_answers  # counted first: whatever adding it does, it left the pipe
-        seqs = self.requests[key] = []
+        link.num_taken += prompts.num_answers  # counted first: whatever adding it does, it left the pipe
+        seqs = self.requests[id(link), key] = []
         for ids, text, params in zip(prompts.token_ids, prompts.texts, prompts.params):
             added = ([engine.add_request(ids, params[0], text)] if len(params) == 1
                      else engine.add_parallel(ids, params, text))
             for seq in added:
                 seq.request_id = request_id if prompts.num_answers == 1 else f"{request_id}#{len(seqs)}"
                 seq.arrival_time = arrival  # perf_counter: one clock for both processes (CLOCK_MONOTONIC)
-                self.answers[seq.id] = (key, len(seqs), [0, 0, 0])
+                self.answers[seq.id] = (link, key, len(seqs), [0, 0, 0])
                 seqs.append(seq)
         if any(s.error for s in seqs):  # refused by the scheduler (the API process's checks make it a 400 first)
             why = next(s.error for s in seqs if s.error)
-            self._drop(key)  # the whole request fails
-            self._fail(key, prompts.num_answers, why)
+            self._drop(link, key)  # the whole request fails
+            self._fail(link, key, prompts.num_answers, why)
 
-    def _abort(self, key: int) -> None:
+    def _abort(self, link: Link, key: int) -> None:
         """The client went away: its answers end now and their blocks go back."""
-        self.tally.aborted(self._drop(key))
+        self.tally.aborted(self._drop(link, key))
 
-    def _snapshot(self, key: int) -> None:
-        self.conn.send(("snapshot", key, self.engine.snapshot(), None))
+    def _snapshot(self, link: Link, key: int) -> None:
+        link.send(("snapshot", key, self.engine.snapshot(), None))
 
-    def _end_all(self, why: str = SHUTTING_DOWN, reason: str = "abort") -> None:
-        """Every request still open ends now, told `why`."""
-        self.engine.abort_all()
-        for key, index, _ in self.answers.values():
-            self.deltas.append((key, index, [], "", [], reason, why))
-        self.tally.aborted(len(self.answers))
-        self.answers.clear()
-        self.requests.clear()
+    def _end_all(self, link: Link | None, why: str = SHUTTING_DOWN, reason: str = "abort") -> None:
+        """Every request of `link`'s (None: of every link's) still open ends now, told `why`."""
+        ending = [(seq_id, entry) for seq_id, entry in self.answers.items() if link is None or entry[0] is link]
+        if len(ending) == len(self.answers):  # every request there is (one API process, or a failed step)
+            self.engine.abort_all()
+            self.requests.clear()
+        else:
+            self.engine.abort([seq for key in [k for k in self.requests if k[0] == id(link)]
+                               for seq in self.requests.pop(key) if not seq.is_finished])
+        for seq_id, (owner, key, index, _) in ending:
+            owner.deltas.append((key, index, [], "", [], reason, why))
+            del self.answers[seq_id]
+        self.tally.aborted(len(ending))
         self.engine.forget()
 
-    def _stop(self) -> None:
-        self._end_all()
-        self.stopped = True
+    def _stop(self, link: Link) -> None:
+        """`link`'s API process is done: its requests end, the turn's message tells it, and the link
+        closes; once every link has, this process ends."""
+        self._end_all(link)
+        link.stopping = True
 
-    def _log(self, text: str) -> None:
+    def _close(self, link: Link) -> None:
+        if not link.open:
+            return
+        if any(entry[0] is link for entry in self.answers.values()):  # gone without a stop: nobody reads them
+            self._end_all(link)
+        link.open = link.stopping = False
+        self.waiting.unregister(link.inbox.fileno())
+        link.conn.close()  # its API process reads EOF: the engine has let it go
+        self.stopped = not any(l.open for l in self.links)
+
+    def _log(self, link: Link, text: str) -> None:
         if self.view is not None:
             self.view.out.write(text)
 
-    def _drop(self, key: int) -> int:
+    def _drop(self, link: Link, key: int) -> int:
         """The engine ends request `key`'s answers still open, and lets go of them: how many it ended."""
-        seqs = self.requests.pop(key, [])
+        seqs = self.requests.pop((id(link), key), [])
         running = [s for s in seqs if not s.is_finished]
         if running:
             self.engine.abort(running)
@@ -226,9 +280,9 @@ class EngineProcess:
         self.engine.forget()
         return len(running)
 
-    def _fail(self, key: int, num_answers: int, why: str) -> None:
+    def _fail(self, link: Link, key: int, num_answers: int, why: str) -> None:
         """Every answer of request `key` ends with an error, told `why`."""
-        self.deltas += [(key, i, [], "", [], "error", why) for i in range(num_answers)]
+        link.deltas += [(key, i, [], "", [], "error", why) for i in range(num_answers)]
 
     # --- a step ----------------------------------------------------------------------------------
     def _step(self):
@@ -239,24 +293,24 @@ class EngineProcess:
         except Exception as e:  # a bug or a failed allocation: every request so far ends, the server goes on
             oom = allocation_failure(e)
             log.exception("engine step failed") if oom is None else log.error(str(oom))
-            self._end_all(f"the engine failed: {oom or e}", "error")
+            self._end_all(None, f"the engine failed: {oom or e}", "error")
             return None
         if out.idle:  # nothing could run (cannot happen with the checks up front): do not spin
             time.sleep(0.001)
         now = time.perf_counter()
-        answers, tokens, tally = self.answers, self.tokens, self.tally
+        answers, tally = self.answers, self.tally
         for seq in out.seqs:
             entry = answers.get(seq.id)
             if entry is None:
                 continue
-            key, index, sent = entry
+            link, key, index, sent = entry
             if sent[0] and sent[0] + 1 == len(seq.output_token_ids) and seq.status is Status.RUNNING \
                     and seq.stop_strings is None and seq.params.logprobs is None:
-                tokens.extend((key, index, seq.output_token_ids[-1]))  # one token, and nothing else to say
+                link.tokens.extend((key, index, seq.output_token_ids[-1]))  # one token, and nothing else to say
                 sent[0] += 1
                 tally.next_token(seq)
             else:
-                self._delta(seq, key, index, sent, now)
+                self._delta(seq, link, key, index, sent, now)
         if out.finished:
             ran = {s.id for s in out.seqs}
             for seq in out.finished:
@@ -266,7 +320,7 @@ class EngineProcess:
         tally.stepped(now)
         return out
 
-    def _delta(self, seq: Sequence, key: int, index: int, sent: list[int], now: float) -> None:
+    def _delta(self, seq: Sequence, link: Link, key: int, index: int, sent: list[int], now: float) -> None:
         tokens = seq.output_token_ids[sent[0]:]
         # the text is decoded by the API process, once per read; but for stop strings the engine's
         # (it holds back what may start one, and cuts the text before the one found)
@@ -275,9 +329,9 @@ class EngineProcess:
         finish = seq.finish_reason if seq.is_finished else None
         if seq.is_finished:
             del self.answers[seq.id]
-            seqs = self.requests.get(key)
+            seqs = self.requests.get((id(link), key))
             if seqs is not None and all(s.is_finished for s in seqs):
-                del self.requests[key]
+                del self.requests[id(link), key]
         if not tokens and not text and finish is None:
             return
         self.tally.tokens(seq, len(tokens), sent[0] == 0)
@@ -286,11 +340,12 @@ class EngineProcess:
         sent[0] += len(tokens)
         sent[1] += len(text or "")
         sent[2] += len(logprobs)
-        self.deltas.append((key, index, list(tokens), text, list(logprobs), finish, seq.error))
+        link.deltas.append((key, index, list(tokens), text, list(logprobs), finish, seq.error))
 
     def _send(self) -> None:
-        """One message: the deltas since the last, and the numbers the metrics and --max-waiting need."""
-        message = ("step", self.tokens, self.deltas, self.tally.report(self.engine, self.num_taken))
-        self.conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
-        self.deltas, self.tokens = [], array("q")
+        """A message a link: its deltas since the last, and the numbers the metrics and --max-waiting need."""
+        report = self.tally.report(self.engine)
+        for link in self.links:
+            link.send(("step", link.tokens, link.deltas, report._replace(num_taken=link.num_taken)))
+            link.deltas, link.tokens = [], array("q")
         self.changed = False

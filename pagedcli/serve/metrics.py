@@ -113,7 +113,7 @@ class Tally:
         self.num_steps += 1
         self.now = now
 
-    def report(self, engine, num_taken: int) -> StepReport:
+    def report(self, engine, num_taken: int = 0) -> StepReport:
         sched, cache = engine.scheduler, engine.cache
         waiting = len(sched.waiting) + sum(len(c) for c in sched.forks.values())
         report = StepReport(
