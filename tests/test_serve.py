@@ -761,6 +761,21 @@ def test_two_api_processes_serve_one_engine_and_stop_together():
         proc.kill()
 
 
+def test_killing_the_first_of_two_api_processes_ends_them_all():
+    """SIGKILL to the server (the first API process): the other API process and the engine's
+    process end too, nothing is left holding the port or the model."""
+    proc, url = start_server("--api-server-count", "2")
+    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                text=True).stdout.split()]
+    assert len(children) >= 2
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while left := [p for p in children if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]:
+        assert time.monotonic() < deadline, f"left behind: {left}"
+        time.sleep(0.1)
+
+
 def test_a_second_ctrl_c_ends_what_runs_with_an_ending_each_client_reads():
     """Ctrl-C twice at a terminal (SIGINT to the whole process group, the engine's process too):
     past the grace (here: at once, the second one) the answers in flight are aborted by the

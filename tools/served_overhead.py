@@ -108,16 +108,18 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def engine_pid(api_pid: int) -> int:
-    """The API process's busiest child: the engine's (the other is multiprocessing's resource tracker)."""
-    children = []
+def children(pid: int) -> list[int]:
+    """`pid`'s spawned children, oldest first: the engine's process, then the other API processes
+    (multiprocessing's resource tracker left out)."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == api_pid:
-                children.append(int(stat.parent.name))
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid and \
+                    b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                found.append(int(stat.parent.name))
         except (OSError, ValueError, IndexError):  # gone meanwhile
             pass
-    return max(children, key=cpu_s)
+    return sorted(found)
 
 
 def served(args, env: dict) -> dict:
@@ -126,7 +128,7 @@ def served(args, env: dict) -> dict:
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, __file__, "--role", "serve", "--model", args.model,
                                "--batch", str(args.batch), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                               "--port", str(port)], env=env,
+                               "--api-server-count", str(args.api_server_count), "--port", str(port)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -146,10 +148,11 @@ def served(args, env: dict) -> dict:
                                "ignore_eos": True}).encode()
 
         run_async(clients(port, [body(4) for _ in range(4)], 4))  # warm-up (and the engine has started)
-        engine = engine_pid(server.pid)
-        api0, engine0 = cpu_s(server.pid), cpu_s(engine)
+        engine, *others = children(server.pid)
+        apis = [server.pid, *others]
+        api0, engine0 = sum(map(cpu_s, apis)), cpu_s(engine)
         result = run_async(clients(port, [body(args.output_len) for _ in range(args.num_prompts)], args.batch))
-        result |= {"api_cpu_s": cpu_s(server.pid) - api0, "engine_cpu_s": cpu_s(engine) - engine0}
+        result |= {"api_cpu_s": sum(map(cpu_s, apis)) - api0, "engine_cpu_s": cpu_s(engine) - engine0}
         result["output_tokens_per_s"] = args.num_prompts * args.output_len / result["elapsed_s"]
         return result
     finally:
@@ -177,6 +180,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=1.7, help="a decode step's time (default 1.7: batch 64 on an H200)")
     p.add_argument("--prefill-us", type=float, default=4.0, help="a prefill step's time a token (default 4)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="a step's tokens (default 8192: a GPU's)")
+    p.add_argument("--api-server-count", type=int, default=1, help="the server's API processes (default 1)")
     p.add_argument("--model", default="demo")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=512)
@@ -190,7 +194,7 @@ def main() -> None:
           f"tokens, {args.batch} at once")
     print(f"in-process {alone:,.0f} tok/s; served {s['output_tokens_per_s']:,.0f} tok/s "
           f"({s['output_tokens_per_s'] / alone:.0%}), TTFT p50 {s['ttft_ms_p50']:.1f} ms; CPU during the served run: "
-          f"API process {s['api_cpu_s']:.2f} s, engine process {s['engine_cpu_s']:.2f} s of {s['elapsed_s']:.2f} s")
+          f"API process{'es' if args.api_server_count > 1 else ''} {s['api_cpu_s']:.2f} s, engine process {s['engine_cpu_s']:.2f} s of {s['elapsed_s']:.2f} s")
 
 
 if __name__ == "__main__":

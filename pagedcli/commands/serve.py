@@ -30,7 +30,7 @@ from rich.console import Console
 from pagedcli.commands.exits import friendly_errors, notice, signals_handled
 from pagedcli.commands.generate import load_for_text, request_params, sampling_defaults
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
-from pagedcli.errors import RunError, UsageError, plural
+from pagedcli.errors import PagedCliError, RunError, UsageError, plural
 from pagedcli.heap import frozen_heap
 from pagedcli.serve import DEFAULT_MAX_WAITING, LOG_FORMAT
 
@@ -177,16 +177,23 @@ def forward_stop(process) -> None:
 def api_process(link, address: tuple, settings, started) -> None:
     """An API process of --api-server-count's: the same app on a socket of its own bound to the same
     port, its own link to the engine; it stops on SIGTERM (the first API process forwards its
-    signals) as that one does."""
+    signals) as that one does, and when that one dies (even by SIGKILL: no orphan serves on)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sock = bind(*address, share=True)
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1  # Linux's prctl: this signal when the parent is gone
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # (it died before the prctl)
+        return
     from pagedcli.serve.app import create_app
     from pagedcli.serve.engine_client import EngineClient
     from pagedcli.serve.metrics import Metrics
 
     metrics = Metrics()
     engine = EngineClient(None, (), metrics)
+    sock = None
     try:
+        sock = bind(*address, share=True)
         ready = engine.join(link)
         quiet_startup(None)
         server = make_server(server_config(create_app(engine, ready, settings, metrics)), engine,
@@ -195,9 +202,12 @@ def api_process(link, address: tuple, settings, started) -> None:
             server.run(sockets=[sock])
     except EOFError:  # the engine was gone before this process started: the first API process says why
         pass
+    except PagedCliError as e:  # (the port taken meanwhile): the first API process says it did not start
+        notice(str(e))
     finally:
         engine.stop()
-        sock.close()
+        if sock is not None:
+            sock.close()
 
 
 def load_model(engine_flags: EngineFlags, requests: RequestFlags):
