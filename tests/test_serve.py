@@ -776,6 +776,53 @@ def test_killing_the_first_of_two_api_processes_ends_them_all():
         time.sleep(0.1)
 
 
+def other_api_process(pid: int) -> int:
+    """The other API process of `pagedcli serve --api-server-count 2` (process `pid`)."""
+    engine = engine_process_of(pid)
+    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    return next(p for p in children if p != engine and "resource_tracker" not in open(f"/proc/{p}/cmdline").read())
+
+
+def num_sockets(pid: int) -> int:
+    return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+
+
+@contextmanager
+def streams_on_both(url: str, other: int, body: dict):
+    """Streams (each on a connection of its own, read to its first event) opened until the other
+    API process holds one too (the kernel picks the process): their line iterators."""
+    from contextlib import ExitStack
+
+    idle = num_sockets(other)
+    with ExitStack() as stack:
+        streams = []
+        while num_sockets(other) == idle:
+            assert len(streams) < 32, "the other API process took no connection"
+            client = stack.enter_context(httpx.Client(timeout=10))
+            lines = stack.enter_context(client.stream("POST", url + "/completions", json=body)).iter_lines()
+            assert next(lines).startswith("data: {")  # it runs
+            streams.append(lines)
+        yield streams
+
+
+def test_a_dead_engine_ends_the_streams_of_every_api_process():
+    """--api-server-count 2, the engine's process killed: the streams on either API process end
+    with an error event and [DONE] (as with one API process), and no traceback."""
+    proc, url = start_server("--api-server-count", "2")
+    try:
+        body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with streams_on_both(url, other_api_process(proc.pid), body) as streams:
+            os.kill(engine_process_of(proc.pid), signal.SIGKILL)
+            endings = [[x for x in lines if x.startswith("data: ")][-2:] for lines in streams]
+        assert all(e[1] == "data: [DONE]" and "engine process has stopped" in e[0] for e in endings), endings
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "Traceback" not in err, err
+    finally:
+        proc.kill()
+
+
 def test_a_second_ctrl_c_ends_what_runs_with_an_ending_each_client_reads():
     """Ctrl-C twice at a terminal (SIGINT to the whole process group, the engine's process too):
     past the grace (here: at once, the second one) the answers in flight are aborted by the

@@ -372,8 +372,11 @@ class EngineClient:
             return
         self.gone = True
         self.loop.remove_reader(self.conn.fileno())
-        self.process.join(1)
-        log.error("the engine process ended (exit code %s): every request gets 503 now", self.process.exitcode)
+        code = ""  # (another API process's client did not start the engine process: no exit code to tell)
+        if self.process is not None:
+            self.process.join(1)
+            code = f" (exit code {self.process.exitcode})"
+        log.error("the engine process ended%s: every request gets 503 now", code)
         for job in self.jobs.values():  # ("abort": a 503, as when the server stops)
             for i in range(job.prompts.num_answers):
                 if i not in job.ended:
