@@ -790,7 +790,8 @@ def num_sockets(pid: int) -> int:
 @contextmanager
 def streams_on_both(url: str, other: int, body: dict):
     """Streams (each on a connection of its own, read to its first event) opened until the other
-    API process holds one too (the kernel picks the process): their line iterators."""
+    API process holds one too (the kernel picks the process): (response, line iterator) pairs,
+    the last one the other process's, the rest the first's."""
     from contextlib import ExitStack
 
     idle = num_sockets(other)
@@ -799,9 +800,10 @@ def streams_on_both(url: str, other: int, body: dict):
         while num_sockets(other) == idle:
             assert len(streams) < 32, "the other API process took no connection"
             client = stack.enter_context(httpx.Client(timeout=10))
-            lines = stack.enter_context(client.stream("POST", url + "/completions", json=body)).iter_lines()
+            response = stack.enter_context(client.stream("POST", url + "/completions", json=body))
+            lines = response.iter_lines()
             assert next(lines).startswith("data: {")  # it runs
-            streams.append(lines)
+            streams.append((response, lines))
         yield streams
 
 
@@ -813,12 +815,42 @@ def test_a_dead_engine_ends_the_streams_of_every_api_process():
         body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 500, "ignore_eos": True, "stream": True}
         with streams_on_both(url, other_api_process(proc.pid), body) as streams:
             os.kill(engine_process_of(proc.pid), signal.SIGKILL)
-            endings = [[x for x in lines if x.startswith("data: ")][-2:] for lines in streams]
+            endings = [[x for x in lines if x.startswith("data: ")][-2:] for _, lines in streams]
         assert all(e[1] == "data: [DONE]" and "engine process has stopped" in e[0] for e in endings), endings
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(30) == 0
         err = proc.stderr.read()
         assert "Traceback" not in err, err
+    finally:
+        proc.kill()
+
+
+def test_ctrl_c_gives_the_other_api_process_its_grace_and_a_second_one_ends_it():
+    """--api-server-count 2, Ctrl-C once: the other API process's stream runs on to its end (the
+    grace, as with one process) once the first has nothing left to wait for; one Ctrl-C more
+    (while the first waits for the other) ends the next stream there with an error event, exit 0."""
+    proc, url = start_server("--api-server-count", "2")
+    try:
+        body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        with streams_on_both(url, other_api_process(proc.pid), body) as streams:
+            os.killpg(proc.pid, signal.SIGINT)
+            for response, _ in streams[:-1]:  # the first process's: gone, it stops at once
+                response.close()
+            events = [x for x in streams[-1][1] if x.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2], events[-2:]
+        assert proc.wait(30) == 0
+        proc, url = start_server("--api-server-count", "2")
+        with streams_on_both(url, other_api_process(proc.pid), body | {"max_tokens": 500}) as streams:
+            os.killpg(proc.pid, signal.SIGINT)
+            for response, _ in streams[:-1]:
+                response.close()
+            time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGINT)
+            events = [x for x in streams[-1][1] if x.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and "shutting down" in events[-2], events[-2:]
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "stopped by SIGINT" in err, err
     finally:
         proc.kill()
 

@@ -94,6 +94,7 @@ def serve(
     engine = EngineClient(load_model, (engine_flags, requests), metrics, live)
     shared = None  # with the live view: where this process's lines go (above its frame, drawn by the engine's process)
     others = []  # the other API processes
+    server = None
     try:
         ready = engine.start(api_server_count)
         if live:
@@ -116,13 +117,19 @@ def serve(
         with frozen_heap():
             server.run(sockets=[sock])
     finally:
-        for process in others:  # (they stop on their own: forwarded the signal, or told here)
-            forward_stop(process)
-        for process in others:
-            process.join(GRACE_S + CLOSE_S + 5)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        # they stop on their own, forwarded the signal that stopped this one (a second SIGTERM now
+        # would end what they still run before their grace is out), or are told here
+        if server is None or server.stopped_by is None:
+            for process in others:
+                forward_stop(process)
+        # a signal while they finish (a second Ctrl-C) goes on to them too: it ends what they run
+        forwarded = (signal.SIGINT, signal.SIGTERM) if others else ()
+        with signals_handled(forwarded, lambda *_: [forward_stop(p) for p in others]):
+            for process in others:
+                process.join(GRACE_S + CLOSE_S + 5)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
         engine.stop()
         sock.close()
     by = f" by {signal.Signals(server.stopped_by).name}" if server.stopped_by else ""
