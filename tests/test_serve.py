@@ -855,6 +855,25 @@ def test_ctrl_c_gives_the_other_api_process_its_grace_and_a_second_one_ends_it()
         proc.kill()
 
 
+def test_sigterm_to_every_process_stops_each_api_process_once():
+    """--api-server-count 2, SIGTERM to every process (systemd's stop signals each one of the
+    service's, kill -TERM -PGID too; here a moment apart, as the kernel may deliver them): each API
+    process counts it once, so the streams on both run on to their ends, exit 0."""
+    proc, url = start_server("--api-server-count", "2")
+    try:
+        body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        other = other_api_process(proc.pid)
+        with streams_on_both(url, other, body) as streams:
+            os.kill(other, signal.SIGTERM)
+            time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGTERM)
+            endings = [[x for x in lines if x.startswith("data: ")][-2:] for _, lines in streams]
+        assert all(e[1] == "data: [DONE]" and '"finish_reason":"length"' in e[0] for e in endings), endings
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+
+
 def test_a_second_ctrl_c_ends_what_runs_with_an_ending_each_client_reads():
     """Ctrl-C twice at a terminal (SIGINT to the whole process group, the engine's process too):
     past the grace (here: at once, the second one) the answers in flight are aborted by the

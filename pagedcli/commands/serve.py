@@ -36,6 +36,10 @@ from pagedcli.serve import DEFAULT_MAX_WAITING, LOG_FORMAT
 
 GRACE_S = 10.0  # seconds the requests in flight get to finish once a signal stops the server
 CLOSE_S = 5.0  # then, after they are aborted, seconds their handlers get to write their endings
+# what stops the other API processes (--api-server-count): this one sends it them for each signal it
+# gets, and its death does (PR_SET_PDEATHSIG); they ignore SIGINT and SIGTERM, which a terminal or a
+# service manager (systemd's stop) sends every process of the group, so that each signal counts once
+STOP_SIGNAL = getattr(signal, "SIGUSR1", signal.SIGTERM)  # (Windows has none: --api-server-count needs Linux)
 # RequestFlags that a request gives itself (its prompt, chat or not, n, logprobs); the rest are the
 # defaults for what a request leaves out
 PER_REQUEST = {"prompts": None, "prompt_file": None, "prompt_separator": r"\n", "chat": None, "system": None,
@@ -117,7 +121,7 @@ def serve(
         with frozen_heap():
             server.run(sockets=[sock])
     finally:
-        # they stop on their own, forwarded the signal that stopped this one (a second SIGTERM now
+        # they stop on their own, forwarded the signal that stopped this one (a second one now
         # would end what they still run before their grace is out), or are told here
         if server is None or server.stopped_by is None:
             for process in others:
@@ -152,15 +156,15 @@ def start_api_process(link, address: tuple, settings):
     started = context.Event()
     process = context.Process(target=api_process, name="pagedcli-api", args=(link, address, settings, started))
     process.started = started
-    # started with SIGINT ignored (exec keeps that): a terminal's Ctrl-C reaches every process of
-    # its group, and this one forwards each signal as SIGTERM, so that each counts once
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if threading.current_thread() is threading.main_thread() \
-        else None
+    # started with SIGINT and SIGTERM ignored (exec keeps that): what the group gets reaches this
+    # one too, which forwards each signal as STOP_SIGNAL, so that each counts once
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
     try:
         process.start()
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     for end in link:  # the process holds its own copies now: the engine sees its death as EOF
         end.close()
     return process
@@ -178,18 +182,19 @@ def wait_for_api_processes(processes) -> None:
 def forward_stop(process) -> None:
     if process.pid is not None and process.is_alive():
         with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGTERM)
+            os.kill(process.pid, STOP_SIGNAL)
 
 
 def api_process(link, address: tuple, settings, started) -> None:
     """An API process of --api-server-count's: the same app on a socket of its own bound to the same
-    port, its own link to the engine; it stops on SIGTERM (the first API process forwards its
+    port, its own link to the engine; it stops on STOP_SIGNAL (the first API process forwards its
     signals) as that one does, and when that one dies (even by SIGKILL: no orphan serves on)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     import ctypes
 
     PR_SET_PDEATHSIG = 1  # Linux's prctl: this signal when the parent is gone
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, STOP_SIGNAL)
     if os.getppid() == 1:  # (it died before the prctl)
         return
     from pagedcli.serve.app import create_app
@@ -204,7 +209,7 @@ def api_process(link, address: tuple, settings, started) -> None:
         ready = engine.join(link)
         quiet_startup(None)
         server = make_server(server_config(create_app(engine, ready, settings, metrics)), engine,
-                             signals=(signal.SIGTERM,), on_started=started.set)
+                             signals=(STOP_SIGNAL,), on_started=started.set)
         with frozen_heap():
             server.run(sockets=[sock])
     except EOFError:  # the engine was gone before this process started: the first API process says why
