@@ -939,6 +939,25 @@ def test_a_port_in_use_is_said_before_the_model_loads():
     assert code == 1 and "--port" in err and "cannot listen there" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_port_another_servers_api_processes_share_is_in_use():
+    """--api-server-count binds with SO_REUSEPORT, which would also join another server's sockets
+    on the port (another pagedcli serve --api-server-count): the kernel would hand it half their
+    connections. The port is in use for it; its own other API processes join it."""
+    from pagedcli.commands.serve import bind
+    from pagedcli.errors import RunError
+
+    other_server = bind("127.0.0.1", 0, share=True)
+    port = other_server.getsockname()[1]
+    try:
+        with pytest.raises(RunError, match="cannot listen there"):
+            bind("127.0.0.1", port, share=True)
+        ours = bind("127.0.0.1", 0, share=True)
+        with ours, bind("127.0.0.1", ours.getsockname()[1], share=True, join=True):
+            pass
+    finally:
+        other_server.close()
+
+
 def test_a_model_the_engine_process_cannot_build_is_one_line(tmp_path):
     """The engine's process builds the model: its UsageError comes back to be said as generate says it."""
     code, _, err = invoke("serve", "--model", str(tmp_path / "nothing"), "--device", "cpu", "--port", "0")

@@ -205,7 +205,7 @@ def api_process(link, address: tuple, settings, started) -> None:
     engine = EngineClient(None, (), metrics)
     sock = None
     try:
-        sock = bind(*address, share=True)
+        sock = bind(*address, share=True, join=True)
         ready = engine.join(link)
         quiet_startup(None)
         server = make_server(server_config(create_app(engine, ready, settings, metrics)), engine,
@@ -262,11 +262,11 @@ def say(text: str, shared) -> None:
         notice(text)
 
 
-def bind(host: str, port: int, share: bool = False) -> socket.socket:
+def bind(host: str, port: int, share: bool = False, join: bool = False) -> socket.socket:
     """The listening socket, bound here so that a port in use is one line, before the model loads;
     `share`: other API processes bind the same port (SO_REUSEPORT: the kernel spreads the new
     connections over their sockets; on one shared socket, uvloop's accept loop in whichever process
-    woke first took a burst's connections all)."""
+    woke first took a burst's connections all); `join`: this is one of them."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
@@ -277,6 +277,12 @@ def bind(host: str, port: int, share: bool = False) -> socket.socket:
     if share:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
+        if share and not join:  # a socket without SO_REUSEPORT first, which fails where another server's
+            # SO_REUSEPORT sockets hold the port (this one's would join them, and take half their connections)
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+                address = probe.getsockname()  # (port 0: the one it got)
         sock.bind(address)
     except OSError as e:
         sock.close()
