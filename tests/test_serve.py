@@ -874,6 +874,26 @@ def test_sigterm_to_every_process_stops_each_api_process_once():
         proc.kill()
 
 
+def test_the_first_api_process_dying_lets_the_others_streams_finish():
+    """The other API processes stop when the first dies (PR_SET_PDEATHSIG), as on a signal: their
+    streams run on to their ends; the kernel may signal that death twice (a SIGKILL'd first's
+    threads end one by one), which is not a second Ctrl-C."""
+    from pagedcli.commands.serve import PARENT_GONE
+
+    proc, url = start_server("--api-server-count", "2")
+    try:
+        body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        other = other_api_process(proc.pid)
+        with streams_on_both(url, other, body) as streams:
+            os.kill(other, PARENT_GONE)
+            time.sleep(0.1)
+            os.kill(other, PARENT_GONE)
+            events = [x for x in streams[-1][1] if x.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2], events[-2:]
+    finally:
+        proc.kill()
+
+
 def test_a_second_ctrl_c_ends_what_runs_with_an_ending_each_client_reads():
     """Ctrl-C twice at a terminal (SIGINT to the whole process group, the engine's process too):
     past the grace (here: at once, the second one) the answers in flight are aborted by the

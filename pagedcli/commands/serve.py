@@ -40,6 +40,9 @@ CLOSE_S = 5.0  # then, after they are aborted, seconds their handlers get to wri
 # gets, and its death does (PR_SET_PDEATHSIG); they ignore SIGINT and SIGTERM, which a terminal or a
 # service manager (systemd's stop) sends every process of the group, so that each signal counts once
 STOP_SIGNAL = getattr(signal, "SIGUSR1", signal.SIGTERM)  # (Windows has none: --api-server-count needs Linux)
+# and the first's death (PR_SET_PDEATHSIG): the kernel signals it as each thread of the first that
+# holds them in turn ends (a SIGKILL: often twice), so it never counts as a second signal
+PARENT_GONE = getattr(signal, "SIGUSR2", None)
 # RequestFlags that a request gives itself (its prompt, chat or not, n, logprobs); the rest are the
 # defaults for what a request leaves out
 PER_REQUEST = {"prompts": None, "prompt_file": None, "prompt_separator": r"\n", "chat": None, "system": None,
@@ -194,7 +197,7 @@ def api_process(link, address: tuple, settings, started) -> None:
     import ctypes
 
     PR_SET_PDEATHSIG = 1  # Linux's prctl: this signal when the parent is gone
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, STOP_SIGNAL)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, PARENT_GONE)
     if os.getppid() == 1:  # (it died before the prctl)
         return
     from pagedcli.serve.app import create_app
@@ -209,7 +212,7 @@ def api_process(link, address: tuple, settings, started) -> None:
         ready = engine.join(link)
         quiet_startup(None)
         server = make_server(server_config(create_app(engine, ready, settings, metrics)), engine,
-                             signals=(STOP_SIGNAL,), on_started=started.set)
+                             signals=(STOP_SIGNAL, PARENT_GONE), on_started=started.set)
         with frozen_heap():
             server.run(sockets=[sock])
     except EOFError:  # the engine was gone before this process started: the first API process says why
@@ -373,7 +376,8 @@ def make_server(config, engine, on_signal=lambda: None, signals=(signal.SIGINT, 
         def handle_exit(self, sig, frame) -> None:
             on_signal()
             if self.stopped_by is not None:  # a second signal: end what runs now
-                engine.end_all()
+                if sig != PARENT_GONE:
+                    engine.end_all()
                 return
             self.stopped_by = sig
             self.grace = threading.Timer(GRACE_S, engine.end_all)
