@@ -133,7 +133,12 @@ def serve(
         forwarded = (signal.SIGINT, signal.SIGTERM) if others else ()
         with signals_handled(forwarded, lambda *_: [forward_stop(p) for p in others]):
             for process in others:
-                process.join(GRACE_S + CLOSE_S + 5)
+                deadline = time.monotonic() + GRACE_S + CLOSE_S + 5
+                # this one's link is read meanwhile: the others' answers count in its summary, and
+                # the engine never waits on its full pipe (nor the others' streams on the engine)
+                while process.is_alive() and time.monotonic() < deadline and engine.keep_count():
+                    pass
+                process.join(max(0.0, deadline - time.monotonic()))
                 if process.is_alive():
                     process.kill()
                     process.join()

@@ -246,6 +246,18 @@ class EngineClient:
             pass
         self.process.join(max(0.0, deadline - time.monotonic()))
 
+    def keep_count(self) -> bool:
+        """Read one message of the engine's, if one comes within 50 ms, its report counted (once the
+        server has stopped, while the other API processes end); False once its end has closed."""
+        try:
+            if self.conn.poll(0.05):
+                message = self.conn.recv()
+                if message[0] == "step":
+                    self.metrics.record(message[3])
+            return True
+        except (EOFError, OSError):
+            return False
+
     def _drop_a_message(self) -> bool:
         """Read one message of the engine's, if one comes within 50 ms; False once its end has closed."""
         try:
