@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -710,6 +711,23 @@ def test_an_engine_process_serves_each_link_its_own_and_outlives_one_gone(make_e
     check_block_accounting(loaded.engine)
 
 
+def left_behind(pids: list[int], within: float = 10.0) -> list[int]:
+    """Those of `pids` still running (not zombies) after `within` seconds (multiprocessing's
+    resource tracker, say, ends a moment after the server)."""
+    deadline = time.monotonic() + within
+    while True:
+        left = []
+        for pid in pids:
+            try:
+                if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                    left.append(pid)
+            except FileNotFoundError:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
 def test_two_api_processes_serve_one_engine_and_stop_together():
     """--api-server-count 2: both API processes take connections for the one engine, every answer
     is its solo run's, /metrics (either process's) counts the whole server; a terminal's Ctrl-C
@@ -755,8 +773,7 @@ def test_two_api_processes_serve_one_engine_and_stop_together():
         assert proc.wait(30) == 0
         err = proc.stderr.read()
         assert "stopped by SIGINT: 28 answers finished" in err and "Traceback" not in err, err
-        assert not [p for p in children if os.path.exists(f"/proc/{p}") and
-                    open(f"/proc/{p}/stat").read().split()[2] != "Z"], "a process was left behind"
+        assert not left_behind(children), "a process was left behind"
     finally:
         proc.kill()
 
@@ -770,10 +787,7 @@ def test_killing_the_first_of_two_api_processes_ends_them_all():
     assert len(children) >= 2
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 20
-    while left := [p for p in children if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]:
-        assert time.monotonic() < deadline, f"left behind: {left}"
-        time.sleep(0.1)
+    assert not left_behind(children, within=20), "a process was left behind"
 
 
 def other_api_process(pid: int) -> int:
@@ -840,7 +854,9 @@ def test_ctrl_c_gives_the_other_api_process_its_grace_and_a_second_one_ends_it()
             events = [x for x in streams[-1][1] if x.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2], events[-2:]
         assert proc.wait(30) == 0
-        assert "stopped by SIGINT: 1 answer finished" in proc.stderr.read(), "the other's answer is counted too"
+        summary = re.search(r"stopped by SIGINT: (\d+) answers? finished", proc.stderr.read())
+        # (the other's answer at least: how many of the first's ended before the signal depends on timing)
+        assert summary and int(summary.group(1)) >= 1, "the other's answer is counted too"
         proc, url = start_server("--api-server-count", "2")
         with streams_on_both(url, other_api_process(proc.pid), body | {"max_tokens": 500}) as streams:
             os.killpg(proc.pid, signal.SIGINT)
