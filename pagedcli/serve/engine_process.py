@@ -14,8 +14,8 @@ multiprocessing's Connection.recv reads: its own pickler copies a dispatch table
     API -> engine   ("add", key, request_id, arrival, prompts)   a request (sampling.Prompts)
                     ("abort", key)                               its client went away
                     ("snapshot", key)                            the cache between two steps
-                    ("end_all",)                                 every open answer ends ("abort")
-                    ("stop",)                                    end them, and exit
+                    ("end_all",)                                 every open answer of the link's ends ("abort")
+                    ("stop",)                                    end them, and close the link
                     ("log", text)                                a line above the live view
     engine -> API   ("ready", Ready) or ("failed", error)        once, after the build
                     ("step", tokens, deltas, report)             after a turn that changed anything
