@@ -40,6 +40,7 @@ class Served:
                  poison: bool = False, **engine):
         import uvicorn
 
+        from pagedcli.commands.serve import make_server
         from pagedcli.engine.sequence import SamplingParams
         from pagedcli.serve.app import Settings, create_app
         from pagedcli.serve.engine_client import EngineClient
@@ -56,7 +57,7 @@ class Served:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+        self.server = make_server(uvicorn.Config(app, lifespan="off", log_level="warning"), self.engine)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -734,16 +735,9 @@ def test_two_api_processes_serve_one_engine_and_stop_together():
     (SIGINT to the group) stops them all, exit 0, every process gone."""
     proc, url = start_server("--batch", "8", "--api-server-count", "2")
     try:
-        engine = engine_process_of(proc.pid)
-        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                                    text=True).stdout.split()]
-        other = next(p for p in children if p != engine and "resource_tracker" not in
-                     open(f"/proc/{p}/cmdline").read())
-
-        def sockets(pid: int) -> int:
-            return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
-
-        idle = sockets(other)
+        children = children_of(proc.pid)
+        other = other_api_process(proc.pid)
+        idle = num_sockets(other)
         prompts = ["ROMEO:", "KING", "To be", "JULIET:"]
 
         async def run():
@@ -757,7 +751,7 @@ def test_two_api_processes_serve_one_engine_and_stop_together():
                 return "".join([c.text async for chunk in got for c in chunk.choices])
 
             answers = await asyncio.gather(*(one(i) for i in range(24)))
-            taken = sockets(other) - idle  # the kept-alive connections the other process accepted
+            taken = num_sockets(other) - idle  # the kept-alive connections the other process accepted
             for c in clients:
                 await c.close()
             return answers, taken
@@ -782,8 +776,7 @@ def test_killing_the_first_of_two_api_processes_ends_them_all():
     """SIGKILL to the server (the first API process): the other API process and the engine's
     process end too, nothing is left holding the port or the model."""
     proc, url = start_server("--api-server-count", "2")
-    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                                text=True).stdout.split()]
+    children = children_of(proc.pid)
     assert len(children) >= 2
     proc.kill()
     proc.wait()
@@ -793,8 +786,11 @@ def test_killing_the_first_of_two_api_processes_ends_them_all():
 def other_api_process(pid: int) -> int:
     """The other API process of `pagedcli serve --api-server-count 2` (process `pid`)."""
     engine = engine_process_of(pid)
-    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
-    return next(p for p in children if p != engine and "resource_tracker" not in open(f"/proc/{p}/cmdline").read())
+    return next(p for p in children_of(pid) if p != engine and "resource_tracker" not in open(f"/proc/{p}/cmdline").read())
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
 
 
 def num_sockets(pid: int) -> int:

@@ -136,7 +136,7 @@ def serve(
                 deadline = time.monotonic() + GRACE_S + CLOSE_S + 5
                 # this one's link is read meanwhile: the others' answers count in its summary, and
                 # the engine never waits on its full pipe (nor the others' streams on the engine)
-                while process.is_alive() and time.monotonic() < deadline and engine.keep_count():
+                while process.is_alive() and time.monotonic() < deadline and engine.take_a_message():
                     pass
                 process.join(max(0.0, deadline - time.monotonic()))
                 if process.is_alive():

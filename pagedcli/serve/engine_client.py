@@ -2,9 +2,9 @@
 start it, send it commands, and hand each request the tokens its answers gained.
 
 A request is a Job: the route submits it (an "add" command through the pipe) and awaits its
-deltas. The event loop watches the pipe (loop.add_reader): each message the engine sends after a
-turn is read there, and its deltas go to their jobs, each waking its route, so a token reaches its
-client as soon as the engine has sampled it.
+deltas. The event loop watches the pipe from the server's start (loop.add_reader): each message
+the engine sends after a turn is read there, and its deltas go to their jobs, each waking its
+route, so a token reaches its client as soon as the engine has sampled it.
 
 Commands go down a pipe of their own (command_pipe.py), written from the event loop without ever
 blocking it: a blocked send (the pipe full while the engine waits for this process to read its
@@ -208,27 +208,26 @@ class EngineClient:
 
     def stop(self) -> None:
         """Abort what still runs, let the engine process end and wait for it (idempotent). One
-        still building reads no command: it is killed at once. Another API process's client
-        says stop and reads until the engine lets its link go."""
-        if self.process is None:
-            if self.ready and not self.gone and self.conn is not None and not self.conn.closed:
-                deadline = time.monotonic() + STOP_S
-                self.commands.write_blocking(frame(("stop",)), deadline, self._drop_a_message)
-                while time.monotonic() < deadline and self._drop_a_message():
-                    pass
-            self._close_pipes()
-            return
-        if self.process.pid is None:
+        still building reads no command: it is killed at once. Another API process's client (no
+        engine process of its own) says stop and reads until the engine lets its link go."""
+        owner = self.process is not None
+        if owner and self.process.pid is None:
             return
         try:
-            if self.ready and self.process.is_alive():
+            if self.ready and not self.gone and not self.conn.closed and (not owner or self.process.is_alive()):
                 deadline = time.monotonic() + STOP_S
-                self.commands.write_blocking(frame(("stop",)), deadline, self._drop_a_message)
-                self._drain(deadline)
+                # (what the engine still sends is read meanwhile: a send of its to a full pipe would
+                # keep it from reading the stop)
+                self.commands.write_blocking(frame(("stop",)), deadline, self.take_a_message)
+                while time.monotonic() < deadline and self.take_a_message():  # until it lets the link go
+                    pass
+                if owner:
+                    self.process.join(max(0.0, deadline - time.monotonic()))
         finally:  # (a second Ctrl-C in the wait above must not leave the engine process behind)
-            if self.process.is_alive():  # still building, or stuck: it holds GPU memory, so it goes
-                self.process.kill()
-            self.process.join()
+            if owner:
+                if self.process.is_alive():  # still building, or stuck: it holds GPU memory, so it goes
+                    self.process.kill()
+                self.process.join()
             self._close_pipes()
 
     def _close_pipes(self) -> None:
@@ -239,30 +238,15 @@ class EngineClient:
         if self.conn is not None:
             self.conn.close()
 
-    def _drain(self, deadline: float) -> None:
-        """Read (and drop) what the engine still sends until it exits: a send of its to a full
-        pipe would otherwise keep it from reading the stop."""
-        while self.process.is_alive() and time.monotonic() < deadline and self._drop_a_message():
-            pass
-        self.process.join(max(0.0, deadline - time.monotonic()))
-
-    def keep_count(self) -> bool:
-        """Read one message of the engine's, if one comes within 50 ms, its report counted (once the
-        server has stopped, while the other API processes end); False once its end has closed."""
+    def take_a_message(self) -> bool:
+        """Read one message of the engine's, if one comes within 50 ms, its report counted (the
+        server has stopped serving: its summary line still counts what ends meanwhile); False once
+        the engine's end has closed."""
         try:
             if self.conn.poll(0.05):
                 message = self.conn.recv()
                 if message[0] == "step":
                     self.metrics.record(message[3])
-            return True
-        except (EOFError, OSError):
-            return False
-
-    def _drop_a_message(self) -> bool:
-        """Read one message of the engine's, if one comes within 50 ms; False once its end has closed."""
-        try:
-            if self.conn.poll(0.05):
-                self.conn.recv()
             return True
         except (EOFError, OSError):
             return False
@@ -280,7 +264,6 @@ class EngineClient:
 
     def submit(self, job: Job) -> None:
         self._check_alive()
-        self._attach()
         job.key = next(self.keys)
         self.jobs[job.key] = job
         self.num_sent += job.prompts.num_answers
@@ -294,7 +277,6 @@ class EngineClient:
     async def snapshot(self):
         """The cache as the engine has it between two steps (engine/snapshot.py)."""
         self._check_alive()
-        self._attach()
         key = next(self.keys)
         future = self.snapshots[key] = asyncio.get_running_loop().create_future()
         self.commands.send(("snapshot", key))
@@ -310,20 +292,16 @@ class EngineClient:
 
     def _check_alive(self) -> None:
         """A command for a process that is gone would wait for ever: 503 at once instead. (Its
-        death closes the pipe, which the loop sees as EOF: `gone`, without a waitpid per request;
-        but before the first command nothing reads the pipe yet, so then it asks the process.)"""
-        if self.gone or (self.loop is None and self.process is not None and not self.process.is_alive()):
+        death closes the pipe, which the loop, reading it since the server started, sees as EOF:
+        `gone`, without a waitpid per request.)"""
+        if self.gone:
             raise APIError(ENGINE_GONE, 503, type="server_error")
 
-    def _attach(self) -> None:
-        """At the first command (if the server's start did not already), its event loop
-        (uvicorn's) starts reading the engine's messages."""
-        if self.loop is None:
-            self.attach(asyncio.get_running_loop())
-
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """`loop` reads the engine's messages from now on: at the server's start, where several API
-        processes each get every turn's report (unread, they would fill the pipe and stop the engine)."""
+        """`loop` (uvicorn's, at the server's start: commands/serve.py make_server) reads the
+        engine's messages from now on: before any request, so that an engine that dies is seen at
+        once, and every turn's report is read (several API processes each get all of them; unread,
+        they would fill the pipe and stop the engine)."""
         if self.loop is None:
             self.loop = loop
             self.pending = select.poll()  # (Connection.poll builds a selector each call: a tenth of _read's time)

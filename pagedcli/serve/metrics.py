@@ -113,11 +113,12 @@ class Tally:
         self.num_steps += 1
         self.now = now
 
-    def report(self, engine, num_taken: int = 0) -> StepReport:
+    def report(self, engine) -> StepReport:
+        """The turn's numbers, the engine's now; num_taken is each link's own (engine_process._send)."""
         sched, cache = engine.scheduler, engine.cache
         waiting = len(sched.waiting) + sum(len(c) for c in sched.forks.values())
         report = StepReport(
-            self.num_steps, self.now or time.perf_counter(), num_taken, waiting,
+            self.num_steps, self.now or time.perf_counter(), 0, waiting,
             max(0, cache.max_slots - len(sched.running)), len(sched.running),
             cache.geometry.num_blocks - cache.num_free_blocks, sched.prompt_tokens, sched.cached_prompt_tokens,
             sched.num_preemptions, self.generated, self.ttfts, self.itls, self.finishes, self.num_aborted)
