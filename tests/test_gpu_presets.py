@@ -47,6 +47,22 @@ def first_divergence_is_a_near_tie(ours, ref_tokens, ref_logits) -> str:
     return f"near-tie at step {i}"
 
 
+def each_token_is_the_references_choice_or_a_near_tie(hf, prompt: list[int], ours: list[int]) -> int:
+    """transformers over the prompt and our answer in one forward (teacher-forced on our tokens): at
+    every step our token is its argmax, or within 2% of the logits' scale of it (bf16 sums in another,
+    equally valid, order flip a near-tie, and the answers part there). Each step is checked, those after
+    a divergence too: a wrong kernel picks a token far from the argmax somewhere. Returns how many of
+    the steps were near-ties."""
+    ids = torch.tensor([prompt + ours[:-1]], device="cuda")
+    with torch.no_grad():
+        logits = hf(ids).logits[0, len(prompt) - 1:].float()
+    chosen = logits.gather(1, torch.tensor(ours, device="cuda")[:, None])[:, 0]
+    gap, scale = logits.max(1).values - chosen, logits.abs().max(1).values
+    worst = int((gap / scale).argmax())
+    assert (gap <= 0.02 * scale).all(), f"step {worst}: ours {ours[worst]}, gap {gap[worst]:.4f} of {scale[worst]:.4f}"
+    return int((gap > 0).sum())
+
+
 @pytest.mark.parametrize("batch", [4, 1], ids=["cublas", "gemv"])
 @pytest.mark.parametrize("name", sorted(RANDOM_PRESETS))
 def test_preset_heads_on_cuda_match_transformers(tmp_path, make_engine, name, batch):
@@ -62,16 +78,13 @@ def test_preset_heads_on_cuda_match_transformers(tmp_path, make_engine, name, ba
         check_block_accounting(engine)
     assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
     hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
-    report = []
-    for seq, prompt in zip(seqs, prompt_list):
-        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=STEPS, min_new_tokens=STEPS,
-                          do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-                          eos_token_id=None)
-        report.append(first_divergence_is_a_near_tie(seq.output_token_ids, out.sequences[0, len(prompt):].tolist(),
-                                                     out.logits))
-    print(name, batch, report)
-    # a kernel that is wrong diverges by more than a near-tie, and never stays identical for 24 steps
-    assert "identical" in report, report
+    near_ties = [each_token_is_the_references_choice_or_a_near_tie(hf, prompt, seq.output_token_ids)
+                 for seq, prompt in zip(seqs, prompt_list)]
+    print(name, batch, "near-ties a prompt:", near_ties)
+    # (random weights of 512 tokens have flat logits: llama-2-7b's answers parted from transformers' at
+    # a near-tie in all four prompts, at steps 3 to 23, and the presets had 0 to 3 near-ties in 96 steps;
+    # a wrong kernel is off the argmax at most steps)
+    assert sum(near_ties) <= len(prompt_list) * STEPS // 10, near_ties
 
 
 EXTRAS = {  # what only some checkpoints have: biases (torch GEMMs on CUDA) and the RoPE types
@@ -95,6 +108,7 @@ def test_biases_and_rope_types_on_cuda_match_transformers(tmp_path, make_engine,
     prompt = prompts([20], VOCAB, seed=5)[0]  # past the short trained lengths above, with the answer
     seq = loaded.engine.run_to_completion([prompt], SamplingParams(max_tokens=STEPS, ignore_eos=True))[0]
     hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
+    # (generate, not one teacher-forced forward: dynamic NTK's frequencies follow the length so far)
     out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=STEPS, min_new_tokens=STEPS,
                       do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
                       eos_token_id=None)

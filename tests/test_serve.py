@@ -1223,15 +1223,17 @@ def test_a_stream_chunk_is_the_json_of_openais_chunk_object(chat):
 
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": "cmpl-1", "object": kind, "model": 'a "model"\u2028é'}
+    token_text = lambda t: f"<{t}\u2029>"  # noqa: E731
     for want_logprobs in (False, True):
-        shapes = Shapes(chat, "cmpl-1", head["model"], lambda t: f"<{t}>", want_logprobs)
-        twin = Shapes(chat, "cmpl-1", head["model"], lambda t: f"<{t}>", want_logprobs)  # (offsets: its own)
-        for first, text, finish, usage in ((True, 'say "hi"\n\u00e9\u2028', None, NO_USAGE), (False, "", "stop", None),
+        shapes = Shapes(chat, "cmpl-1", head["model"], token_text, want_logprobs)
+        twin = Shapes(chat, "cmpl-1", head["model"], token_text, want_logprobs)  # (offsets: its own)
+        for first, text, finish, usage in ((True, 'say "hi"\n\u00e9\u2028\x85\u2029', None, NO_USAGE), (False, "", "stop", None),
                                            (False, "x", "length", {"prompt_tokens": 2, "completion_tokens": 3,
                                                                    "total_tokens": 5})):
             delta = Delta(1, [7, 8], text, [Logprob(-0.5, [(7, -0.5)]), Logprob(float("-inf"), [(9, -1.0)])], finish)
             event = shapes.chunk(delta, first, usage)
             assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+            assert event.decode().splitlines() == [event.decode()[:-2], ""]  # one line, for a client that splits so
             got = json.loads(event[6:])
             logprobs = twin.logprobs(1, list(zip(delta.token_ids, delta.logprobs))) if want_logprobs else None
             choice = {"index": 1, "finish_reason": finish, "logprobs": logprobs}

@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -123,13 +124,14 @@ def children(pid: int) -> list[int]:
 
 
 def served(args, env: dict) -> dict:
+    said = tempfile.TemporaryFile()  # the server's stderr (a pipe nobody reads would fill and stop it)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, __file__, "--role", "serve", "--model", args.model,
                                "--batch", str(args.batch), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                                "--api-server-count", str(args.api_server_count), "--port", str(port)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=said)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -138,7 +140,10 @@ def served(args, env: dict) -> dict:
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the server did not start")
+                    server.kill()
+                    said.seek(0)
+                    why = (said.read().decode(errors="replace").strip().splitlines() or ["(it said nothing)"])[-1]
+                    raise SystemExit(f"the server did not start: {why}")
                 time.sleep(0.2)
         rng = random.Random(0)
 
@@ -158,6 +163,7 @@ def served(args, env: dict) -> dict:
     finally:
         server.terminate()
         server.wait(30)
+        said.close()
 
 
 def in_process(args, env: dict) -> dict:
@@ -187,7 +193,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     args = p.parse_args()
-    env = os.environ | {STEP_ENV: str(args.step_ms), PREFILL_ENV: str(args.prefill_us), "PYTHONPATH": str(ROOT)}
+    # this checkout first, and whatever the environment's path held (the serve extra may live there)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = os.environ | {STEP_ENV: str(args.step_ms), PREFILL_ENV: str(args.prefill_us), "PYTHONPATH": path}
     alone = in_process(args, env)["output_tokens_per_s"]
     s = served(args, env)
     print(f"clock: {args.step_ms} ms a decode step; {args.num_prompts} prompts of {args.input_len} + {args.output_len} "

@@ -184,7 +184,7 @@ async def stream_completion(client, body: dict, arrival: float, on_token: Callab
                 await response.aread()
                 out.error = _error_text(response)
                 return out
-            async for line in response.aiter_lines():
+            async for line in event_lines(response):
                 now = time.perf_counter()
                 if not line.startswith("data:"):
                     continue  # blank separators, comments, `event:` lines
@@ -213,6 +213,19 @@ async def stream_completion(client, body: dict, arrival: float, on_token: Callab
     except httpx.HTTPError as e:  # refused, reset, closed mid-stream
         out.error = f"connection lost: {_first_line(e)}"
     return out
+
+
+async def event_lines(response):
+    """The stream's lines, ended at LF (or CRLF) as a server-sent event's are, and as vLLM's benchmark
+    reads them. Not httpx's aiter_lines: that splits as str.splitlines does, also at U+0085, U+2028
+    and U+2029, which a server's JSON may hold raw in a token's text, and the chunk would be cut in two."""
+    tail = ""
+    async for text in response.aiter_text():
+        *lines, tail = (tail + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if tail:
+        yield tail
 
 
 # --- a run ---------------------------------------------------------------------------------------

@@ -14,6 +14,10 @@ from pagedcli.serve.errors import APIError, server_error
 LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf
 COMPACT = (",", ":")  # a chunk a step and stream: no spaces to send
 NO_USAGE = object()  # a stream chunk without a usage field
+# JSON may hold these raw in a string (a token's text), but str.splitlines, which some clients read
+# a stream's lines with (httpx's aiter_lines, requests' iter_lines(decode_unicode=True)), ends a line
+# at each: escaped, an event is one line for every client
+LINE_SEPARATORS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def new_id(prefix: str) -> str:
@@ -26,9 +30,14 @@ def to_json(data) -> str:
     return json.dumps(data, ensure_ascii=False, separators=COMPACT)
 
 
+def one_line(json_text: str) -> str:
+    """JSON text with no character that str.splitlines breaks a line at (LINE_SEPARATORS)."""
+    return json_text if json_text.isascii() else json_text.translate(LINE_SEPARATORS)
+
+
 def sse(data: dict | str) -> bytes:
     """One server-sent event: `data: {...}` and a blank line."""
-    return f"data: {data if isinstance(data, str) else to_json(data)}\n\n".encode()
+    return f"data: {one_line(data if isinstance(data, str) else to_json(data))}\n\n".encode()
 
 
 def failure(delta: Delta) -> APIError | None:
@@ -69,7 +78,7 @@ class Shapes:
         self.want_logprobs = want_logprobs
         self.offsets: dict[int, int] = {}  # completions' text_offset so far, per answer
         # a stream's chunks differ only in their choice (and usage): the rest is written once
-        head = to_json(self._head("chat.completion.chunk" if chat else "text_completion"))
+        head = one_line(to_json(self._head("chat.completion.chunk" if chat else "text_completion")))
         self.chunk_start = f"data: {head[:-1]},\"choices\":[".encode()
 
     def _head(self, kind: str) -> dict:
@@ -126,7 +135,7 @@ class Shapes:
             body = f'"text":{json_string(delta.text)}'
         tail = "]}" if usage is NO_USAGE else '],"usage":null}' if usage is None else f'],"usage":{to_json(usage)}}}'
         choice = f'{{"index":{delta.index},"logprobs":{logprobs},"finish_reason":{finish},{body}}}{tail}\n\n'
-        return self.chunk_start + choice.encode()
+        return self.chunk_start + one_line(choice).encode()
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [], "usage": usage}
