@@ -32,10 +32,12 @@ def test_json_is_one_object_per_prompt_in_input_order(stories, tmp_path):
     prompt_file = tmp_path / "prompts.txt"
     prompt_file.write_text("Tom and his dog\n\nThe sun\n", encoding="utf-8")
     code, stdout, _ = run("--model", str(stories), "--json", "--max-tokens", "12", "--batch", "2",
-                          "Once upon a time", "--prompt-file", str(prompt_file))
+                          "Once upon a time", "--prompt-file", str(prompt_file), "A\u2028line\x85apart")
     assert code == 0
+    # (one record a line for a reader that splits as str.splitlines does, U+2028 and U+0085 too)
     records = [json.loads(line) for line in stdout.splitlines()]
-    assert [r["prompt"] for r in records] == ["Once upon a time", "Tom and his dog", "The sun"]
+    assert [r["prompt"] for r in records] == ["Once upon a time", "A\u2028line\x85apart", "Tom and his dog",
+                                               "The sun"]
     for r in records:
         assert set(r) == {"prompt", "prompt_token_ids", "token_ids", "text", "finish_reason"}
         assert r["prompt_token_ids"][0] == 1 and len(r["token_ids"]) <= 12

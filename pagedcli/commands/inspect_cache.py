@@ -25,6 +25,7 @@ from pagedcli.commands.exits import exit_for_failures, friendly_errors, report_f
 from pagedcli.commands.generate import start_requests
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
 from pagedcli.errors import UsageError, plural
+from pagedcli.json_lines import one_line
 
 if TYPE_CHECKING:  # the engine and torch load once the command runs, not for --help
     from pagedcli.engine.engine import Engine
@@ -268,7 +269,7 @@ def inspect_cache(
     report_failures(seqs, samples, refused)
     decode = functools.partial(loaded.tokenizer.decode, skip_special_tokens=False)
     if json_output:
-        print(json.dumps(to_json(snap, view, decode), ensure_ascii=False))
+        print(one_line(json.dumps(to_json(snap, view, decode), ensure_ascii=False)))
     else:
         Console(highlight=False).print(render(snap, view, decode, layer))
     exit_for_failures(seqs, refused)  # shown, but a request failed: as generate does

@@ -9,6 +9,7 @@ from typing import TextIO
 
 from pagedcli.commands.options import with_flags
 from pagedcli.engine.sequence import Sequence
+from pagedcli.json_lines import one_line
 from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
 
 ERROR_MARK = " [error]"  # ends the text of an answer that failed (stderr says why)
@@ -107,7 +108,7 @@ class JsonPrinter:
             record = self.record(self.seqs[self.current])
             if self.samples > 1:
                 record["sample"] = self.current % self.samples
-            self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self.out.write(one_line(json.dumps(record, ensure_ascii=False)) + "\n")
             self.current += 1
         self.out.flush()
 

@@ -8,16 +8,13 @@ import random
 import time
 from json.encoder import encode_basestring as json_string  # a str as JSON, as json.dumps(ensure_ascii=False)
 
+from pagedcli.json_lines import one_line
 from pagedcli.serve.engine_client import Delta
 from pagedcli.serve.errors import APIError, server_error
 
 LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf
 COMPACT = (",", ":")  # a chunk a step and stream: no spaces to send
 NO_USAGE = object()  # a stream chunk without a usage field
-# JSON may hold these raw in a string (a token's text), but str.splitlines, which some clients read
-# a stream's lines with (httpx's aiter_lines, requests' iter_lines(decode_unicode=True)), ends a line
-# at each: escaped, an event is one line for every client
-LINE_SEPARATORS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 
 
 def new_id(prefix: str) -> str:
@@ -28,16 +25,6 @@ def new_id(prefix: str) -> str:
 
 def to_json(data) -> str:
     return json.dumps(data, ensure_ascii=False, separators=COMPACT)
-
-
-def one_line(json_text: str) -> str:
-    """JSON text with no character that str.splitlines breaks a line at (LINE_SEPARATORS)."""
-    # (every chunk passes here: three scans in C, and the rare replace, cost far less than str.translate)
-    if json_text.isascii() or not ("\x85" in json_text or "\u2028" in json_text or "\u2029" in json_text):
-        return json_text
-    for c, escaped in LINE_SEPARATORS.items():
-        json_text = json_text.replace(c, escaped)
-    return json_text
 
 
 def sse(data: dict | str) -> bytes:
