@@ -633,20 +633,24 @@ def test_an_engine_killed_before_the_first_request_is_503_for_a_stream_too():
         assert first.status_code == 503 and first.json()["error"]["type"] == "server_error", first.text
 
 
-def test_sigterm_finishes_what_runs_and_exits_0(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_or_a_hang_up_finishes_what_runs_and_exits_0(signum):
+    """To the whole process group, as a service manager's stop or a closed terminal sends it: the
+    engine's process too, which leaves the stop to the API process (a hang-up used to kill it, and
+    the API process ended with a traceback, cutting the stream)."""
     proc, url = start_server()
     try:
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         stream = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=40, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
         first = next(iter(stream))
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signum)
         rest = list(stream)
         assert rest[-2].choices[0].finish_reason == "length" and rest[-1].usage.completion_tokens == 40, \
             "the request in flight is finished"
         assert proc.wait(30) == 0
         err = proc.stderr.read()
-        assert "stopped by SIGTERM: 1 answer finished" in err and "Traceback" not in err, err
+        assert f"stopped by {signal.Signals(signum).name}: 1 answer finished" in err and "Traceback" not in err, err
         assert first.choices[0].text
     finally:
         proc.kill()
@@ -1227,7 +1231,8 @@ def test_a_stream_chunk_is_the_json_of_openais_chunk_object(chat):
     for want_logprobs in (False, True):
         shapes = Shapes(chat, "cmpl-1", head["model"], token_text, want_logprobs)
         twin = Shapes(chat, "cmpl-1", head["model"], token_text, want_logprobs)  # (offsets: its own)
-        for first, text, finish, usage in ((True, 'say "hi"\n\u00e9\u2028\x85\u2029', None, NO_USAGE), (False, "", "stop", None),
+        for first, text, finish, usage in ((True, 'say "hi"\n\u00e9\u2028\x85\u2029', None, NO_USAGE),
+                                           (False, "", "stop", None),
                                            (False, "x", "length", {"prompt_tokens": 2, "completion_tokens": 3,
                                                                    "total_tokens": 5})):
             delta = Delta(1, [7, 8], text, [Logprob(-0.5, [(7, -0.5)]), Logprob(float("-inf"), [(9, -1.0)])], finish)

@@ -2,7 +2,7 @@
 (pagedcli/serve/ does the work; this is options, messages and the server's start and end). The
 engine runs in a process of its own (serve/engine_process.py), this one serves HTTP.
 
-SIGINT or SIGTERM stop it cleanly: no new connections, the requests in flight get GRACE_S to
+SIGINT, SIGTERM or SIGHUP stop it cleanly: no new connections, the requests in flight get GRACE_S to
 finish and are aborted after that, the engine gives every block back, exit code 0.
 
 With --api-server-count N (vLLM's option), N - 1 more API processes serve the same socket, each
@@ -32,12 +32,12 @@ from pagedcli.commands.generate import load_for_text, request_params, sampling_d
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
 from pagedcli.errors import PagedCliError, RunError, UsageError, plural
 from pagedcli.heap import frozen_heap
-from pagedcli.serve import DEFAULT_MAX_WAITING, LOG_FORMAT
+from pagedcli.serve import DEFAULT_MAX_WAITING, LOG_FORMAT, STOP_SIGNALS
 
 GRACE_S = 10.0  # seconds the requests in flight get to finish once a signal stops the server
 CLOSE_S = 5.0  # then, after they are aborted, seconds their handlers get to write their endings
 # what stops the other API processes (--api-server-count): this one sends it them for each signal it
-# gets, and its death does (PR_SET_PDEATHSIG); they ignore SIGINT and SIGTERM, which a terminal or a
+# gets, and its death does (PR_SET_PDEATHSIG); they ignore the STOP_SIGNALS, which a terminal or a
 # service manager (systemd's stop) sends every process of the group, so that each signal counts once
 STOP_SIGNAL = getattr(signal, "SIGUSR1", signal.SIGTERM)  # (Windows has none: --api-server-count needs Linux)
 # and the first's death (PR_SET_PDEATHSIG): the kernel signals it as each thread of the first that
@@ -130,7 +130,7 @@ def serve(
             for process in others:
                 forward_stop(process)
         # a signal while they finish (a second Ctrl-C) goes on to them too: it ends what they run
-        forwarded = (signal.SIGINT, signal.SIGTERM) if others else ()
+        forwarded = STOP_SIGNALS if others else ()
         with signals_handled(forwarded, lambda *_: [forward_stop(p) for p in others]):
             for process in others:
                 deadline = time.monotonic() + GRACE_S + CLOSE_S + 5
@@ -164,9 +164,9 @@ def start_api_process(link, address: tuple, settings):
     started = context.Event()
     process = context.Process(target=api_process, name="pagedcli-api", args=(link, address, settings, started))
     process.started = started
-    # started with SIGINT and SIGTERM ignored (exec keeps that): what the group gets reaches this
+    # started with the STOP_SIGNALS ignored (exec keeps that): what the group gets reaches this
     # one too, which forwards each signal as STOP_SIGNAL, so that each counts once
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} \
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS} \
         if threading.current_thread() is threading.main_thread() else {}
     try:
         process.start()
@@ -197,7 +197,7 @@ def api_process(link, address: tuple, settings, started) -> None:
     """An API process of --api-server-count's: the same app on a socket of its own bound to the same
     port, its own link to the engine; it stops on STOP_SIGNAL (the first API process forwards its
     signals) as that one does, and when that one dies (even by SIGKILL: no orphan serves on)."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     import ctypes
 
@@ -343,7 +343,7 @@ def quiet_startup(shared) -> None:
         log_above(shared, ("uvicorn", "uvicorn.error", "uvicorn.access", "pagedcli.serve"))
 
 
-def make_server(config, engine, on_signal=lambda: None, signals=(signal.SIGINT, signal.SIGTERM),
+def make_server(config, engine, on_signal=lambda: None, signals=STOP_SIGNALS,
                 on_started=lambda: None):
     """`on_signal`: called at each signal that stops it (the other API processes hear of it);
     `on_started`: once it serves."""

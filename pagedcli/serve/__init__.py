@@ -16,8 +16,12 @@
 Nothing here is imported unless the server is started: pagedcli works without fastapi.
 """
 
+import signal
+
 MISSING = "pagedcli serve needs FastAPI and uvicorn"
 INSTALL_HINT = "install them with: pip install 'pagedcli[serve]'"
 DEFAULT_MAX_WAITING = 4096  # answers (n a request) waiting for a slot before the next request is refused (429)
 LOG_FORMAT = "%(levelname)s: %(message)s"  # the server's own log lines, in both of its processes
+# what stops a server cleanly: Ctrl-C, a service manager's stop, its terminal hanging up (no SIGHUP on Windows)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 

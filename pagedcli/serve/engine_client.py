@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from pagedcli.errors import RunError
 from pagedcli.model.tokenizer import StreamDecoder
-from pagedcli.serve import engine_process
+from pagedcli.serve import STOP_SIGNALS, engine_process
 from pagedcli.serve.command_pipe import CommandPipe, frame, widen
 from pagedcli.serve.engine_process import Ready
 from pagedcli.serve.errors import APIError, server_error
@@ -172,9 +172,9 @@ class EngineClient:
             there.append((messages_out, commands_in))
         self.process = context.Process(target=engine_process.main, name="pagedcli-engine",
                                        args=(there, self.build, self.args, self.live))
-        # started with SIGINT and SIGTERM ignored (exec keeps that): a Ctrl-C while it starts up
+        # started with the stop signals ignored (exec keeps that): a Ctrl-C while it starts up
         # must not kill it before it ignores them itself
-        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if is_main() else {}
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS} if is_main() else {}
         try:
             self.process.start()
         finally:

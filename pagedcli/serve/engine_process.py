@@ -32,9 +32,9 @@ request keys are its own, its messages carry its own answers, and every link get
 report (the numbers are the engine's, so each API process's /metrics shows the whole server). The
 process ends once every link has said stop or closed.
 
-The process ignores SIGINT and SIGTERM (a terminal sends Ctrl-C to the whole process group: the
-API process decides how the server ends, and tells this one), and ends when the API processes are
-gone: their ends of the pipes close, so a read here sees EOF and a write fails."""
+The process ignores the STOP_SIGNALS (a terminal sends Ctrl-C, and its hang-up, to the whole process
+group: the API process decides how the server ends, and tells this one), and ends when the API
+processes are gone: their ends of the pipes close, so a read here sees EOF and a write fails."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from pagedcli.errors import PagedCliError, RunError, allocation_failure
 from pagedcli.heap import frozen_heap
 from pagedcli.model.config import CacheGeometry
 from pagedcli.model.tokenizer import Tokenizer
-from pagedcli.serve import LOG_FORMAT
+from pagedcli.serve import LOG_FORMAT, STOP_SIGNALS
 from pagedcli.serve.metrics import Tally
 
 log = logging.getLogger("pagedcli.serve")
@@ -79,7 +79,7 @@ def main(links: list, build, args: tuple, live: bool) -> None:
     """The process: `build(*args)` (a module-level function, so that it pickles by name) gives
     the Loaded model and engine; `links`: (messages out, commands in) a pair of pipes for each API
     process; `live`: draw the live view on this process's stdout."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     try:
         try:
