@@ -378,6 +378,24 @@ def test_a_bad_completion_request_is_a_400_naming_the_field(server, body, param,
     assert error["param"] == param and fragment in error["message"], error
 
 
+def test_a_field_given_as_null_takes_its_default_as_openais_api_reads_it(server):
+    """OpenAI's API takes null for every optional field (clients that fill in every field send
+    them): `"n": null` is one answer, `"stream": null` no stream; they were 400s."""
+    nulls = {"n": None, "stream": None, "stream_options": None, "logprobs": None, "echo": None, "stop": None,
+             "max_tokens": None, "temperature": None}
+    body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0}
+    r = httpx.post(server.url + "/v1/completions", json=nulls | body)
+    assert r.status_code == 200, r.text
+    expected = httpx.post(server.url + "/v1/completions", json=body).json()["choices"]
+    assert r.json()["choices"] == expected and len(expected) == 1
+    chat = {"model": "demo", "max_tokens": 2, "n": None, "stream": None, "logprobs": None, "top_logprobs": None,
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = httpx.post(server.url + "/v1/completions", json={"model": "demo", "prompt": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
 def test_bad_chat_requests_and_other_requests_unharmed(server):
     client = server.client()
     running = client.completions.create(model="demo", prompt="KING", max_tokens=80, temperature=0, stream=True)
