@@ -591,7 +591,15 @@ def test_random_weights_are_served_for_token_id_prompts(tiny):
 def test_models_and_health(server):
     models = server.client().models.list().data
     assert [(m.id, m.owned_by) for m in models] == [("demo", "pagedcli")]
+    assert server.client().models.retrieve("demo") == models[0]  # OpenAI's GET /v1/models/{model} (was a 404)
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client().models.retrieve("org/other")
+    assert e.value.body["code"] == "model_not_found" and "'org/other'" in e.value.body["message"]
     assert httpx.get(server.url + "/health").status_code == 200
+    # HEAD where GET is (HTTP asks it of every server; monitors probe with it): it was a 405
+    for path in ("/health", "/v1/models", "/metrics"):
+        r = httpx.head(server.url + path)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
 
@@ -601,7 +609,7 @@ def test_other_methods_on_the_post_routes_are_405_saying_allow_post(server):
         for method in ("GET", "HEAD", "PUT"):
             r = httpx.request(method, server.url + route)
             assert r.status_code == 405 and r.headers.get("allow") == "POST", (route, method, r.headers)
-            assert method == "HEAD" or r.json()["error"]["message"] == "Method Not Allowed"
+            assert method == "HEAD" or r.json()["error"]["message"] == f"{method} {route}: not allowed here (it takes POST)"
 
 
 # --- the command ------------------------------------------------------------------------------

@@ -39,5 +39,9 @@ def not_found(path: str) -> APIError:
     return APIError(f"no route {path}", 404, type="not_found_error")
 
 
+def not_allowed(method: str, path: str, allow: str) -> APIError:
+    return APIError(f"{method} {path}: not allowed here (it takes {allow})", 405)
+
+
 def server_error(message: str) -> APIError:
     return APIError(message, 500, type="server_error")
