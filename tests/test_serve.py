@@ -682,6 +682,24 @@ def test_sigterm_or_a_hang_up_finishes_what_runs_and_exits_0(signum):
         proc.kill()
 
 
+def test_a_server_whose_log_reader_has_gone_serves_on_and_exits_0():
+    """stderr a pipe whose reader ended (`serve 2>&1 | grep -m1 serving`, a log collector
+    restarted): the lines are lost, the server is not (rich's broken-pipe SystemExit(1) ended it at
+    its next notice: the `stopped` line turned a clean SIGTERM into exit 1)."""
+    proc, url = start_server()
+    try:
+        proc.stderr.close()
+        engine = engine_process_of(proc.pid)
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        chunks = list(client.completions.create(model="demo", prompt="ROMEO:", max_tokens=3, stream=True))
+        assert len(chunks) == 3 and chunks[-1].choices[0].finish_reason == "length"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert left_behind([engine]) == []
+    finally:
+        proc.kill()
+
+
 def test_an_engine_process_serves_each_link_its_own_and_outlives_one_gone(make_engine):
     """Two API processes' links into one engine process: the same request key on both is two
     requests, each link's messages carry its own answer only; a link whose process is gone (its
