@@ -415,6 +415,22 @@ def test_bad_chat_requests_and_other_requests_unharmed(server):
     server.settle()
 
 
+def test_a_chat_template_that_refuses_the_messages_is_a_400_with_a_clients_way_out(server, monkeypatch):
+    """A template's raise_exception (roles must alternate, as many models' do) is the client's
+    400, with a way out for a client (it said generate's hint: "use `raw` to feed the prompt")."""
+    template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be the user') }}"
+                "{% endif %}{{ messages[0]['content'] }}")
+    monkeypatch.setattr(server.ready.tokenizer, "chat_template", template)
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": "demo", "max_tokens": 1, "messages": [{"role": "system", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    message = r.json()["error"]["message"]
+    assert "the first message must be the user" in message and "/v1/completions" in message and "raw" not in message
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": "demo", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200, r.text
+
+
 def test_a_lone_surrogate_in_a_chat_message_is_a_400_and_an_escaped_emoji_is_text(server):
     def chat(body: dict) -> httpx.Response:  # json.dumps writes non-ASCII as escapes: 😀 as \ud83d\ude00
         return httpx.post(server.url + "/v1/chat/completions", content=json.dumps(body))

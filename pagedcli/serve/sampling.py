@@ -81,8 +81,9 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer, model_name: str) -> tupl
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     try:
         text = tokenizer.render_chat(messages)
-    except PagedCliError as e:
-        raise bad_request(str(e), "messages") from None
+    except PagedCliError as e:  # (its hint is generate's: a client's way out is another)
+        raise bad_request(f"{e.message} (change the messages, or send the prompt as text to /v1/completions)",
+                          "messages") from None
     last = next((m["content"] for m in reversed(messages) if m["role"] == "user"), None)
     return [tokenizer.encode_rendered(text)], [last]
 
