@@ -831,6 +831,10 @@ def test_two_api_processes_serve_one_engine_and_stop_together():
         assert proc.wait(30) == 0
         err = proc.stderr.read()
         assert "stopped by SIGINT: 28 answers finished" in err and "Traceback" not in err, err
+        # uvicorn's start and stop lines stay quiet in the other process too (it said "Started
+        # server process", "Shutting down", "Finished server process")
+        assert not [line for line in proc.start_lines + err.splitlines() if line.startswith("INFO:     ")
+                    and '"' not in line], (proc.start_lines, err)
         assert not left_behind(children), "a process was left behind"
     finally:
         proc.kill()

@@ -215,9 +215,9 @@ def api_process(link, address: tuple, settings, started) -> None:
     try:
         sock = bind(*address, share=True, join=True)
         ready = engine.join(link)
-        quiet_startup(None)
-        server = make_server(server_config(create_app(engine, ready, settings, metrics)), engine,
-                             signals=(STOP_SIGNAL, PARENT_GONE), on_started=started.set)
+        config = server_config(create_app(engine, ready, settings, metrics))
+        quiet_startup(None)  # (after the config: making it sets uvicorn's loggers up again)
+        server = make_server(config, engine, signals=(STOP_SIGNAL, PARENT_GONE), on_started=started.set)
         with frozen_heap():
             server.run(sockets=[sock])
     except EOFError:  # the engine was gone before this process started: the first API process says why
