@@ -716,6 +716,35 @@ def test_a_server_whose_log_reader_has_gone_serves_on_and_exits_0():
         proc.kill()
 
 
+def test_a_stream_cut_at_the_shutdown_deadline_leaves_no_traceback():
+    """A client that stopped reading keeps its stream's ending from being written, so uvicorn
+    cancels that handler at its shutdown deadline (GRACE_S + CLOSE_S) and logged the CancelledError
+    as "Exception in ASGI application" with a traceback (SIGTERM with three clients not reading
+    8 answers of logprobs each); its own one-line error before it says what happened. (Through
+    the loggers as the server sets them up: the real cut takes the deadline's 15 s.)"""
+    import logging
+
+    from pagedcli.commands.serve import quiet_startup
+
+    quiet_startup(None)
+    records = []
+    catch = logging.Handler()
+    catch.emit = records.append
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(catch)
+    try:
+        log.error("Cancel 1 running task(s), timeout graceful shutdown exceeded")
+        cut = asyncio.CancelledError("Task cancelled, timeout graceful shutdown exceeded")
+        log.error("Exception in ASGI application\n", exc_info=(type(cut), cut, None))
+        bug = ValueError("a bug")
+        log.error("Exception in ASGI application\n", exc_info=(type(bug), bug, None))
+    finally:
+        log.removeHandler(catch)
+    assert [(r.getMessage(), r.exc_info and r.exc_info[0]) for r in records] == [
+        ("Cancel 1 running task(s), timeout graceful shutdown exceeded", None),
+        ("Exception in ASGI application\n", ValueError)]  # a bug's traceback stays
+
+
 def test_an_engine_process_serves_each_link_its_own_and_outlives_one_gone(make_engine):
     """Two API processes' links into one engine process: the same request key on both is two
     requests, each link's messages carry its own answer only; a link whose process is gone (its
