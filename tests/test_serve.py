@@ -523,6 +523,7 @@ def test_past_max_waiting_is_429_and_a_wrong_key_401(one_slot):
     with pytest.raises(openai.RateLimitError) as e:  # the second waits: a third is one too many
         client.completions.create(model="demo", prompt="KING", max_tokens=5)
     assert e.value.status_code == 429 and e.value.body["code"] == "rate_limit_exceeded"
+    assert e.value.body["message"].startswith("the server has 1 answer waiting for a slot already"), e.value.body
     first.close()
     assert "".join(c.choices[0].text for c in second if c.choices), "the waiting one runs once a slot frees"
     s.settle()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedcli.errors import plural
+
 
 @dataclass
 class APIError(Exception):
@@ -31,7 +33,8 @@ def unauthorized(given: bool = True) -> APIError:
 
 
 def too_many_waiting(limit: int) -> APIError:
-    return APIError(f"the server has {limit} answers waiting for a slot already (its --max-waiting); try again shortly", 429,
+    return APIError(f"the server has {plural(limit, 'answer')} waiting for a slot already (its --max-waiting); "
+                    "try again shortly", 429,
                     type="rate_limit_exceeded", code="rate_limit_exceeded")
 
 
