@@ -363,6 +363,10 @@ BAD = [
     (b'{"prompt": "ROMEO:", "\\udfff": 1}', None, "a key of the body is not valid Unicode text"),
     (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nests arrays or objects too deeply"),
     (b'{"prompt": [' + b"9" * 5000 + b"]}", None, "a number with thousands of digits"),
+    # one prompt of several at fault: it is named (it was `prompt`, whichever of a thousand it was)
+    (b'{"prompt": [[1, 2], []]}', "prompt[1]", "`prompt[1]`: the prompt is empty"),
+    (b'{"prompt": ["ok", "' + b"word " * 600 + b'"]}', "prompt[1]", "`prompt[1]`: the prompt has"),
+    (b'{"prompt": [[1], [2], [5000]]}', "prompt[2]", "`prompt[2]`: token id 5000 is outside"),
     # one that made a NaN distribution: the draw's error failed the whole step, its batch mates too
     (b'{"prompt": "ROMEO:", "temperature": 1, "repetition_penalty": 1e-300}', "repetition_penalty",
      "`repetition_penalty` 1e-300: must be a positive number from 0.0001 to 10000"),
