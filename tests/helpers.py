@@ -138,8 +138,10 @@ def start_server(*args):
                              "--port", "0", *args], cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # its own process group, for a terminal's Ctrl-C
     line = ""
+    proc.start_lines = []  # what it said up to its serving line
     while "serving" not in line:
         line = proc.stderr.readline()
+        proc.start_lines.append(line)
         if not line:
             proc.kill()
             raise AssertionError("the server ended before it served")

@@ -363,6 +363,10 @@ BAD = [
     (b'{"prompt": "ROMEO:", "\\udfff": 1}', None, "a key of the body is not valid Unicode text"),
     (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nests arrays or objects too deeply"),
     (b'{"prompt": [' + b"9" * 5000 + b"]}", None, "a number with thousands of digits"),
+    # one prompt of several at fault: it is named (it was `prompt`, whichever of a thousand it was)
+    (b'{"prompt": [[1, 2], []]}', "prompt[1]", "`prompt[1]`: the prompt is empty"),
+    (b'{"prompt": ["ok", "' + b"word " * 600 + b'"]}', "prompt[1]", "`prompt[1]`: the prompt has"),
+    (b'{"prompt": [[1], [2], [5000]]}', "prompt[2]", "`prompt[2]`: token id 5000 is outside"),
     # one that made a NaN distribution: the draw's error failed the whole step, its batch mates too
     (b'{"prompt": "ROMEO:", "temperature": 1, "repetition_penalty": 1e-300}', "repetition_penalty",
      "`repetition_penalty` 1e-300: must be a positive number from 0.0001 to 10000"),
@@ -376,6 +380,24 @@ def test_a_bad_completion_request_is_a_400_naming_the_field(server, body, param,
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["param"] == param and fragment in error["message"], error
+
+
+def test_a_field_given_as_null_takes_its_default_as_openais_api_reads_it(server):
+    """OpenAI's API takes null for every optional field (clients that fill in every field send
+    them): `"n": null` is one answer, `"stream": null` no stream; they were 400s."""
+    nulls = {"n": None, "stream": None, "stream_options": None, "logprobs": None, "echo": None, "stop": None,
+             "max_tokens": None, "temperature": None}
+    body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0}
+    r = httpx.post(server.url + "/v1/completions", json=nulls | body)
+    assert r.status_code == 200, r.text
+    expected = httpx.post(server.url + "/v1/completions", json=body).json()["choices"]
+    assert r.json()["choices"] == expected and len(expected) == 1
+    chat = {"model": "demo", "max_tokens": 2, "n": None, "stream": None, "logprobs": None, "top_logprobs": None,
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = httpx.post(server.url + "/v1/completions", json={"model": "demo", "prompt": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
 def test_bad_chat_requests_and_other_requests_unharmed(server):
@@ -395,6 +417,22 @@ def test_bad_chat_requests_and_other_requests_unharmed(server):
     expected = client.completions.create(model="demo", prompt="KING", max_tokens=80, temperature=0).choices[0].text
     assert "".join(c.choices[0].text for c in running) == expected
     server.settle()
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400_with_a_clients_way_out(server, monkeypatch):
+    """A template's raise_exception (roles must alternate, as many models' do) is the client's
+    400, with a way out for a client (it said generate's hint: "use `raw` to feed the prompt")."""
+    template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be the user') }}"
+                "{% endif %}{{ messages[0]['content'] }}")
+    monkeypatch.setattr(server.ready.tokenizer, "chat_template", template)
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": "demo", "max_tokens": 1, "messages": [{"role": "system", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    message = r.json()["error"]["message"]
+    assert "the first message must be the user" in message and "/v1/completions" in message and "raw" not in message
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": "demo", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200, r.text
 
 
 def test_a_lone_surrogate_in_a_chat_message_is_a_400_and_an_escaped_emoji_is_text(server):
@@ -489,6 +527,7 @@ def test_past_max_waiting_is_429_and_a_wrong_key_401(one_slot):
     with pytest.raises(openai.RateLimitError) as e:  # the second waits: a third is one too many
         client.completions.create(model="demo", prompt="KING", max_tokens=5)
     assert e.value.status_code == 429 and e.value.body["code"] == "rate_limit_exceeded"
+    assert e.value.body["message"].startswith("the server has 1 answer waiting for a slot already"), e.value.body
     first.close()
     assert "".join(c.choices[0].text for c in second if c.choices), "the waiting one runs once a slot frees"
     s.settle()
@@ -573,7 +612,15 @@ def test_random_weights_are_served_for_token_id_prompts(tiny):
 def test_models_and_health(server):
     models = server.client().models.list().data
     assert [(m.id, m.owned_by) for m in models] == [("demo", "pagedcli")]
+    assert server.client().models.retrieve("demo") == models[0]  # OpenAI's GET /v1/models/{model} (was a 404)
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client().models.retrieve("org/other")
+    assert e.value.body["code"] == "model_not_found" and "'org/other'" in e.value.body["message"]
     assert httpx.get(server.url + "/health").status_code == 200
+    # HEAD where GET is (HTTP asks it of every server; monitors probe with it): it was a 405
+    for path in ("/health", "/v1/models", "/metrics"):
+        r = httpx.head(server.url + path)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
 
@@ -583,7 +630,7 @@ def test_other_methods_on_the_post_routes_are_405_saying_allow_post(server):
         for method in ("GET", "HEAD", "PUT"):
             r = httpx.request(method, server.url + route)
             assert r.status_code == 405 and r.headers.get("allow") == "POST", (route, method, r.headers)
-            assert method == "HEAD" or r.json()["error"]["message"] == "Method Not Allowed"
+            assert method == "HEAD" or r.json()["error"]["message"] == f"{method} {route}: not allowed here (it takes POST)"
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -654,6 +701,53 @@ def test_sigterm_or_a_hang_up_finishes_what_runs_and_exits_0(signum):
         assert first.choices[0].text
     finally:
         proc.kill()
+
+
+def test_a_server_whose_log_reader_has_gone_serves_on_and_exits_0():
+    """stderr a pipe whose reader ended (`serve 2>&1 | grep -m1 serving`, a log collector
+    restarted): the lines are lost, the server is not (rich's broken-pipe SystemExit(1) ended it at
+    its next notice: the `stopped` line turned a clean SIGTERM into exit 1)."""
+    proc, url = start_server()
+    try:
+        proc.stderr.close()
+        engine = engine_process_of(proc.pid)
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        chunks = list(client.completions.create(model="demo", prompt="ROMEO:", max_tokens=3, stream=True))
+        assert len(chunks) == 3 and chunks[-1].choices[0].finish_reason == "length"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert left_behind([engine]) == []
+    finally:
+        proc.kill()
+
+
+def test_a_stream_cut_at_the_shutdown_deadline_leaves_no_traceback():
+    """A client that stopped reading keeps its stream's ending from being written, so uvicorn
+    cancels that handler at its shutdown deadline (GRACE_S + CLOSE_S) and logged the CancelledError
+    as "Exception in ASGI application" with a traceback (SIGTERM with three clients not reading
+    8 answers of logprobs each); its own one-line error before it says what happened. (Through
+    the loggers as the server sets them up: the real cut takes the deadline's 15 s.)"""
+    import logging
+
+    from pagedcli.commands.serve import quiet_startup
+
+    quiet_startup(None)
+    records = []
+    catch = logging.Handler()
+    catch.emit = records.append
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(catch)
+    try:
+        log.error("Cancel 1 running task(s), timeout graceful shutdown exceeded")
+        cut = asyncio.CancelledError("Task cancelled, timeout graceful shutdown exceeded")
+        log.error("Exception in ASGI application\n", exc_info=(type(cut), cut, None))
+        bug = ValueError("a bug")
+        log.error("Exception in ASGI application\n", exc_info=(type(bug), bug, None))
+    finally:
+        log.removeHandler(catch)
+    assert [(r.getMessage(), r.exc_info and r.exc_info[0]) for r in records] == [
+        ("Cancel 1 running task(s), timeout graceful shutdown exceeded", None),
+        ("Exception in ASGI application\n", ValueError)]  # a bug's traceback stays
 
 
 def test_an_engine_process_serves_each_link_its_own_and_outlives_one_gone(make_engine):
@@ -771,6 +865,10 @@ def test_two_api_processes_serve_one_engine_and_stop_together():
         assert proc.wait(30) == 0
         err = proc.stderr.read()
         assert "stopped by SIGINT: 28 answers finished" in err and "Traceback" not in err, err
+        # uvicorn's start and stop lines stay quiet in the other process too (it said "Started
+        # server process", "Shutting down", "Finished server process")
+        assert not [line for line in proc.start_lines + err.splitlines() if line.startswith("INFO:     ")
+                    and '"' not in line], (proc.start_lines, err)
         assert not left_behind(children), "a process was left behind"
     finally:
         proc.kill()

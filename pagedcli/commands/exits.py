@@ -22,7 +22,17 @@ from rich.markup import escape
 from pagedcli.commands.options import with_flags
 from pagedcli.errors import PagedCliError, RunError, allocation_failure
 
-err = Console(stderr=True, highlight=False)
+
+class Stderr(Console):
+    """stderr's console. Once its reader has gone (a closed pipe: a log reader that ended), what is
+    written there is lost and the command goes on: rich's own answer is SystemExit(1), which ended a
+    server at its next log line, whatever it was serving."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+
+
+err = Stderr(stderr=True, highlight=False)
 
 
 def friendly_errors(fn):
@@ -106,8 +116,10 @@ def fail(e: PagedCliError):
 
 
 def notice(text: str) -> None:
-    """A dim line on stderr; the settings core modules name (`model`) appear as their flags (--model)."""
-    err.print(f"[dim]{escape(with_flags(text))}[/dim]", soft_wrap=True)
+    """A dim line on stderr; the settings core modules name (`model`) appear as their flags (--model).
+    A line stderr cannot take (its disk full) is lost, not the command's work."""
+    with contextlib.suppress(OSError):
+        err.print(f"[dim]{escape(with_flags(text))}[/dim]", soft_wrap=True)
 
 
 def report_failures(seqs, samples: int, skip: set[int] | None = None) -> None:

@@ -215,9 +215,9 @@ def api_process(link, address: tuple, settings, started) -> None:
     try:
         sock = bind(*address, share=True, join=True)
         ready = engine.join(link)
-        quiet_startup(None)
-        server = make_server(server_config(create_app(engine, ready, settings, metrics)), engine,
-                             signals=(STOP_SIGNAL, PARENT_GONE), on_started=started.set)
+        config = server_config(create_app(engine, ready, settings, metrics))
+        quiet_startup(None)  # (after the config: making it sets uvicorn's loggers up again)
+        server = make_server(config, engine, signals=(STOP_SIGNAL, PARENT_GONE), on_started=started.set)
         with frozen_heap():
             server.run(sockets=[sock])
     except EOFError:  # the engine was gone before this process started: the first API process says why
@@ -330,7 +330,10 @@ def log_config() -> dict:
 def quiet_startup(shared) -> None:
     """uvicorn's own start and stop lines say less than ours: only its warnings stay, the access
     log (a line per request) too; with the live view, above its frame."""
-    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.setLevel(logging.WARNING)
+    if not any(isinstance(f, NoCutTracebacks) for f in uvicorn_log.filters):
+        uvicorn_log.addFilter(NoCutTracebacks())
     log = logging.getLogger("pagedcli.serve")
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -341,6 +344,18 @@ def quiet_startup(shared) -> None:
         from pagedcli.serve.live import log_above
 
         log_above(shared, ("uvicorn", "uvicorn.error", "uvicorn.access", "pagedcli.serve"))
+
+
+class NoCutTracebacks(logging.Filter):
+    """At its shutdown deadline uvicorn cancels the handlers still running (a stream whose client
+    stopped reading cannot write its ending) and logs each one's CancelledError as "Exception in
+    ASGI application" with a traceback; its own line before them ("Cancel N running task(s),
+    timeout graceful shutdown exceeded") says what happened."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import asyncio
+
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
 def make_server(config, engine, on_signal=lambda: None, signals=STOP_SIGNALS,

@@ -25,7 +25,7 @@ from pagedcli.serve import DEFAULT_MAX_WAITING, cache_view
 from pagedcli.serve.asgi import Endpoint, EventStream, watch_for_hang_up
 from pagedcli.serve.engine_client import ClientGone, EngineClient, Job
 from pagedcli.serve.engine_process import Ready
-from pagedcli.serve.errors import APIError, not_found, server_error, too_many_waiting, unauthorized
+from pagedcli.serve.errors import APIError, not_allowed, not_found, server_error, too_many_waiting, unauthorized
 from pagedcli.serve.metrics import Metrics
 from pagedcli.serve.protocol import ChatRequest, CompletionRequest, parse
 from pagedcli.serve.responses import NO_USAGE, Answer, Shapes, failure, new_id, sse, usage
@@ -36,6 +36,7 @@ CLIENT_GONE = 499  # nginx's status for a request whose client closed the connec
 # A body past this size is parsed and tokenized in a worker thread (the tokenizer lets go of the GIL),
 # so that a long text does not stall every other answer's stream for seconds meanwhile
 OFF_LOOP_BYTES = 1 << 16
+GET = ["GET", "HEAD"]
 
 
 @dataclass
@@ -66,28 +67,42 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # 404, 405: OpenAI's shape too
-        error = not_found(request.url.path) if e.status_code == 404 else APIError(str(e.detail), e.status_code)
+        if e.status_code == 404:
+            error = not_found(request.url.path)
+        elif e.status_code == 405:
+            error = not_allowed(request.method, request.url.path, e.headers.get("Allow", ""))
+        else:
+            error = APIError(str(e.detail), e.status_code)
         return JSONResponse(error.body(), error.status, headers=e.headers)  # (a 405's Allow)
 
     if settings.api_key is not None:
         app.add_middleware(BearerKey, key=settings.api_key)
 
-    @app.get("/health")
+    get = app.api_route  # GET routes take HEAD too (HTTP asks it of every server; monitors probe with it)
+
+    @get("/health", methods=GET)
     async def health():
         if not engine.alive:
             return Response("the engine has stopped", 503)
         return Response(status_code=200)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": started,
-                                            "owned_by": "pagedcli", "max_model_len": limits.max_model_len}]}
+    served_model = {"id": settings.model_name, "object": "model", "created": started, "owned_by": "pagedcli",
+                    "max_model_len": limits.max_model_len}
 
-    @app.get("/metrics")
+    @get("/v1/models", methods=GET)
+    async def models():
+        return {"object": "list", "data": [served_model]}
+
+    @get("/v1/models/{name:path}", methods=GET)  # OpenAI's retrieve (a model's name may hold slashes)
+    async def model(name: str):
+        check_model(name)
+        return served_model
+
+    @get("/metrics", methods=GET)
     async def metrics_text():
         return PlainTextResponse(metrics.render(engine.num_waiting), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/cache")
+    @get("/v1/cache", methods=GET)
     async def cache():
         snap = await engine.snapshot()
         return await asyncio.to_thread(cache_view.to_json, snap, tokenizer)

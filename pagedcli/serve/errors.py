@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedcli.errors import plural
+
 
 @dataclass
 class APIError(Exception):
@@ -31,12 +33,17 @@ def unauthorized(given: bool = True) -> APIError:
 
 
 def too_many_waiting(limit: int) -> APIError:
-    return APIError(f"the server has {limit} answers waiting for a slot already (its --max-waiting); try again shortly", 429,
+    return APIError(f"the server has {plural(limit, 'answer')} waiting for a slot already (its --max-waiting); "
+                    "try again shortly", 429,
                     type="rate_limit_exceeded", code="rate_limit_exceeded")
 
 
 def not_found(path: str) -> APIError:
     return APIError(f"no route {path}", 404, type="not_found_error")
+
+
+def not_allowed(method: str, path: str, allow: str) -> APIError:
+    return APIError(f"{method} {path}: not allowed here (it takes {allow})", 405)
 
 
 def server_error(message: str) -> APIError:

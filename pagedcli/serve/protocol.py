@@ -11,13 +11,20 @@ import json
 import re
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from pagedcli.serve.errors import APIError, bad_request
 
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_left_out(cls, data):
+        """A field given as null takes its default, as OpenAI's API reads it (`"n": null` is n 1,
+        `"stream": null` no stream): clients that fill every field send nulls for the unset ones."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(Body):

@@ -81,8 +81,9 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer, model_name: str) -> tupl
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     try:
         text = tokenizer.render_chat(messages)
-    except PagedCliError as e:
-        raise bad_request(str(e), "messages") from None
+    except PagedCliError as e:  # (its hint is generate's: a client's way out is another)
+        raise bad_request(f"{e.message} (change the messages, or send the prompt as text to /v1/completions)",
+                          "messages") from None
     last = next((m["content"] for m in reversed(messages) if m["role"] == "user"), None)
     return [tokenizer.encode_rendered(text)], [last]
 
@@ -123,11 +124,12 @@ def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits
     limit = limits.max_model_len
     prompt_field = "messages" if isinstance(req, ChatRequest) else "prompt"
     params = []
-    for ids in token_ids:
+    for i, ids in enumerate(token_ids):
+        where = f"{prompt_field}[{i}]" if len(token_ids) > 1 else prompt_field  # which of several prompts
         if problem := limits.why_unrunnable(len(ids)):
-            raise bad_request(f"`{prompt_field}`: {problem}", prompt_field, "context_length_exceeded" if ids else None)
+            raise bad_request(f"`{where}`: {problem}", where, "context_length_exceeded" if ids else None)
         if problem := limits.unknown_token(ids):
-            raise bad_request(f"`{prompt_field}`: {problem}", prompt_field)
+            raise bad_request(f"`{where}`: {problem}", where)
         room = limit - len(ids)
         if "max_tokens" in given and base.max_tokens > room:
             raise bad_request(f"`max_tokens` {base.max_tokens}: the model's maximum length is {plural(limit, 'token')}, "
