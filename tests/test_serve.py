@@ -1312,6 +1312,26 @@ def test_stopping_a_server_whose_engine_is_still_building_kills_it_at_once():
     assert failed and "ended while it built the engine" in failed[0]
 
 
+def test_chat_logprobs_bytes_are_each_tokens_own_bytes():
+    """A piece of a character (stories260K's byte fallback: 😀 is four `<0xNN>` pieces) is U+FFFD as
+    text; its `bytes` are its own byte, so a client joins the pieces into the character."""
+    from pagedcli.model.tokenizer import Tokenizer
+    from pagedcli.serve.responses import Shapes
+
+    class Logprob:
+        def __init__(self, logprob, top):
+            self.logprob, self.top = logprob, top
+
+    tok = Tokenizer(ASSETS / "stories260K")
+    pieces = tok.tok.encode("\U0001F600", add_special_tokens=False).ids[-4:]
+    shapes = Shapes(True, "chatcmpl-1", "stories", lambda t: tok.decode([t], skip_special_tokens=False), True,
+                    tok.token_bytes)
+    content = shapes.logprobs(0, [(t, Logprob(-1.0, [(t, -1.0)])) for t in pieces])["content"]
+    assert [e["token"] for e in content] == ["\ufffd"] * 4
+    assert bytes(b for e in content for b in e["bytes"]).decode() == "\U0001F600"
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_stream_chunk_is_the_json_of_openais_chunk_object(chat):
     """Shapes.chunk writes its JSON by hand: it must parse to OpenAI's chunk, text with quotes,

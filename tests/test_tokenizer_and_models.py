@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import hf_checkpoint
+from conftest import REPO, hf_checkpoint
 from pagedcli.model.config import ModelConfig
 from pagedcli.errors import RunError, UsageError
 from pagedcli.model.source import resolve_model
@@ -51,6 +51,20 @@ def test_stream_decoder_never_splits_characters(llama3):
     dec = StreamDecoder(llama3)
     pieces = [dec.push(i) for i in ids]
     assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("folder", ["pagedcli/data/demo", "tests/assets/stories260K"], ids=["byte-level", "byte-fallback"])
+def test_a_tokens_bytes_join_into_the_texts_bytes(folder):
+    """OpenAI's logprobs `bytes`: each token's own bytes, the pieces of a character too (their text
+    alone is U+FFFD), so that they join into the text's UTF-8: GPT-2's byte-level pieces (the demo
+    model, Llama 3) and SentencePiece's `<0xF0>` byte fallback and its `▁` (stories260K, Llama 2)."""
+    tok = Tokenizer(REPO / folder)
+    text = "Hé 😀 ok\u2028"
+    ids = tok.tok.encode(text, add_special_tokens=False).ids
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)  # (pieces of a character are here)
+    joined = b"".join(tok.token_bytes(i) for i in ids)
+    assert joined.removeprefix(b" ") == text.encode()  # (SentencePiece's own leading space)
+    assert tok.token_bytes(tok.tok.token_to_id(tok.bos_token)) == tok.bos_token.encode()
 
 
 def test_stop_ids_from_generation_config_list_or_int(tmp_path):

@@ -3,6 +3,8 @@ transformers renders it (jinja2, sandboxed), and incremental detokenization for 
 
 from __future__ import annotations
 
+import json
+import re
 import signal
 import threading
 from contextlib import contextmanager
@@ -43,6 +45,9 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in self.chat_template}
             self.chat_template = named.get("default") or next(iter(named.values()), None)
         self.vocab_size = self.tok.get_vocab_size()
+        self._byte_level = _is_byte_level(json.loads(text).get("decoder"))
+        self._special = {i: t.content for i, t in self.tok.get_added_tokens_decoder().items()}
+        self._bytes: dict[int, bytes] = {}
 
     @property
     def has_chat_template(self) -> bool:
@@ -124,6 +129,25 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes, as OpenAI's log-probabilities give them (`bytes`: what joins a
+        character's pieces back together, where each piece's text alone is U+FFFD): a byte-level
+        piece's bytes through GPT-2's byte-to-character table, a byte-fallback piece's one byte
+        (`<0xF0>`), SentencePiece's `▁` as the space it stands for; a special token's text."""
+        found = self._bytes.get(token_id)
+        if found is None:
+            piece = self.tok.id_to_token(token_id) or ""
+            if token_id in self._special:
+                found = self._special[token_id].encode()
+            elif self._byte_level and all(c in BYTE_OF_CHAR for c in piece):
+                found = bytes(BYTE_OF_CHAR[c] for c in piece)
+            elif m := BYTE_PIECE.fullmatch(piece):
+                found = bytes([int(m.group(1), 16)])
+            else:
+                found = piece.replace("\u2581", " ").encode()
+            self._bytes[token_id] = found
+        return found
 
 
 class StreamDecoder:
@@ -233,6 +257,25 @@ def _time_limit(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _gpt2_byte_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: each of the 256 bytes as a printable character (the bytes that
+    are printable Latin-1 as themselves, the others moved to 256 and up), character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    moved = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(moved)}
+
+
+BYTE_OF_CHAR = _gpt2_byte_table()
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def _is_byte_level(decoder: dict | None) -> bool:
+    """The tokenizer.json's decoder is ByteLevel, alone or in a Sequence."""
+    if not isinstance(decoder, dict):
+        return False
+    return decoder.get("type") == "ByteLevel" or any(_is_byte_level(d) for d in decoder.get("decoders") or [])
 
 
 def _first_line(e: Exception) -> str:

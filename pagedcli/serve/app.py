@@ -143,7 +143,8 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
             raise too_many_waiting(settings.max_waiting)
         request_id = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
         job = Job(request_id, Prompts(token_ids, texts, params), tokenizer)
-        shapes = Shapes(chat, request_id, settings.model_name, token_text, want_logprobs)
+        shapes = Shapes(chat, request_id, settings.model_name, token_text, want_logprobs,
+                        tokenizer.token_bytes if tokenizer is not None else None)
         num_prompt_tokens = sum(len(ids) for ids in token_ids)
         headers = {"X-Request-Id": request_id}
         if req.stream:

@@ -61,12 +61,14 @@ class Shapes:
     """The objects of one request: `chat` or completions, its id (the X-Request-Id header's too),
     model and creation time."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, token_text, want_logprobs: bool):
+    def __init__(self, chat: bool, request_id: str, model: str, token_text, want_logprobs: bool, token_bytes=None):
         self.chat = chat
         self.id = request_id
         self.model = model
         self.created = int(time.time())
         self.token_text = token_text  # id -> its text, special tokens written out
+        # id -> its own bytes (chat's `bytes`: a piece of a character is U+FFFD as text)
+        self.token_bytes = token_bytes or (lambda token_id: token_text(token_id).encode())
         self.want_logprobs = want_logprobs
         self.offsets: dict[int, int] = {}  # completions' text_offset so far, per answer
         # a stream's chunks differ only in their choice (and usage): the rest is written once
@@ -83,7 +85,7 @@ class Shapes:
         if self.chat:
             def one(token_id: int, lp: float) -> dict:
                 s = self.token_text(token_id)
-                return {"token": s, "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(s.encode())}
+                return {"token": s, "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(self.token_bytes(token_id))}
 
             return {"content": [one(t, e.logprob) | {"top_logprobs": [one(i, lp) for i, lp in e.top]}
                                 for t, e in entries]}
