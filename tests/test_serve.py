@@ -357,6 +357,8 @@ BAD = [
     (b'{"prompt": "ROMEO:", "echo": true}', "echo", "`echo` (the prompt in the answer) is not supported"),
     (b'{"prompt": "ROMEO:", "best_of": 3}', "best_of", "`best_of` 3: not supported"),
     (b'{"prompt": "ROMEO:", "suffix": "x"}', "suffix", "`suffix`"),
+    (b'{"prompt": "ROMEO:", "stream_options": {"include_usage": true}}', "stream_options",
+     "`stream_options` is for a streamed answer"),  # (vLLM's 400: no stream, nothing would read them)
     # bodies that were 500s with a traceback: a lone surrogate (the tokenizer's TypeError), nesting past
     # Python's recursion limit, a number past its 4,300 digits (json's ValueError)
     (b'{"prompt": ["ok", "a\\ud800"]}', "prompt[1]", "`prompt[1]` is not valid Unicode text (a lone surrogate U+D800"),

@@ -95,6 +95,9 @@ def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits
     `room`: the server's slots and --max-waiting; a request with more answers than both hold is
     refused (it would queue past --max-waiting)."""
     given = {f: getattr(req, f) for f in FIELDS if getattr(req, f) is not None}
+    if req.stream_options is not None and not req.stream:  # (vLLM's 400 too: it would be silently ignored)
+        raise bad_request("`stream_options` is for a streamed answer: send `stream: true` too, or leave it out",
+                          "stream_options")
     if isinstance(req, ChatRequest):
         if req.max_completion_tokens is not None:
             given["max_tokens"] = req.max_completion_tokens
