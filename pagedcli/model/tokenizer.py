@@ -45,8 +45,10 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in self.chat_template}
             self.chat_template = named.get("default") or next(iter(named.values()), None)
         self.vocab_size = self.tok.get_vocab_size()
-        self._byte_level = _is_byte_level(json.loads(text).get("decoder"))
-        self._special = {i: t.content for i, t in self.tok.get_added_tokens_decoder().items()}
+        decoder = self.tok.decoder  # (its JSON alone: the whole file's is 9 MB for Llama 3)
+        self._byte_level = decoder is not None and _is_byte_level(json.loads(decoder.__getstate__()))
+        # added tokens are written as they are, not byte-encoded
+        self._added = {i: t.content for i, t in self.tok.get_added_tokens_decoder().items()}
         self._bytes: dict[int, bytes] = {}
 
     @property
@@ -134,12 +136,12 @@ class Tokenizer:
         """A token's own bytes, as OpenAI's log-probabilities give them (`bytes`: what joins a
         character's pieces back together, where each piece's text alone is U+FFFD): a byte-level
         piece's bytes through GPT-2's byte-to-character table, a byte-fallback piece's one byte
-        (`<0xF0>`), SentencePiece's `▁` as the space it stands for; a special token's text."""
+        (`<0xF0>`), SentencePiece's `▁` as the space it stands for; an added (special) token's text."""
         found = self._bytes.get(token_id)
         if found is None:
             piece = self.tok.id_to_token(token_id) or ""
-            if token_id in self._special:
-                found = self._special[token_id].encode()
+            if token_id in self._added:
+                found = self._added[token_id].encode()
             elif self._byte_level and all(c in BYTE_OF_CHAR for c in piece):
                 found = bytes(BYTE_OF_CHAR[c] for c in piece)
             elif m := BYTE_PIECE.fullmatch(piece):
