@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -448,15 +449,22 @@ def test_a_lone_surrogate_in_a_chat_message_is_a_400_and_an_escaped_emoji_is_tex
     assert chat({"messages": [{"role": "user", "content": "😀"}], "max_tokens": 2}).status_code == 200
 
 
-def test_a_client_gone_before_its_body_came_whole_leaves_no_traceback(server):
-    import logging
-
+@contextmanager
+def uvicorn_error_records():
+    """The records uvicorn's error log takes while the block runs (past its filters), and the log."""
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     log = logging.getLogger("uvicorn.error")
     log.addHandler(handler)
     try:
+        yield records, log
+    finally:
+        log.removeHandler(handler)
+
+
+def test_a_client_gone_before_its_body_came_whole_leaves_no_traceback(server):
+    with uvicorn_error_records() as (records, _):
         with socket.create_connection(server.sock.getsockname()) as sock:  # 100 bytes promised, 10 sent
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
             deadline = time.monotonic() + 2
@@ -466,8 +474,6 @@ def test_a_client_gone_before_its_body_came_whole_leaves_no_traceback(server):
         while server.server.server_state.tasks:  # then hears of the disconnect and ends
             assert time.monotonic() < deadline
             time.sleep(0.01)
-    finally:
-        log.removeHandler(handler)
     assert [r for r in records if r.levelno >= logging.ERROR] == []
 
 
@@ -729,24 +735,15 @@ def test_a_stream_cut_at_the_shutdown_deadline_leaves_no_traceback():
     as "Exception in ASGI application" with a traceback (SIGTERM with three clients not reading
     8 answers of logprobs each); its own one-line error before it says what happened. (Through
     the loggers as the server sets them up: the real cut takes the deadline's 15 s.)"""
-    import logging
-
     from pagedcli.commands.serve import quiet_startup
 
     quiet_startup(None)
-    records = []
-    catch = logging.Handler()
-    catch.emit = records.append
-    log = logging.getLogger("uvicorn.error")
-    log.addHandler(catch)
-    try:
+    with uvicorn_error_records() as (records, log):
         log.error("Cancel 1 running task(s), timeout graceful shutdown exceeded")
         cut = asyncio.CancelledError("Task cancelled, timeout graceful shutdown exceeded")
         log.error("Exception in ASGI application\n", exc_info=(type(cut), cut, None))
         bug = ValueError("a bug")
         log.error("Exception in ASGI application\n", exc_info=(type(bug), bug, None))
-    finally:
-        log.removeHandler(catch)
     assert [(r.getMessage(), r.exc_info and r.exc_info[0]) for r in records] == [
         ("Cancel 1 running task(s), timeout graceful shutdown exceeded", None),
         ("Exception in ASGI application\n", ValueError)]  # a bug's traceback stays
