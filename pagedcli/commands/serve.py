@@ -32,7 +32,7 @@ from pagedcli.commands.generate import load_for_text, request_params, sampling_d
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
 from pagedcli.errors import PagedCliError, RunError, UsageError, plural
 from pagedcli.heap import frozen_heap
-from pagedcli.serve import DEFAULT_MAX_WAITING, LOG_FORMAT, STOP_SIGNALS
+from pagedcli.serve import DEFAULT_MAX_WAITING, LOG_FORMAT, STOP_SIGNALS, ignore_stop_signals, stop_signals_ignored
 
 GRACE_S = 10.0  # seconds the requests in flight get to finish once a signal stops the server
 CLOSE_S = 5.0  # then, after they are aborted, seconds their handlers get to write their endings
@@ -164,15 +164,8 @@ def start_api_process(link, address: tuple, settings):
     started = context.Event()
     process = context.Process(target=api_process, name="pagedcli-api", args=(link, address, settings, started))
     process.started = started
-    # started with the STOP_SIGNALS ignored (exec keeps that): what the group gets reaches this
-    # one too, which forwards each signal as STOP_SIGNAL, so that each counts once
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS} \
-        if threading.current_thread() is threading.main_thread() else {}
-    try:
+    with stop_signals_ignored():  # (what the group gets reaches this one, which forwards it as STOP_SIGNAL)
         process.start()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
     for end in link:  # the process holds its own copies now: the engine sees its death as EOF
         end.close()
     return process
@@ -197,8 +190,7 @@ def api_process(link, address: tuple, settings, started) -> None:
     """An API process of --api-server-count's: the same app on a socket of its own bound to the same
     port, its own link to the engine; it stops on STOP_SIGNAL (the first API process forwards its
     signals) as that one does, and when that one dies (even by SIGKILL: no orphan serves on)."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+    ignore_stop_signals()
     import ctypes
 
     PR_SET_PDEATHSIG = 1  # Linux's prctl: this signal when the parent is gone

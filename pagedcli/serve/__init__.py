@@ -17,6 +17,8 @@ Nothing here is imported unless the server is started: pagedcli works without fa
 """
 
 import signal
+import threading
+from contextlib import contextmanager
 
 MISSING = "pagedcli serve needs FastAPI and uvicorn"
 INSTALL_HINT = "install them with: pip install 'pagedcli[serve]'"
@@ -24,4 +26,24 @@ DEFAULT_MAX_WAITING = 4096  # answers (n a request) waiting for a slot before th
 LOG_FORMAT = "%(levelname)s: %(message)s"  # the server's own log lines, in both of its processes
 # what stops a server cleanly: Ctrl-C, a service manager's stop, its terminal hanging up (no SIGHUP on Windows)
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def ignore_stop_signals() -> dict:
+    """The STOP_SIGNALS ignored in this process (main thread only); returns their handlers before.
+    The server's other processes do this: a terminal or a service manager signals the whole process
+    group, and the first API process alone decides how the server ends (it tells the others)."""
+    return {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
+
+
+@contextmanager
+def stop_signals_ignored():
+    """While a child process starts (a spawn's exec keeps ignored signals): one sent to the group
+    meanwhile must not kill it before it ignores them itself. (Only the main thread sets handlers:
+    a test may start a server in another, and then nothing is changed.)"""
+    previous = ignore_stop_signals() if threading.current_thread() is threading.main_thread() else {}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 

@@ -21,14 +21,12 @@ import itertools
 import logging
 import multiprocessing
 import select
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 
 from pagedcli.errors import RunError
 from pagedcli.model.tokenizer import StreamDecoder
-from pagedcli.serve import STOP_SIGNALS, engine_process
+from pagedcli.serve import engine_process, stop_signals_ignored
 from pagedcli.serve.command_pipe import CommandPipe, frame, widen
 from pagedcli.serve.engine_process import Ready
 from pagedcli.serve.errors import APIError, server_error
@@ -172,14 +170,8 @@ class EngineClient:
             there.append((messages_out, commands_in))
         self.process = context.Process(target=engine_process.main, name="pagedcli-engine",
                                        args=(there, self.build, self.args, self.live))
-        # started with the stop signals ignored (exec keeps that): a Ctrl-C while it starts up
-        # must not kill it before it ignores them itself
-        previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS} if is_main() else {}
-        try:
+        with stop_signals_ignored():
             self.process.start()
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
         for ends in there:  # the engine process's ends, which it alone holds now: its death is EOF here
             for end in ends:
                 end.close()
@@ -376,8 +368,3 @@ class EngineClient:
             if not future.done():
                 future.set_exception(APIError(ENGINE_GONE, 503, type="server_error"))
         self.snapshots.clear()
-
-
-def is_main() -> bool:
-    """Signal handlers can be set in the main thread only (a test may start the server in another)."""
-    return threading.current_thread() is threading.main_thread()

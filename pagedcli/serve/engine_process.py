@@ -41,7 +41,6 @@ from __future__ import annotations
 import logging
 import pickle
 import select
-import signal
 import sys
 import time
 import traceback
@@ -54,7 +53,7 @@ from pagedcli.errors import PagedCliError, RunError, allocation_failure
 from pagedcli.heap import frozen_heap
 from pagedcli.model.config import CacheGeometry
 from pagedcli.model.tokenizer import Tokenizer
-from pagedcli.serve import LOG_FORMAT, STOP_SIGNALS
+from pagedcli.serve import LOG_FORMAT, ignore_stop_signals
 from pagedcli.serve.metrics import Tally
 
 log = logging.getLogger("pagedcli.serve")
@@ -79,8 +78,7 @@ def main(links: list, build, args: tuple, live: bool) -> None:
     """The process: `build(*args)` (a module-level function, so that it pickles by name) gives
     the Loaded model and engine; `links`: (messages out, commands in) a pair of pipes for each API
     process; `live`: draw the live view on this process's stdout."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+    ignore_stop_signals()
     try:
         try:
             loaded = build(*args)
