@@ -4,6 +4,8 @@
 
 #include "common.cuh"
 
+#define E4M3_MAX 448.0f  // e4m3's largest finite value (torch.finfo(torch.float8_e4m3fn).max)
+
 // One half's bits from an e4m3 byte in bits 0-7 and another in bits 16-23 of `pair`, both moved to
 // fp16's layout: sign to bit 15, exponent and mantissa to bits 7-13. fp16 has 5 exponent bits with
 // bias 15, so the half is the e4m3 value times 2^-8, exactly, subnormals included (they become

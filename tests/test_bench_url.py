@@ -383,14 +383,17 @@ def test_the_load_test_tool(server):
 
 def test_the_served_overhead_tool_runs_both_sides_on_its_clock():
     """tools/served_overhead.py: in-process and served with the network a clock (in both
-    processes of the server); neither can beat the clock (a step of 2 ms, 4 rows: 2,000 tokens/s)."""
+    processes of the server); neither can beat the clock: a decode step of 2 ms gives 4 rows 2,000
+    tokens/s, and the first of each answer's 8 tokens comes with its prompt's prefill (0.2 ms and 4
+    us a token), so at most 8 / 7 of that (this machine measured 2,019 to 2,033 in-process)."""
     tool = [sys.executable, str(REPO / "tools" / "served_overhead.py"), "--step-ms", "2", "--batch", "4",
             "--num-prompts", "8", "--input-len", "8", "--output-len", "8"]
     done = subprocess.run(tool, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     figures = done.stdout.splitlines()[-1]
     alone, through = (float(figures.split(name)[1].split("tok/s")[0].replace(",", "")) for name in ("in-process", "served"))
-    assert 0 < alone <= 2000 and 0 < through <= 2000, figures
+    clock = 4 / 2e-3 * 8 / 7
+    assert 0 < alone <= clock and 0 < through <= clock, figures
     assert "API process" in figures and "engine process" in figures
 
 

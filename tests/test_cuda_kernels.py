@@ -73,6 +73,7 @@ GEOMETRIES = {
     "gqa2-d256": (8, 4, 256, 16, torch.bfloat16),
 }
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}
+ACCUMULATION_FP8 = 2.0**-12  # fp8 tensor cores' sums, relative to the terms' magnitudes (test_fp8_gemm_...)
 
 
 def make_config(num_heads, num_kv_heads, head_dim, dtype, num_layers=2, max_len=8192) -> "ModelConfig":
@@ -626,6 +627,87 @@ def test_gemv_fp8_weights_match_fp64_reference(geometry, op, rows, shape):
         product, rounding = out.double(), ULP[s.dtype] * exact.abs()
     excess = ((product - exact).abs() - rounding - slack).max().item()
     assert excess <= 0, f"{op}: off the fp64 product by {excess} beyond an ulp plus accumulation error"
+
+
+def fp8_backend(s: Setup):
+    """The CUDA backend over s's cache with fp8 weights (their W8A8 GEMMs compiled in)."""
+    be = CudaBackend(s.cache, s.config, fp8_weights=True)
+    if not be.fp8_gemm:
+        pytest.skip(f"no fp8 GEMMs here: {be.fallbacks.get('linear layers')}")
+    return be
+
+
+@pytest.mark.parametrize("geometry", ["llama1b", "fp16", "mha-d64-fp32"])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "rms_norm"])
+# a vector path and the scalar one (2,050 columns: rows not whole 16-byte vectors), a long row
+@pytest.mark.parametrize("K", [2048, 2050, 8192, 64])
+def test_fp8_activation_quantization_is_the_references_bytes(geometry, norm, K):
+    """fp8_quant.cu (`--quantization fp8` over W8A16_MAX_ROWS rows): per row, scale = amax / 448
+    and e4m3(y / scale), byte for byte model/fp8.py's quantize_rows of the torch RMSNorm (or of x);
+    a row of zeros gets scale 1, a row of one huge value keeps it at 448."""
+    from pagedcli.backends.cuda_fp8_gemm import quantize_rows as kernel_quantize
+    from pagedcli.model.fp8 import quantize_rows, raw
+
+    s = Setup(geometry, [16], seed=21)
+    be = fp8_backend(s)
+    x = s.randn(37, K, scale=3.0)
+    x[5] = 0
+    x[7, :] = 0
+    x[7, 3] = -6e4 if s.dtype == torch.float16 else 1e30 if s.dtype == torch.float32 else 3e38
+    norm_weight = s.randn(K, scale=0.5) + 1
+    # in float32 no rounding hides the order of the sum of squares: there the reference for the norm
+    # is elementwise.cu's (the same sums; its own tests hold it to torch's)
+    rms_norm = s.cuda.rms_norm if s.dtype == torch.float32 else s.ref.rms_norm
+    y = rms_norm(x, norm_weight, 1e-5) if norm else x
+    want_values, want_scales = quantize_rows(y)
+    values, scales = kernel_quantize(be, x, norm_weight if norm else None, 1e-5)
+    torch.cuda.synchronize()
+    assert torch.equal(scales, want_scales), "the rows' scales differ"
+    assert torch.equal(raw(values), raw(want_values)), "the e4m3 bytes differ"
+    assert scales[5].item() == 1.0 and (values[5].float() == 0).all()  # (-0 where the norm's weight is negative)
+    if not norm:
+        assert values[7, 3].float().item() == (-448.0 if s.dtype == torch.float16 else 448.0)
+
+
+@pytest.mark.parametrize("geometry", ["llama1b", "fp16", "mha-d64-fp32"])
+@pytest.mark.parametrize("rows", [3, 64, 300])
+@pytest.mark.parametrize("shape", [(3072, 2048), (2048, 8192), (1040, 2064)])
+def test_fp8_gemm_matches_fp64_of_its_quantized_operands(geometry, rows, shape):
+    """cuda_fp8_gemm.fp8_gemm (W8A8): torch._scaled_mm of the quantized rows and the e4m3 weights,
+    both scales applied, within an ulp of the model dtype plus the fp8 tensor cores' accumulation
+    error of the fp64 product of the same operands; and the backend's layer steps take it over 2
+    rows, as close to the torch reference's W8A8 ops. (Hopper's fp8 MMA keeps about 14 bits of its
+    running sums within a K block, which CUTLASS then adds in fp32: errors near 2^-13 of the sum of
+    the terms' magnitudes, far above fp32's, far below a wrong scale's or layout's.)"""
+    from pagedcli.backends.cuda_fp8_gemm import fp8_gemm, quantize_rows as kernel_quantize
+    from pagedcli.model.fp8 import quantize_weight
+
+    N, K = shape
+    s = Setup(geometry, [16], seed=23)
+    be = fp8_backend(s)
+    x = s.randn(rows, K, scale=2.0)
+    weight = quantize_weight(s.randn(N, K, scale=K**-0.5))
+    norm_weight = s.randn(K, scale=0.5) + 1
+    for norm in (None, norm_weight):
+        out = fp8_gemm(be, x, weight, norm, 1e-5)
+        assert out is not None and out.dtype == s.dtype, "the W8A8 GEMM did not take the shape"
+        values, scales = kernel_quantize(be, x, norm, 1e-5)
+        exact = (values.double() @ weight.values.double().T) * scales.double() * weight.scale.double()
+        size = (values.double().abs() @ weight.values.double().abs().T) * scales.double() * weight.scale.double()
+        slack = ACCUMULATION_FP8 * size
+        excess = ((out.double() - exact).abs() - ULP[s.dtype] * exact.abs() - slack).max().item()
+        assert excess <= 0, f"off the fp64 W8A8 product by {excess} beyond an ulp plus accumulation error"
+    # the layer steps over W8A16_MAX_ROWS rows: W8A8, as the torch reference computes it (the same
+    # bytes in: the test above), apart by the accumulation error and a rounding or two
+    residual = s.randn(rows, N)
+    magnitude = weight.dequantize(torch.float64).abs().T
+    normed = s.ref.rms_norm(x, norm_weight, 1e-5)
+    for got, want, rows_in in ((be.linear_add(x, weight, residual.clone()), s.ref.linear_add(x, weight, residual.clone()), x),
+                               (be.norm_linear(x, norm_weight, weight, 1e-5), s.ref.norm_linear(x, norm_weight, weight, 1e-5),
+                                normed)):
+        bound = 2 * ACCUMULATION_FP8 * (rows_in.double().abs() @ magnitude) \
+            + 2 * ULP[s.dtype] * (want.double().abs() + residual.double().abs())
+        assert ((got.double() - want.double()).abs() <= bound).all(), "a layer step is off the reference's W8A8"
 
 
 def test_gemv_falls_back_past_its_limits():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,7 +19,8 @@ from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.sequence import SamplingParams
 from pagedcli.errors import RunError, UsageError
 from pagedcli.model.config import CacheGeometry, ModelConfig
-from pagedcli.model.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight, fp8_linear, quantize_weight, raw, to_fp8
+from pagedcli.model.fp8 import (FP8_DTYPE, FP8_MAX, W8A16_MAX_ROWS, Fp8Weight, fp8_linear, quantize_rows,
+                                quantize_weight, raw, scale_of, to_fp8)
 from pagedcli.model.loader import EngineOptions, load, load_model
 from pagedcli.model.source import DEMO_FOLDER
 
@@ -62,8 +64,38 @@ def test_weight_round_trip_is_within_e4m3s_rounding():
     bound = torch.maximum(w.abs() * 2 ** -4, q.scale[:, None] * 2 ** -10) * 1.0001
     assert ((back - w).abs() <= bound).all()
     assert (back[5] == 0).all() and q.scale[5] == 1.0, "an all-zero row stays zero, with a usable scale"
-    x = torch.randn(3, 64)
+    x = torch.randn(W8A16_MAX_ROWS, 64)
     torch.testing.assert_close(fp8_linear(x, q), x @ back.T, rtol=1e-5, atol=1e-5)
+
+
+def test_more_rows_quantize_the_activations_per_row_as_well():
+    """Over W8A16_MAX_ROWS rows fp8_linear is W8A8: each row is quantized with its own scale, and
+    the product is that of the two e4m3 operands times both scales (what the fp8 tensor cores
+    compute); within e4m3's rounding of the activations of the 16-bit-activation product."""
+    torch.manual_seed(0)
+    w = quantize_weight(torch.randn(40, 256) * 0.05)
+    x = torch.randn(W8A16_MAX_ROWS + 3, 256) * torch.tensor([1.0, 100.0, 1e-3, 0.0, 5.0])[:, None]
+    values, scale = quantize_rows(x)
+    assert values.dtype == FP8_DTYPE and scale.shape == (5, 1) and scale[3].item() == 1.0
+    assert torch.equal(values.float().abs().amax(dim=1)[[0, 1, 2, 4]], torch.full((4,), FP8_MAX)), \
+        "each row's largest value maps to 448, whatever the row's size"
+    exact = (values.double() @ w.values.double().T) * scale.double() * w.scale.double()
+    y = fp8_linear(x, w)
+    torch.testing.assert_close(y.double(), exact, rtol=1e-6, atol=1e-9)
+    w8a16 = x @ w.dequantize().T
+    assert not torch.equal(y, w8a16), "the activations were not quantized"
+    # half an e4m3 step (2^-4) of each activation, summed over the row: a bound on the difference
+    bound = 2**-4 * (x.abs() @ w.dequantize().abs().T) + 1e-6
+    assert ((y - w8a16).abs() <= bound).all()
+    torch.testing.assert_close(fp8_linear(x[:1], w), w8a16[:1], rtol=1e-5, atol=1e-5)  # one row: W8A16
+
+
+def test_scale_of_divides_exactly_on_every_device():
+    """amax / 448 as a true division (torch on CUDA multiplies by 1/448 for a Python number, which
+    differs in the last bit for half of all values; the kernels divide): the CPU's division."""
+    amax = torch.rand(100_000) * 1000
+    assert (scale_of(amax).numpy() == amax.numpy() / np.float32(FP8_MAX)).all()
+    assert scale_of(torch.zeros(2)).tolist() == [1.0, 1.0]
 
 
 def test_fp8_pool_holds_twice_the_tokens_in_the_same_bytes():
@@ -320,13 +352,20 @@ def test_cuda_plan_builds_the_fp8_pool_kernels_and_names_what_fp8_weights_leave_
     bf16 = CacheGeometry.build(config, torch.bfloat16, 16, num_blocks=80)
     fp8 = CacheGeometry.build(config, torch.bfloat16, 16, num_blocks=80, cache_dtype=FP8_DTYPE)
     plan = plan_kernels(config, fp8, clusters=True, fp8_weights=True)
-    # the pool's write and both attentions are kernels, compiled for the 1-byte pool (KV_FP8)
-    assert set(plan.fallbacks) == {"linear layers"}
+    # the pool's write and both attentions are kernels, compiled for the 1-byte pool (KV_FP8), and
+    # the fp8 weights' GEMMs over two rows run on fp8 tensor cores after fp8_quant.cu
+    assert plan.fallbacks == {} and plan.fp8_gemm and "fp8_quant.cu" in plan.files
     assert plan.attention_decode and plan.attention_prefill
     for file in ("kv_write.cu", "gemv.cu", "paged_attention.cu", "paged_prefill.cu"):
         defines = dict(plan.files[file][0])
         assert "KV_FP8" in defines and defines["V_OFFSET"] == fp8.v_offset == bf16.v_offset // 2
     assert plan_kernels(config, bf16, clusters=True).fallbacks == {}
+    # an A100 (sm_80) has no fp8 tensor cores, and a width that is not a multiple of 16 fits none
+    older = plan_kernels(config, fp8, clusters=False, fp8_weights=True, fp8_tensor_cores=False)
+    assert not older.fp8_gemm and "no fp8 tensor cores" in older.fallbacks["linear layers"]
+    odd = ModelConfig.from_dict({**config.raw, "intermediate_size": 172})
+    note = plan_kernels(odd, fp8, clusters=True, fp8_weights=True).fallbacks["linear layers"]
+    assert "intermediate_size 172" in note and "W8A8" not in note
 
 
 # --- bench --quality -----------------------------------------------------------------------------

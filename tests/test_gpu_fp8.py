@@ -28,18 +28,29 @@ FP8_OPTIONS = [("fp8", "none"), ("auto", "fp8"), ("fp8", "fp8")]
 # value on a rounding boundary may round the other way; one e4m3 step (2^-3 relative) of one K or V
 # element moves a logit of these models by well under this
 LOGIT_ATOL = 5e-2
+# fp8 weights over 2 rows (prefill, batch 3) quantize the activations too (W8A8): a step function of
+# values whose sums on the fp8 tensor cores carry ~2^-13 relative error where the torch reference's
+# fp32 sums carry 2^-24, so now and then one value lands on the other side of a rounding boundary,
+# moved by one e4m3 step (up to 2^-3 of it), and the model carries that on. Measured on the CPU, the
+# reference against itself with its rows perturbed by 1e-4 relative noise, over these tests' models,
+# prompts and pools: logits apart by at most 0.25 to 0.69 a step, 0.07 to 0.13 on average (their
+# spread: 1.28). The kernels' own errors are held tightly in test_cuda_kernels.py.
+W8A8_BOUNDS = dict(atol=1.0, mean_atol=0.2, tie=1.0)
 
 
-def assert_same_until_a_near_tie(tokens, want_tokens, logits, want_logits):
-    """Each sequence's logits agree step by step; the greedy tokens too, except where the
-    reference's two best logits are nearer than the tolerance allows telling apart (after such a
-    step the two texts part and nothing more is compared)."""
+def assert_same_until_a_near_tie(tokens, want_tokens, logits, want_logits, atol=LOGIT_ATOL, mean_atol=None,
+                                 tie=2 * LOGIT_ATOL):
+    """Each sequence's logits agree step by step (each within atol, and on average within
+    mean_atol); the greedy tokens too, except where the reference's two best logits are nearer
+    than `tie` (after such a step the two texts part and nothing more is compared)."""
     for a, b, la, lb in zip(tokens, want_tokens, logits, want_logits):
         for i, (x, y) in enumerate(zip(a, b)):
-            torch.testing.assert_close(la[i], lb[i], rtol=0, atol=LOGIT_ATOL)
+            torch.testing.assert_close(la[i], lb[i], rtol=0, atol=atol)
+            if mean_atol is not None:
+                assert (la[i] - lb[i]).abs().mean() <= mean_atol, f"step {i}: logits apart on average"
             if x != y:
                 best, second = lb[i].topk(2).values.tolist()
-                assert best - second < 2 * LOGIT_ATOL, f"step {i}: tokens {x} and {y} differ without a near-tie"
+                assert best - second < tie, f"step {i}: tokens {x} and {y} differ without a near-tie"
                 break
 
 
@@ -94,7 +105,9 @@ def test_cuda_backend_equals_torch_backend_with_fp8(tmp_path, head_dim, gqa, kv,
         params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
         a = [s.output_token_ids for s in ours.run_to_completion(prompts, params)]
         b = [s.output_token_ids for s in reference.run_to_completion(prompts, params)]
-        assert_same_until_a_near_tie(a, b, *([torch.stack(v) for v in x.values()] for x in seen))
+        w8a8 = quant == "fp8" and ours.runner.model.backend.fp8_gemm
+        assert_same_until_a_near_tie(a, b, *([torch.stack(v) for v in x.values()] for x in seen),
+                                     **(W8A8_BOUNDS if w8a8 else {}))
 
 
 def test_fp8_pool_on_cuda_holds_twice_the_blocks_of_bf16(stories):

@@ -86,7 +86,7 @@ def all_builds() -> list[Build]:
     for name, config in configs.items():
         for dtype in DTYPES:
             for pool in (None, FP8_DTYPE):
-                plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True)
+                plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True, fp8_weights=True)
                 what = f"{name} {str(dtype).removeprefix('torch.')}" + (" fp8 pool" if pool else "")
                 cubin = dtype == torch.bfloat16 and (pool is None or name == "llama-3.2-1b")
                 for file, (defines, _) in plan.files.items():

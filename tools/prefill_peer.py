@@ -56,12 +56,14 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, nargs="*", default=[cuda_build.PREFILL_BLOCK_N],
                     help="keys per prefill tile (with each --m-tiles value: an engine of its own)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the step budget (default: the engine's)")
+    ap.add_argument("--quantization", default="none", help="pagedcli's weights: none, or fp8 (transformers stays bf16)")
     args = ap.parse_args()
     specs = [parse(s) for s in args.lens]
     longest = max(n for _, n in specs)
     most = max(k for k, _ in specs)
     opts = EngineOptions(model=args.model, device="cuda", batch=most, prefix_caching=False,
-                         max_model_len=longest + 16, max_num_batched_tokens=args.max_num_batched_tokens)
+                         max_model_len=longest + 16, max_num_batched_tokens=args.max_num_batched_tokens,
+                         quantization=args.quantization)
     model = load_model(opts)
     engines = {}
     for m in args.m_tiles:  # the plan reads the constants when the backend is built

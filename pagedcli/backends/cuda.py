@@ -13,8 +13,9 @@ What runs where:
                       sequence's rows in one launch, K/V read through the block table);
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs.
 
-FP8 (model/fp8.py): Fp8Weights go through gemv.cu's gemv8_ kernels at up to GEMV_MAX_ROWS rows and
-composed.linear's torch product beyond (`fallbacks` says so, and the loader tells the user). An fp8
+FP8 (model/fp8.py): Fp8Weights go through gemv.cu's gemv8_ kernels at up to W8A16_MAX_ROWS rows and
+through fp8_quant.cu and torch._scaled_mm beyond (cuda_fp8_gemm.py: W8A8 on fp8 tensor cores), or
+where a GPU has none, composed.linear's torch ops (`fallbacks` says so, and the loader tells the user). An fp8
 pool is written and read by the same kernels, compiled for it (cuda_build.KV_DTYPE_DEFINES): the
 K/V write (kv_write.cu and gemv.cu's qkv epilogue) quantizes, both attentions dequantize, with the
 layer's scales (`cache.kv_scales`) as their last arguments.
@@ -38,8 +39,9 @@ import torch
 from pagedcli.backends import composed
 from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, DTYPE_DEFINES,
                                           GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS, SILU_THREADS, VEC_BYTES,
-                                          gemv_kernel_names, plan_kernels)
+                                          fp8_fallback_note, gemv_kernel_names, plan_kernels)
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
+from pagedcli.backends.cuda_fp8_gemm import fp8_gemm, scaled_mm_missing
 from pagedcli.backends.cuda_gemv import gemv
 from pagedcli.backends.cuda_launch import Launcher, LaunchShapes, aligned, prefill_tiles, ptr, resident_ctas
 from pagedcli.backends.torch import TorchBackend
@@ -86,8 +88,13 @@ class CudaBackend:
 
         optin = cupy.cuda.Device(self.device_index).attributes["MaxSharedMemoryPerBlockOptin"]
         plan = plan_kernels(config, geo, clusters=self.cluster > 1, tensor_cores=capability >= (8, 0), max_shared=optin,
-                            fp8_weights=fp8_weights)
+                            fp8_weights=fp8_weights, fp8_tensor_cores=capability >= (8, 9))
         self.fallbacks = dict(plan.fallbacks)
+        self.fp8_gemm = plan.fp8_gemm  # cuda_fp8_gemm.py's W8A8 GEMMs serve fp8 weights over W8A16_MAX_ROWS rows
+        missing = scaled_mm_missing(self.device_index) if self.fp8_gemm else None
+        if missing is not None:
+            self.fp8_gemm = False
+            self.fallbacks["linear layers"] = fp8_fallback_note(missing)
         self.heads_per_cta = plan.heads_per_cta
         self.attention_kernel = plan.attention_decode
         self.prefill_kernel, self.prefill_shared, self.prefill_rows = (plan.attention_prefill, plan.prefill_shared,
@@ -95,7 +102,8 @@ class CudaBackend:
         self._prefill_tiles: tuple | None = None  # this prefill step's work list (cuda_launch.prefill_tiles)
         # a prefill step can be replayed from a CUDA graph (engine/prefill_graphs.py) when nothing in
         # it is decided from the step's host lists: our prefill kernel with the tiles the caller
-        # staged, RoPE from fixed tables (and the K/V write with them), fp8 weights' torch path not in it
+        # staged, RoPE from fixed tables (and the K/V write with them); not with fp8 weights, whose
+        # product depends on the step's rows (W8A16_MAX_ROWS), which the graphs pad
         self.captures_prefill = self.prefill_kernel and self.rope.static and not fp8_weights
         self.shapes = LaunchShapes(cache, self.num_heads, self.heads_per_cta, self.vec, self.num_sms, self.cluster)
         d = self.device_index
@@ -150,17 +158,15 @@ class CudaBackend:
         return q_out
 
     def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None):
-        if bias is not None:  # gemv.cu adds no bias
-            return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch, bias)
-        if not self.rope.static:  # gemv.cu's epilogue reads fixed cos/sin tables
-            return composed.rope_write_qkv(self, layer, self.norm_linear(x, norm_weight, qkv, eps), batch)
-        geo = self.cache.geometry
-        T = x.shape[0] if x.dim() == 2 else 0
-        if T == batch.positions.shape[0] and qkv.shape[0] == (self.num_heads + 2 * geo.num_kv_heads) * self.head_dim:
-            q = gemv(self, "rms_norm_rope_kv", x, qkv, norm_weight, eps, rope_kv=(layer, batch))
-            if q is not None:
-                return q
-        return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch)
+        # gemv.cu adds no bias, and its epilogue reads fixed cos/sin tables
+        if bias is None and self.rope.static:
+            geo = self.cache.geometry
+            T = x.shape[0] if x.dim() == 2 else 0
+            if T == batch.positions.shape[0] and qkv.shape[0] == (self.num_heads + 2 * geo.num_kv_heads) * self.head_dim:
+                q = gemv(self, "rms_norm_rope_kv", x, qkv, norm_weight, eps, rope_kv=(layer, batch))
+                if q is not None:
+                    return q
+        return composed.rope_write_qkv(self, layer, self.norm_linear(x, norm_weight, qkv, eps, bias), batch)
 
     def rope_kv_args(self, layer: int, batch: StepBatch, q_out: torch.Tensor) -> tuple:
         """kv_write.cu's arguments after q, k and v (gemv.cu's qkv epilogue takes the same)."""
@@ -263,25 +269,33 @@ class CudaBackend:
         return tokens
 
     # --- GEMMs with what surrounds them: gemv.cu at small batches ---------------------------------
-    def norm_linear(self, x, norm_weight, weight, eps):
-        out = gemv(self, "rms_norm_store", x, weight, norm_weight, eps)
-        return out if out is not None else composed.norm_matmul(self, x, norm_weight, weight, eps)
+    def norm_linear(self, x, norm_weight, weight, eps, bias=None):
+        out = gemv(self, "rms_norm_store", x, weight, norm_weight, eps) if bias is None else None
+        if out is None:
+            out = fp8_gemm(self, x, weight, norm_weight, eps, bias)
+        return out if out is not None else composed.norm_matmul(self, x, norm_weight, weight, eps, bias)
 
     def logits(self, x, norm_weight, lm_head, eps):
         out = gemv(self, "rms_norm_float", x, lm_head, norm_weight, eps)
         return out if out is not None else composed.logits(self, x, norm_weight, lm_head, eps)
 
     def norm_linear_silu(self, x, norm_weight, gate_up, eps, bias=None):
-        if bias is not None:  # gemv.cu has no bias
-            return composed.norm_linear_silu(self, x, norm_weight, gate_up, eps, bias)
-        out = gemv(self, "rms_norm_silu_mul", x, gate_up, norm_weight, eps)
-        return out if out is not None else composed.norm_linear_silu(self, x, norm_weight, gate_up, eps)
+        out = gemv(self, "rms_norm_silu_mul", x, gate_up, norm_weight, eps) if bias is None else None  # (no bias)
+        if out is not None:
+            return out
+        gate_up_out = fp8_gemm(self, x, gate_up, norm_weight, eps, bias)
+        if gate_up_out is not None:
+            return self.silu_mul(gate_up_out)
+        return composed.norm_linear_silu(self, x, norm_weight, gate_up, eps, bias)
 
     def linear_add(self, x, weight, residual, bias=None):
-        if bias is not None:  # gemv.cu has no bias
-            return self.reference.linear_add(x, weight, residual, bias)
-        out = gemv(self, "plain_add", x, weight, residual=residual)
-        return out if out is not None else self.reference.linear_add(x, weight, residual)
+        out = gemv(self, "plain_add", x, weight, residual=residual) if bias is None else None  # (no bias)
+        if out is not None:
+            return out
+        product = fp8_gemm(self, x, weight, bias=bias)
+        if product is not None:
+            return residual + product
+        return self.reference.linear_add(x, weight, residual, bias)
 
     # --- helpers --------------------------------------------------------------------------------
     def fusable(self, *tensors: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ import torch
 from pagedcli.backends import NOT_FINITE
 from pagedcli.backends.cuda_compile import Defines
 from pagedcli.model.config import CacheGeometry, ModelConfig
-from pagedcli.model.fp8 import FP8_DTYPE
+from pagedcli.model.fp8 import FP8_DTYPE, W8A16_MAX_ROWS
 
 PARTITION_SIZE = 512  # tokens per split-KV chunk of the decode kernel (a multiple of every block size)
 ATTN_THREADS = 128  # threads of a decode CTA
@@ -75,6 +75,10 @@ DTYPE_DEFINES = {torch.bfloat16: "DTYPE_BF16", torch.float16: "DTYPE_F16", torch
 KV_DTYPE_DEFINES = {FP8_DTYPE: "KV_FP8"}
 GEMV_OPS = ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")
 GEMV8_OPS = ("rms_norm_store", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")  # fp8 weights: not the LM head
+# fp8 weights on more rows (cuda_fp8_gemm.py): the activations' per-row quantization, then torch._scaled_mm
+FP8_QUANT_KERNELS = ("quantize_rows_vec", "quantize_rows_scalar", "rms_norm_quantize_rows_vec",
+                     "rms_norm_quantize_rows_scalar")
+FP8_MMA_MULTIPLE = 16  # torch._scaled_mm's operands: K and N multiples of 16
 
 
 
@@ -205,6 +209,7 @@ class KernelPlan:
     attn_min_ctas: int = MIN_CTAS_SMALL_Q
     prefill_shared: int = 0  # dynamic shared memory of a prefill CTA
     prefill_rows: int = 0  # query rows a prefill CTA takes
+    fp8_gemm: bool = False  # fp8 weights over W8A16_MAX_ROWS rows on fp8 tensor cores (cuda_fp8_gemm.py)
 
     @property
     def attention_decode(self) -> bool:
@@ -215,22 +220,41 @@ class KernelPlan:
         return "paged_prefill.cu" in self.files
 
 
+def fp8_fallback_note(why: str) -> str:
+    return (f"`quantization` fp8 over {W8A16_MAX_ROWS} rows (prefill, larger batches): {why}; torch's float32 "
+            "product of the per-row quantized activations and the fp8 weights (model/fp8.py)")
+
+
+def fp8_gemm_unsupported(config: ModelConfig, fp8_tensor_cores: bool) -> str | None:
+    """Why the fp8 tensor-core GEMMs (cuda_fp8_gemm.py) cannot serve this model's linear layers, or None."""
+    if not fp8_tensor_cores:
+        return "this GPU has no fp8 tensor cores (sm_89 and newer have them)"
+    dims = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+            "q_dim": config.q_dim, "kv_dim": config.kv_dim}
+    odd = [f"{name} {d}" for name, d in dims.items() if d % FP8_MMA_MULTIPLE]
+    return f"fp8 GEMMs need multiples of {FP8_MMA_MULTIPLE}, not {', '.join(odd)}" if odd else None
+
+
 def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, tensor_cores: bool = True,
-                 max_shared: int = H100_MAX_SHARED, fp8_weights: bool = False) -> KernelPlan:
+                 max_shared: int = H100_MAX_SHARED, fp8_weights: bool = False,
+                 fp8_tensor_cores: bool = True) -> KernelPlan:
     """The kernels for `config` with the cache of `geometry` (its dtype is the model's; its pool's
     may be fp8: KV_DTYPE_DEFINES) on a GPU with thread-block clusters (`clusters`: sm_90+),
-    bf16/fp16 mma.sync (`tensor_cores`: sm_80+) and `max_shared` bytes of shared memory a CTA may
-    opt in to; `fp8_weights`: the linear layers are Fp8Weights (model/fp8.py)."""
+    bf16/fp16 mma.sync (`tensor_cores`: sm_80+), fp8 tensor cores (`fp8_tensor_cores`: sm_89+)
+    and `max_shared` bytes of shared memory a CTA may opt in to; `fp8_weights`: the linear layers
+    are Fp8Weights (model/fp8.py)."""
     if geometry.dtype not in DTYPE_DEFINES:
         raise ValueError(f"no CUDA kernels for {geometry.dtype}")
     dtype = ((DTYPE_DEFINES[geometry.dtype], None),)
     pool = ((KV_DTYPE_DEFINES[geometry.kv_dtype], None),) if geometry.kv_fp8 else ()
     model = tuple(sorted(geometry.defines().items())) + (("NUM_HEADS", config.num_heads),) + dtype + pool
     plan = KernelPlan()
-    if fp8_weights:  # gemv.cu's gemv8_ kernels serve decode batches up to GEMV_MAX_ROWS
-        plan.fallbacks["linear layers"] = (f"`quantization` fp8 over {GEMV_MAX_ROWS} rows (prefill, larger batches): "
-                                           "no fp8 GEMM kernel yet; torch's float32 product of the fp8 values, "
-                                           "times each row's scale")
+    if fp8_weights:  # gemv.cu's gemv8_ kernels serve decode batches up to GEMV_MAX_ROWS; more rows, W8A8
+        plan.files["fp8_quant.cu"] = (dtype, FP8_QUANT_KERNELS)
+        why = fp8_gemm_unsupported(config, fp8_tensor_cores)
+        plan.fp8_gemm = why is None
+        if why is not None:
+            plan.fallbacks["linear layers"] = fp8_fallback_note(why)
     plan.files["kv_write.cu"] = (model, ("rope_write_kv",))
     plan.files["elementwise.cu"] = (dtype, ("rms_norm_vec", "rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"))
     gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),

@@ -10,7 +10,7 @@ import torch
 from pagedcli.backends.cuda_build import (GEMV8_OPS, GEMV_MAX_ROWS, GEMV_MAX_SHARED, GEMV_ROW_BUCKETS, GEMV_THREADS,
                                           VEC_BYTES)
 from pagedcli.backends.cuda_launch import aligned, ptr
-from pagedcli.model.fp8 import FP8_DTYPE, Fp8Weight
+from pagedcli.model.fp8 import FP8_DTYPE, W8A16_MAX_ROWS, Fp8Weight
 
 
 def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
@@ -18,7 +18,8 @@ def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
     """x (or its RMSNorm) @ weight.T through gemv.cu, followed by what `op` says; None when the
     shapes are not gemv.cu's (too many rows, unaligned, other dtype): the caller uses cuBLAS.
     rope_kv: (layer, batch) for the qkv epilogue, which returns the rotated q. An fp8 weight
-    (model/fp8.py) goes to the gemv8_ kernels, with its row scales (not the LM head's float op)."""
+    (model/fp8.py) goes to the gemv8_ kernels, with its row scales (not the LM head's float op),
+    at up to W8A16_MAX_ROWS rows (more quantize the activations too: cuda_fp8_gemm.py)."""
     fp8 = isinstance(weight, Fp8Weight)
     scales = weight.scale if fp8 else None
     if fp8:
@@ -31,7 +32,7 @@ def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
     units = N // 2 if paired else N
     tensors = [t for t in (x, norm_weight, residual) if t is not None] + ([] if fp8 else [weight])
     weight_vec = VEC_BYTES // weight.element_size()  # weights to a 16-byte load
-    if not (1 <= rows <= GEMV_MAX_ROWS and x.shape[1] == K and not (paired and N % 2)
+    if not (1 <= rows <= (min(GEMV_MAX_ROWS, W8A16_MAX_ROWS) if fp8 else GEMV_MAX_ROWS) and x.shape[1] == K and not (paired and N % 2)
             and be.fusable(*tensors)
             and (not fp8 or (weight.dtype == FP8_DTYPE and weight.is_cuda and weight.device.index == be.device_index
                              and scales.device == weight.device))

@@ -7,8 +7,12 @@ float32 scales:
   layer and KV head (`KVScales`: k and v, [num_layers, num_kv_heads]); 1.0 unless the checkpoint
   ships k_scale / v_scale (vLLM's default and its names).
 - weights (`quantization` fp8): the linear layers' [out, in] matrices as e4m3 values with a scale per
-  output row (`Fp8Weight`), amax(|row|) / 448 when quantized at load; y = (x . values_row) * scale_row,
-  the dot accumulated in float32.
+  output row (`Fp8Weight`), amax(|row|) / 448 when quantized at load. A product of up to
+  W8A16_MAX_ROWS rows (decode at batches 1 and 2, where reading the weights is all the time there
+  is) keeps the activations in the model dtype: y = (x . values_row) * scale_row, the dot in float32.
+  More rows (prefill, larger batches) quantize the activations too, with a scale per row (token)
+  computed from its values as vLLM's dynamic per-token scheme does (`quantize_rows`): both operands
+  are e4m3 and the product runs on fp8 tensor cores where the GPU has them (W8A8).
 
 torch's float8 cast does not promise to saturate (out-of-range values may become NaN), so every
 cast here clamps to ±FP8_MAX first. Gathers, scatters and copies of fp8 tensors go through their
@@ -26,6 +30,9 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype
 QUANTIZATIONS = ("none", "fp8")
 DEFAULT_KV_SCALE = 1.0  # vLLM's, when the checkpoint has none
+# Fp8Weight products of at most this many rows read 16-bit activations (gemv.cu's gemv8_ kernels on
+# CUDA); more rows quantize them per token (fp8 tensor cores on CUDA: cuda_fp8_gemm.py)
+W8A16_MAX_ROWS = 2
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -93,15 +100,35 @@ def quantize_weight(w: torch.Tensor) -> Fp8Weight:
     """Per output channel: scale = amax(|row|) / 448, values = e4m3(row / scale). An all-zero row
     takes scale 1 (its values are zeros either way)."""
     w = w.float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    scale = scale_of(w.abs().amax(dim=1))
     return Fp8Weight(to_fp8(w / scale[:, None]), scale)
 
 
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """The e4m3 scale of values whose largest magnitude is `amax` (float32): amax / 448, which maps
+    it to e4m3's largest value; 1 where amax is 0 (the values are zeros either way). A true division
+    on every device: torch on CUDA multiplies by the reciprocal of a Python number instead, which
+    differs in the last bit for half the values (and the kernels divide)."""
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), 1.0)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] (in the model dtype) per row: e4m3 values [M, K] and float32 scales [M, 1],
+    scale = amax(|row|) / 448 (kernels/fp8_quant.cu computes the same bytes)."""
+    scale = scale_of(x.float().abs().amax(dim=1, keepdim=True))
+    return to_fp8(x.float() / scale), scale
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ dequant(w).T in x's dtype: the float32 dot of x with the e4m3 values, times each row's
-    scale (what the fp8 GEMV kernels compute; the reference for them)."""
-    y = (x.float() @ w.values.float().T) * w.scale
+    """x @ dequant(w).T in x's dtype ([M, K] rows). Up to W8A16_MAX_ROWS rows: the float32 dot of x
+    with the e4m3 values, times each output row's scale (what gemv.cu's fp8 kernels compute). More
+    rows: x quantized per row first, the float32 dot of the two e4m3 operands times both scales
+    (what torch._scaled_mm computes on fp8 tensor cores). The reference for both."""
+    if x.shape[0] <= W8A16_MAX_ROWS:
+        y = (x.float() @ w.values.float().T) * w.scale
+    else:
+        values, scale = quantize_rows(x)
+        y = (values.float() @ w.values.float().T) * scale * w.scale
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
