@@ -6,7 +6,9 @@
 // rms_norm_quantize_rows: y = weight * RMSNorm(x), rounded to the model dtype where elementwise.cu's
 //                         rms_norm rounds it (the GEMM would read that row; here it never leaves the CTA)
 // then for each row: scale = amax(|y|) / 448 (1 for a row of zeros), values = e4m3(y / scale),
-// saturated (fp8.cuh's e4m3_from_float, torch's cast of the clamped value).
+// saturated (fp8.cuh's e4m3_from_float, torch's cast of the clamped value). (A row holding a NaN:
+// fmaxf passes it over, so the scale is its other values', where the reference's is 1; the
+// product's row is NaN either way.)
 //
 // One CTA per row, which reads its row once per pass (the sum of squares, the largest magnitude,
 // the values): a few KiB that stay in L1. Each kernel comes in two widths, as elementwise.cu's:

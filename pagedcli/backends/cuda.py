@@ -91,7 +91,7 @@ class CudaBackend:
                             fp8_weights=fp8_weights, fp8_tensor_cores=capability >= (8, 9))
         self.fallbacks = dict(plan.fallbacks)
         self.fp8_gemm = plan.fp8_gemm  # cuda_fp8_gemm.py's W8A8 GEMMs serve fp8 weights over W8A16_MAX_ROWS rows
-        missing = scaled_mm_missing(self.device_index) if self.fp8_gemm else None
+        missing = scaled_mm_missing(self.device_index, self.dtype) if self.fp8_gemm else None
         if missing is not None:
             self.fp8_gemm = False
             self.fallbacks["linear layers"] = fp8_fallback_note(missing)

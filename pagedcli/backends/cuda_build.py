@@ -250,10 +250,11 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
     model = tuple(sorted(geometry.defines().items())) + (("NUM_HEADS", config.num_heads),) + dtype + pool
     plan = KernelPlan()
     if fp8_weights:  # gemv.cu's gemv8_ kernels serve decode batches up to GEMV_MAX_ROWS; more rows, W8A8
-        plan.files["fp8_quant.cu"] = (dtype, FP8_QUANT_KERNELS)
         why = fp8_gemm_unsupported(config, fp8_tensor_cores)
         plan.fp8_gemm = why is None
-        if why is not None:
+        if why is None:
+            plan.files["fp8_quant.cu"] = (dtype, FP8_QUANT_KERNELS)
+        else:
             plan.fallbacks["linear layers"] = fp8_fallback_note(why)
     plan.files["kv_write.cu"] = (model, ("rope_write_kv",))
     plan.files["elementwise.cu"] = (dtype, ("rms_norm_vec", "rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"))

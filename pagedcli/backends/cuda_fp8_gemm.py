@@ -1,10 +1,12 @@
 """FP8 weights on more than W8A16_MAX_ROWS rows (prefill, larger decode batches): W8A8 on the fp8
 tensor cores, as vLLM runs `--quantization fp8` on Hopper. The rows (or their RMSNorm, fused in)
-are quantized per row by fp8_quant.cu, then torch._scaled_mm (CUTLASS's rowwise-scaled fp8 GEMM)
+are quantized per row by fp8_quant.cu, then torch._scaled_mm with per-row and per-channel scales
+(the fp8 GEMM torch picks for the GPU: cuBLASLt's on the H200 with CUDA 13, CUTLASS's elsewhere)
 multiplies the two e4m3 operands and applies both scales in its epilogue: model/fp8.py's
-fp8_linear, whose torch ops serve GPUs without fp8 tensor cores (sm_89 and newer have them).
+fp8_linear, whose torch ops serve where this cannot (no fp8 tensor cores before sm_89, widths
+not multiples of 16, a torch without the rowwise GEMM for the model dtype).
 
-On the H200 this pays from a few hundred rows on (a 2,048-row GEMM 1.4 to 1.6 times faster than
+On the H200 this pays from a few hundred rows on (a 2,048-row GEMM 1.4 to 1.7 times faster than
 bf16's, docs/performance.md); at 64 rows only gate/up and the LM head's shapes beat bf16, and
 qkv, o and down are slower, but each is far faster than the float32 product it replaces."""
 
@@ -18,16 +20,18 @@ from pagedcli.backends.cuda_launch import aligned, ptr
 from pagedcli.model.fp8 import FP8_DTYPE, W8A16_MAX_ROWS, Fp8Weight
 
 
-def scaled_mm_missing(device_index: int) -> str | None:
-    """Why torch._scaled_mm does not take per-row scales on this GPU (fp8 tensor cores given), or
-    None: a 16 x 16 product, once."""
+def scaled_mm_missing(device_index: int, dtype: torch.dtype) -> str | None:
+    """Why torch._scaled_mm cannot take per-row scales with `dtype` out on this GPU (fp8 tensor
+    cores given), or None: a 16 x 16 product, once. (Which GEMM serves it depends on the GPU and
+    the CUDA version, and some take only bf16 out.)"""
     device = torch.device("cuda", device_index)
     ones = torch.ones(16, 16, device=device).to(FP8_DTYPE)
     scale = torch.ones(16, 1, device=device)
     try:
-        torch._scaled_mm(ones, ones.t(), scale_a=scale, scale_b=scale.t(), out_dtype=torch.bfloat16)
-    except (RuntimeError, AttributeError) as e:  # older torch or CUDA: no rowwise fp8 GEMM
-        return f"this torch has no fp8 GEMM with per-row scales ({(str(e).splitlines() or [''])[0][:120]})"
+        torch._scaled_mm(ones, ones.t(), scale_a=scale, scale_b=scale.t(), out_dtype=dtype)
+    except Exception as e:  # whatever this torch raises for a GEMM it lacks (RuntimeError, ValueError, ...)
+        first = (str(e).splitlines() or [""])[0][:120]
+        return f"this torch has no fp8 GEMM with per-row scales and {str(dtype).removeprefix('torch.')} out ({first})"
     return None
 
 

@@ -51,7 +51,8 @@ class EngineFlags:
     quantization: Annotated[str, typer.Option(
         help="none or fp8: the linear layers' weights as float8 e4m3 with a scale per output channel, quantized "
         "at load (the embeddings and LM head stay in --dtype); over 2 rows (prefill, larger batches) the "
-        "activations too, per token, for fp8 tensor cores (W8A8). A checkpoint that ships fp8 weights "
+        "activations too, per token, for fp8 tensor cores (W8A8), so a greedy text can depend on the batch. "
+        "A checkpoint that ships fp8 weights "
         "(quant_method fp8) is read as it is; with none it is dequantized to --dtype.")] = DEFAULTS.quantization
     overlap: Annotated[bool, typer.Option(help="On a GPU, queue the next decode step before this one's tokens reach "
                                           "the host, so Python's work per step hides behind the GPU's.")] = DEFAULTS.overlap

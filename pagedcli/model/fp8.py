@@ -21,6 +21,7 @@ uint8 view (`raw`): the same bytes, and ops every torch version has for every de
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -113,18 +114,22 @@ def scale_of(amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations [M, K] (in the model dtype) per row: e4m3 values [M, K] and float32 scales [M, 1],
-    scale = amax(|row|) / 448 (kernels/fp8_quant.cu computes the same bytes)."""
-    scale = scale_of(x.float().abs().amax(dim=1, keepdim=True))
+    """Activations [..., K] (in the model dtype) per row: e4m3 values [..., K] and float32 scales
+    [..., 1], scale = amax(|row|) / 448 (kernels/fp8_quant.cu computes the same bytes; for a row
+    holding a NaN, whose product is NaN either way, its scale comes from the row's other values,
+    this one's is 1)."""
+    scale = scale_of(x.float().abs().amax(dim=-1, keepdim=True))
     return to_fp8(x.float() / scale), scale
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ dequant(w).T in x's dtype ([M, K] rows). Up to W8A16_MAX_ROWS rows: the float32 dot of x
-    with the e4m3 values, times each output row's scale (what gemv.cu's fp8 kernels compute). More
-    rows: x quantized per row first, the float32 dot of the two e4m3 operands times both scales
-    (what torch._scaled_mm computes on fp8 tensor cores). The reference for both."""
-    if x.shape[0] <= W8A16_MAX_ROWS:
+    """x @ dequant(w).T in x's dtype (x: [..., K], its rows the product's). Up to W8A16_MAX_ROWS
+    rows: the float32 dot of x with the e4m3 values, times each output row's scale (what gemv.cu's
+    fp8 kernels compute). More rows: x quantized per row first, the float32 dot of the two e4m3
+    operands times both scales (what torch._scaled_mm computes on fp8 tensor cores). The
+    reference for both. (So a sequence's greedy text with fp8 weights can depend on how many rows
+    its steps share: docs/performance.md, "FP8".)"""
+    if math.prod(x.shape[:-1]) <= W8A16_MAX_ROWS:
         y = (x.float() @ w.values.float().T) * w.scale
     else:
         values, scale = quantize_rows(x)
