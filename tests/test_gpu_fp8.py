@@ -110,6 +110,29 @@ def test_cuda_backend_equals_torch_backend_with_fp8(tmp_path, head_dim, gqa, kv,
                                      **(W8A8_BOUNDS if w8a8 else {}))
 
 
+def test_w8a8_in_the_decode_graphs_computes_what_it_does_eagerly(tmp_path):
+    """fp8 weights at batch 4 (W8A8: fp8_quant.cu and torch._scaled_mm, their scratch allocated in
+    the capture) replayed from the decode graphs against the same engine run eagerly, in bf16 (the
+    bench's dtype): the same greedy tokens and logits, within W8A8's noise."""
+    folder = hf_checkpoint(tmp_path / "m", num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                           hidden_size=512, intermediate_size=1024, max_position_embeddings=512,
+                           initializer_range=0.15 * (64 / 512) ** 0.5)
+    prompts = [list(range(3, 40)), [5, 6, 7], [9] * 20, list(range(100, 117))]
+    runs = []
+    for eager in (False, True):
+        opts = EngineOptions(model=str(folder), device="cuda", dtype="bfloat16", batch=4, shuffle_blocks=5,
+                             quantization="fp8", eager=eager)
+        engine = build_engine(load_model(opts), opts)
+        assert engine.runner.model.backend.fp8_gemm, engine.runner.model.backend.fallbacks
+        assert (engine.runner.graphs is None) == eager
+        seen = record_logits(engine)
+        params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
+        tokens = [s.output_token_ids for s in engine.run_to_completion(prompts, params)]
+        runs.append((tokens, [torch.stack(v).float().cpu() for v in seen.values()]))
+    (graphed, graphed_logits), (eager_tokens, eager_logits) = runs
+    assert_same_until_a_near_tie(graphed, eager_tokens, graphed_logits, eager_logits, **W8A8_BOUNDS)
+
+
 def test_fp8_pool_on_cuda_holds_twice_the_blocks_of_bf16(stories):
     blocks = {}
     for kv in ("auto", "fp8"):
