@@ -118,11 +118,14 @@ def serve(
         config = server_config(app, use_colors=False if shared is not None else None)
         quiet_startup(shared)
         processes = f", {api_server_count} API processes" if api_server_count > 1 else ""
-        say(f"serving {name} at http://{url_host(bound_host)}:{bound_port}/v1 with OpenAI's API "
-            f"({plural(ready.max_slots, 'slot')}{processes}; Ctrl-C stops)", shared)
         server = make_server(config, engine, on_signal=lambda: [forward_stop(p) for p in others])
-        with frozen_heap():
-            server.run(sockets=[sock])
+        # the server's stop from the line that says Ctrl-C stops it on (before it serves, a signal
+        # sets it to stop as soon as it has started; the connections already queue on the socket)
+        with signals_handled(STOP_SIGNALS, server.handle_exit):
+            say(f"serving {name} at http://{url_host(bound_host)}:{bound_port}/v1 with OpenAI's API "
+                f"({plural(ready.max_slots, 'slot')}{processes}; Ctrl-C stops)", shared)
+            with frozen_heap():
+                server.run(sockets=[sock])
     finally:
         # they stop on their own, forwarded the signal that stopped this one (a second one now
         # would end what they still run before their grace is out), or are told here
@@ -369,8 +372,12 @@ def make_server(config, engine, on_signal=lambda: None, signals=STOP_SIGNALS,
         grace: threading.Timer | None = None
 
         def run(self, sockets=None) -> None:
+            # the handlers cover the whole run, not only serve(): before and after it the event
+            # loop's runner would take a Ctrl-C itself (asyncio.Runner installs its own SIGINT
+            # handler where it finds Python's default), and end the command with 130
             try:
-                super().run(sockets=sockets)
+                with signals_handled(signals, self.handle_exit):
+                    super().run(sockets=sockets)
             finally:  # done before the grace ran out: the engine is stopped next, not told to abort
                 if self.grace is not None:
                     self.grace.cancel()
