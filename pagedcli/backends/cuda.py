@@ -43,7 +43,8 @@ from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHU
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
 from pagedcli.backends.cuda_fp8_gemm import fp8_gemm, scaled_mm_missing
 from pagedcli.backends.cuda_gemv import gemv
-from pagedcli.backends.cuda_launch import Launcher, LaunchShapes, aligned, prefill_tiles, ptr, resident_ctas
+from pagedcli.backends.cuda_launch import (Launcher, LaunchShapes, aligned, prefill_tiles, ptr, resident_ctas,
+                                           row_threads)
 from pagedcli.backends.torch import TorchBackend
 from pagedcli.backends.torch_decode import decode_attention_full_width
 from pagedcli.engine.batch import StepBatch
@@ -233,7 +234,7 @@ class CudaBackend:
         x, weight = x.contiguous(), weight.contiguous()
         out = torch.empty_like(x)
         vec = self.vec if hidden % self.vec == 0 and aligned(x, weight, out) else 1
-        threads = min(1024, max(32, -(-hidden // vec // 32) * 32))
+        threads = row_threads(hidden, vec)
         self.launch(f"rms_norm_{'vec' if vec > 1 else 'scalar'}", (rows,), (threads,), (
             ptr(x), ptr(weight), ptr(out), np.int32(hidden), np.float32(eps),
         ))

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pagedcli.backends.cuda_build import FP8_MMA_MULTIPLE
-from pagedcli.backends.cuda_launch import aligned, ptr
+from pagedcli.backends.cuda_launch import aligned, ptr, row_threads
 from pagedcli.model.fp8 import FP8_DTYPE, W8A16_MAX_ROWS, Fp8Weight
 
 
@@ -66,7 +66,7 @@ def quantize_rows(be, x: torch.Tensor, norm_weight=None, eps: float = 0.0) -> tu
         return values, scales
     vec = be.vec if (K % be.vec == 0 and x.stride(0) % be.vec == 0 and aligned(x, values)
                      and (norm_weight is None or aligned(norm_weight))) else 1
-    threads = min(1024, max(32, -(-K // vec // 32) * 32))
+    threads = row_threads(K, vec)  # (rms_norm's: the same sums of squares)
     width = "vec" if vec > 1 else "scalar"
     head, tail = (ptr(x), np.int64(x.stride(0))), (ptr(values), ptr(scales), np.int32(K))
     if norm_weight is None:

@@ -32,7 +32,8 @@ def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
     units = N // 2 if paired else N
     tensors = [t for t in (x, norm_weight, residual) if t is not None] + ([] if fp8 else [weight])
     weight_vec = VEC_BYTES // weight.element_size()  # weights to a 16-byte load
-    if not (1 <= rows <= (min(GEMV_MAX_ROWS, W8A16_MAX_ROWS) if fp8 else GEMV_MAX_ROWS) and x.shape[1] == K and not (paired and N % 2)
+    max_rows = min(GEMV_MAX_ROWS, W8A16_MAX_ROWS) if fp8 else GEMV_MAX_ROWS
+    if not (1 <= rows <= max_rows and x.shape[1] == K and not (paired and N % 2)
             and be.fusable(*tensors)
             and (not fp8 or (weight.dtype == FP8_DTYPE and weight.is_cuda and weight.device.index == be.device_index
                              and scales.device == weight.device))

@@ -26,6 +26,12 @@ def ptr(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
 
+def row_threads(n: int, vec: int) -> int:
+    """Threads of a CTA that takes one row of n elements, vec at a time (elementwise.cu's rms_norm,
+    fp8_quant.cu): whole warps, at most 1024. The same count gives the same order of a row's sums."""
+    return min(1024, max(32, -(-n // vec // 32) * 32))
+
+
 def aligned(*tensors: torch.Tensor) -> bool:
     """Whether every tensor starts on a 16-byte boundary (the kernels' vector loads)."""
     return all(t.data_ptr() % VEC_BYTES == 0 for t in tensors)

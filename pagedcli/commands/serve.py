@@ -118,14 +118,11 @@ def serve(
         config = server_config(app, use_colors=False if shared is not None else None)
         quiet_startup(shared)
         processes = f", {api_server_count} API processes" if api_server_count > 1 else ""
-        server = make_server(config, engine, on_signal=lambda: [forward_stop(p) for p in others])
-        # the server's stop from the line that says Ctrl-C stops it on (before it serves, a signal
-        # sets it to stop as soon as it has started; the connections already queue on the socket)
-        with signals_handled(STOP_SIGNALS, server.handle_exit):
-            say(f"serving {name} at http://{url_host(bound_host)}:{bound_port}/v1 with OpenAI's API "
-                f"({plural(ready.max_slots, 'slot')}{processes}; Ctrl-C stops)", shared)
-            with frozen_heap():
-                server.run(sockets=[sock])
+        line = (f"serving {name} at http://{url_host(bound_host)}:{bound_port}/v1 with OpenAI's API "
+                f"({plural(ready.max_slots, 'slot')}{processes}; Ctrl-C stops)")
+        server = make_server(config, engine, on_signal=lambda: [forward_stop(p) for p in others],
+                             on_started=lambda: say(line, shared))
+        server.run(sockets=[sock])
     finally:
         # they stop on their own, forwarded the signal that stopped this one (a second one now
         # would end what they still run before their grace is out), or are told here
@@ -213,8 +210,7 @@ def api_process(link, address: tuple, settings, started) -> None:
         config = server_config(create_app(engine, ready, settings, metrics))
         quiet_startup(None)  # (after the config: making it sets uvicorn's loggers up again)
         server = make_server(config, engine, signals=(STOP_SIGNAL, PARENT_GONE), on_started=started.set)
-        with frozen_heap():
-            server.run(sockets=[sock])
+        server.run(sockets=[sock])
     except EOFError:  # the engine was gone before this process started: the first API process says why
         pass
     except PagedCliError as e:  # (the port taken meanwhile): the first API process says it did not start
@@ -356,7 +352,7 @@ class NoCutTracebacks(logging.Filter):
 def make_server(config, engine, on_signal=lambda: None, signals=STOP_SIGNALS,
                 on_started=lambda: None):
     """`on_signal`: called at each signal that stops it (the other API processes hear of it);
-    `on_started`: once it serves."""
+    `on_started`: once it serves (the first process says so then: a signal from then on is a stop)."""
     import asyncio
 
     import uvicorn
@@ -372,11 +368,12 @@ def make_server(config, engine, on_signal=lambda: None, signals=STOP_SIGNALS,
         grace: threading.Timer | None = None
 
         def run(self, sockets=None) -> None:
-            # the handlers cover the whole run, not only serve(): before and after it the event
-            # loop's runner would take a Ctrl-C itself (asyncio.Runner installs its own SIGINT
-            # handler where it finds Python's default), and end the command with 130
+            """With the heap frozen, and the stop signals this server's for the whole run, not only
+            serve()'s: the heap's collection before it and the event loop's runner around it (which
+            takes SIGINT itself where it finds Python's default) would otherwise end the command
+            with 130 at a Ctrl-C, or a forwarded stop with SIGUSR1's default action."""
             try:
-                with signals_handled(signals, self.handle_exit):
+                with signals_handled(signals, self.handle_exit), frozen_heap():
                     super().run(sockets=sockets)
             finally:  # done before the grace ran out: the engine is stopped next, not told to abort
                 if self.grace is not None:
@@ -389,8 +386,7 @@ def make_server(config, engine, on_signal=lambda: None, signals=STOP_SIGNALS,
 
         @contextlib.contextmanager
         def capture_signals(self):
-            with signals_handled(signals, self.handle_exit):
-                yield
+            yield  # run() holds the handlers (uvicorn's own would raise each signal again at the end)
 
         def handle_exit(self, sig, frame) -> None:
             on_signal()
