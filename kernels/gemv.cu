@@ -425,14 +425,14 @@ __device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __re
         ROPE_KV_BODY(M, scales)                                                                                  \
     }
 
-// The combinations a Llama layer uses, for each batch-size bucket up to GEMV_MAX_ROWS.
-// (The LM head, the one float output, stays in the model dtype: no gemv8 of it.)
+// The combinations a Llama layer and its LM head use, for each batch-size bucket up to GEMV_MAX_ROWS.
 #define GEMV_KERNELS(M)                                           \
     GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, store, OUT_STORE)        \
     GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, float, OUT_FLOAT)        \
     GEMV_KERNEL(M, rms_norm, IN_RMS_NORM, silu_mul, OUT_SILU_MUL)  \
     GEMV_KERNEL(M, plain, IN_PLAIN, add, OUT_ADD)                  \
     GEMV8_KERNEL(M, rms_norm, IN_RMS_NORM, store, OUT_STORE)       \
+    GEMV8_KERNEL(M, rms_norm, IN_RMS_NORM, float, OUT_FLOAT)       \
     GEMV8_KERNEL(M, rms_norm, IN_RMS_NORM, silu_mul, OUT_SILU_MUL) \
     GEMV8_KERNEL(M, plain, IN_PLAIN, add, OUT_ADD)                 \
     GEMV_ROPE_KV_KERNEL(M)

@@ -590,7 +590,7 @@ def same_split_k_as_fused(monkeypatch, s, weight):
 
 
 @pytest.mark.parametrize("geometry", ["llama1b", "fp16"])
-@pytest.mark.parametrize("op", ["rms_norm_store", "rms_norm_silu_mul", "plain_add"])
+@pytest.mark.parametrize("op", ["rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add"])
 @pytest.mark.parametrize("rows", [1, 2])
 # qkv's (split K at batch 1); K past a whole tile of 2,048 fp8 weights; many rows; one 16-byte load
 @pytest.mark.parametrize("shape", [(3072, 2048), (1040, 2064), (20000, 256), (64, 16)])
@@ -615,6 +615,8 @@ def test_gemv_fp8_weights_match_fp64_reference(geometry, op, rows, shape):
     out = gemv(s.cuda, op, x, weight, norm_weight, 1e-5, residual=residual)
     assert out is not None, "gemv.cu's fp8 kernel did not take the shape"
     torch.cuda.synchronize()
+    if op == "rms_norm_float":  # the LM head's: the dtype's rounded product, stored as float
+        assert out.dtype == torch.float32 and torch.equal(out, out.to(s.dtype).float())
     if op == "rms_norm_silu_mul":
         split = s.cuda.shapes.gemv_split(N // 2, K, 1)  # the store below sums as the fused kernel did
         s.cuda.shapes.gemv_split = lambda units, K, *_: split

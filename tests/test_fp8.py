@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import check_block_accounting, invoke
+from pagedcli.bench.measure import decode_weight_bytes
 from pagedcli.bench.quality import WINDOW_TOKENS, perplexity, windows_of
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.sequence import SamplingParams
@@ -207,10 +208,15 @@ def test_quantized_weights_count_a_byte_a_value_plus_scales(stories):
     linear = c.num_layers * (c.hidden_size * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.hidden_size
                              + 3 * c.hidden_size * c.intermediate_size)
     rows = c.num_layers * (c.q_dim + 2 * c.kv_dim + c.hidden_size + 2 * c.intermediate_size + c.hidden_size)
-    assert plain.weights.nbytes - fp8.weights.nbytes == 4 * linear - (linear + 4 * rows)  # float32 -> 1 byte + scales
+    head = c.vocab_size * c.hidden_size
+    assert c.tie_word_embeddings  # so the fp8 LM head is a copy beside the float32 embedding table
+    assert plain.weights.nbytes - fp8.weights.nbytes == 4 * linear - (linear + 4 * rows) - (head + 4 * c.vocab_size)
     layer = fp8.weights.layers[0]
     assert isinstance(layer.qkv, Fp8Weight) and layer.qkv.shape == (c.q_dim + 2 * c.kv_dim, c.hidden_size)
-    assert fp8.weights.lm_head.dtype == torch.float32 and fp8.weights.embed.dtype == torch.float32
+    assert isinstance(fp8.weights.lm_head, Fp8Weight) and fp8.weights.lm_head.shape == (c.vocab_size, c.hidden_size)
+    assert fp8.weights.embed.dtype == torch.float32  # looked up, not multiplied
+    # a decode step reads the fp8 LM head, not the embedding table
+    assert decode_weight_bytes(fp8) == fp8.weights.nbytes - 4 * head
 
 
 def fp8_checkpoint(source, folder, per_tensor: bool = False, **quantization_config):
@@ -404,7 +410,7 @@ def test_bench_counts_fp8_bytes_in_the_pool_and_the_roofline(stories):
     assert fp8["kv_pool_bytes"] == plain["kv_pool_bytes"]
     assert fp8["kv_bytes_peak"] * 4 == plain["kv_bytes_peak"]
     model = load_model(options(stories, quantization="fp8"))
-    assert fp8["weight_bytes_per_step"] == model.weights.nbytes < plain["weight_bytes_per_step"]
+    assert fp8["weight_bytes_per_step"] == decode_weight_bytes(model) < plain["weight_bytes_per_step"]
     assert fp8["roofline_step_ms"] < plain["roofline_step_ms"]
 
 

@@ -246,13 +246,15 @@ def main() -> None:
     ap.add_argument("--output-len", default="256")
     ap.add_argument("--profile-steps", type=int, default=32)
     ap.add_argument("--only", nargs="*", help="variant names to run (default: all)")
+    ap.add_argument("--profile-variants", nargs="*", default=["gemv (default)"], help="the variants to profile")
     ap.add_argument("--no-tables", action="store_true", help="no GEMM and attention tables")
     ap.add_argument("--model", default="random:llama-3.2-1b")
+    ap.add_argument("--quantization", default="none", help="none or fp8 (the weights)")
     ap.add_argument("--batch", type=int, default=1, help="the profile's batch")
     ap.add_argument("--variant-batch", type=int, default=1, help="the batch the variants run")
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[1], help="the GEMM table's batches")
     args = ap.parse_args()
-    opts = EngineOptions(model=args.model, device="cuda", batch=1)
+    opts = EngineOptions(model=args.model, device="cuda", batch=1, quantization=args.quantization)
     model = load_model(opts)
     bandwidth = measure_bandwidth(model.device)
     work = Workload(input_len="128", output_len=args.output_len)
@@ -273,7 +275,10 @@ def main() -> None:
             gemv_table(model, opts, rows)
         read_floor_table(model)
         attention_table()
-    profile(model, replace(opts, batch=args.batch), args.profile_steps)
+    for name in args.profile_variants:
+        print(f"\n--- profile: {name}")
+        with variant(dict(VARIANTS[name])):
+            profile(model, replace(opts, batch=args.batch), args.profile_steps)
 
 
 if __name__ == "__main__":

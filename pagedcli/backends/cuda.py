@@ -278,7 +278,10 @@ class CudaBackend:
 
     def logits(self, x, norm_weight, lm_head, eps):
         out = gemv(self, "rms_norm_float", x, lm_head, norm_weight, eps)
-        return out if out is not None else composed.logits(self, x, norm_weight, lm_head, eps)
+        if out is not None:
+            return out
+        product = fp8_gemm(self, x, lm_head, norm_weight, eps)  # an fp8 LM head over W8A16_MAX_ROWS rows
+        return product.float() if product is not None else composed.logits(self, x, norm_weight, lm_head, eps)
 
     def norm_linear_silu(self, x, norm_weight, gate_up, eps, bias=None):
         out = gemv(self, "rms_norm_silu_mul", x, gate_up, norm_weight, eps) if bias is None else None  # (no bias)

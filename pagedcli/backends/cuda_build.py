@@ -74,7 +74,6 @@ DTYPE_DEFINES = {torch.bfloat16: "DTYPE_BF16", torch.float16: "DTYPE_F16", torch
 # the k_scale/v_scale parameters of the kernels that touch the pool.
 KV_DTYPE_DEFINES = {FP8_DTYPE: "KV_FP8"}
 GEMV_OPS = ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")
-GEMV8_OPS = ("rms_norm_store", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")  # fp8 weights: not the LM head
 # fp8 weights on more rows (cuda_fp8_gemm.py): the activations' per-row quantization, then torch._scaled_mm
 FP8_QUANT_KERNELS = ("quantize_rows_vec", "quantize_rows_scalar", "rms_norm_quantize_rows_vec",
                      "rms_norm_quantize_rows_scalar")
@@ -83,12 +82,11 @@ FP8_MMA_MULTIPLE = 16  # torch._scaled_mm's operands: K and N multiples of 16
 
 
 def gemv_kernel_names():
-    """The kernels gemv.cu defines: one per row bucket and fused op, and for fp8 weights (its
-    GEMV_KERNELS macro)."""
+    """The kernels gemv.cu defines: one per row bucket and fused op, each in the model dtype (gemv_)
+    and for fp8 weights (gemv8_): its GEMV_KERNELS macro."""
     for rows in GEMV_ROW_BUCKETS:
         for op in GEMV_OPS:
             yield f"gemv_{rows}_{op}"
-        for op in GEMV8_OPS:
             yield f"gemv8_{rows}_{op}"
 
 

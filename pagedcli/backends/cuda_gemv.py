@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedcli.backends.cuda_build import (GEMV8_OPS, GEMV_MAX_ROWS, GEMV_MAX_SHARED, GEMV_ROW_BUCKETS, GEMV_THREADS,
+from pagedcli.backends.cuda_build import (GEMV_MAX_ROWS, GEMV_MAX_SHARED, GEMV_ROW_BUCKETS, GEMV_THREADS,
                                           VEC_BYTES)
 from pagedcli.backends.cuda_launch import aligned, ptr
 from pagedcli.model.fp8 import FP8_DTYPE, W8A16_MAX_ROWS, Fp8Weight
@@ -18,13 +18,13 @@ def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,
     """x (or its RMSNorm) @ weight.T through gemv.cu, followed by what `op` says; None when the
     shapes are not gemv.cu's (too many rows, unaligned, other dtype): the caller uses cuBLAS.
     rope_kv: (layer, batch) for the qkv epilogue, which returns the rotated q. An fp8 weight
-    (model/fp8.py) goes to the gemv8_ kernels, with its row scales (not the LM head's float op),
-    at up to W8A16_MAX_ROWS rows (more quantize the activations too: cuda_fp8_gemm.py)."""
+    (model/fp8.py) goes to the gemv8_ kernels, with its row scales, at up to W8A16_MAX_ROWS rows
+    (more quantize the activations too: cuda_fp8_gemm.py)."""
     fp8 = isinstance(weight, Fp8Weight)
     scales = weight.scale if fp8 else None
     if fp8:
         weight = weight.values
-        if op not in GEMV8_OPS or scales.dtype != torch.float32 or not scales.is_contiguous():
+        if scales.dtype != torch.float32 or not scales.is_contiguous():
             return None
     N, K = weight.shape
     rows = x.shape[0] if x.dim() == 2 else 0

@@ -49,9 +49,10 @@ class EngineFlags:
         "pool holds twice the tokens of bf16; scaled per layer and KV head by the checkpoint's k_scale/v_scale, "
         "else 1.0 (vLLM's default).")] = DEFAULTS.kv_cache_dtype
     quantization: Annotated[str, typer.Option(
-        help="none or fp8: the linear layers' weights as float8 e4m3 with a scale per output channel, quantized "
-        "at load (the embeddings and LM head stay in --dtype); over 2 rows (prefill, larger batches) the "
-        "activations too, per token, for fp8 tensor cores (W8A8), so a greedy text can depend on the batch. "
+        help="none or fp8: the linear layers' and the LM head's weights as float8 e4m3 with a scale per output "
+        "channel, quantized at load (the embeddings stay in --dtype for their lookups); over 2 rows (prefill, "
+        "larger batches) the activations too, per token, for fp8 tensor cores (W8A8), so a greedy text can "
+        "depend on the batch. "
         "A checkpoint that ships fp8 weights "
         "(quant_method fp8) is read as it is; with none it is dequantized to --dtype.")] = DEFAULTS.quantization
     overlap: Annotated[bool, typer.Option(help="On a GPU, queue the next decode step before this one's tokens reach "

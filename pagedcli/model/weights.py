@@ -4,13 +4,15 @@ Tensors are read one at a time from memory-mapped files straight into their fina
 device, q/k/v and gate/up into fused matrices (one GEMM instead of three or two), so the model is
 never held twice in memory.
 
-FP8 (model/fp8.py): with `quantization` fp8 the linear layers (q/k/v, o, gate/up, down) become
-`Fp8Weight`s, quantized as they are read; a checkpoint whose config.json has a quantization_config of
-quant_method fp8 (or compressed-tensors' fp8) ships them as e4m3 values with a `weight_scale` each
-(per tensor or per output channel, as vLLM's and llm-compressor's checkpoints name them), kept as they are, or dequantized
-to the model dtype when `quantization` is none. The embeddings, norms and LM head stay in the model
-dtype. K/V scales a checkpoint ships (`self_attn.k_scale`, `self_attn.v_scale`, vLLM's names) come
-along for an fp8 KV cache.
+FP8 (model/fp8.py): with `quantization` fp8 the linear layers (q/k/v, o, gate/up, down) and the LM
+head become `Fp8Weight`s, quantized as they are read (a tied LM head as an fp8 copy of the
+embedding table, which stays for lookups: docs/performance.md, "FP8", measured that it pays). A
+checkpoint whose config.json has a quantization_config of quant_method fp8 (or compressed-tensors'
+fp8) ships them as e4m3 values with a `weight_scale` each (per tensor or per output channel, as
+vLLM's and llm-compressor's checkpoints name them), kept as they are, or dequantized to the model
+dtype when `quantization` is none. The embeddings and norms stay in the model dtype. K/V scales a
+checkpoint ships (`self_attn.k_scale`, `self_attn.v_scale`, vLLM's names) come along for an fp8
+KV cache.
 """
 
 from __future__ import annotations
@@ -368,7 +370,10 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, 
             down_bias=reader.read(p + "mlp.down_proj.bias") if mlp else None,
         ))
     embed = reader.read("model.embed_tokens.weight")
-    lm_head = embed if config.tie_word_embeddings else reader.read("lm_head.weight")
+    if fp8:  # the LM head too, in a copy of its own when it is the embedding table (which stays for lookups)
+        lm_head = quantize_weight(embed) if config.tie_word_embeddings else reader.linear(["lm_head.weight"], True)
+    else:
+        lm_head = embed if config.tie_word_embeddings else reader.read("lm_head.weight")
     return Weights(embed=embed, layers=layers, norm=reader.read("model.norm.weight"), lm_head=lm_head,
                    kv_scales=reader.kv_scales(config))
 
@@ -402,4 +407,6 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 
               for _ in range(config.num_layers)]
     embed = normal(config.vocab_size, h)
     lm_head = embed if config.tie_word_embeddings else normal(config.vocab_size, h)
+    if quantization == "fp8":
+        lm_head = quantize_weight(lm_head)
     return Weights(embed, layers, ones(h), lm_head)
