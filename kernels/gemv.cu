@@ -283,9 +283,16 @@ __device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __re
     const int units = N / ROWS_PER_UNIT, unit_step = gridDim.x * groups;
     const int tiles = (K + TILE - 1) / TILE;
     const int tile_begin = warp % split * tiles / split, tile_end = (warp % split + 1) * tiles / split;
-    // a unit's rows: `span` units make a run of 2 * span rows, its first rows then its second rows
-    const int span = OUT == OUT_ROPE_KV ? HALF_DIM : units;
-    const auto weight_row = [&](int unit, int part) { return (unit / span) * 2 * span + unit % span + part * span; };
+    // a unit's rows: HALF_DIM units of RoPE make a run of HEAD_DIM rows, its first rows then its
+    // second rows; gate and up are the two halves of W (no division by a run-time span: a row of fp8
+    // weights is one tile, so what a row costs beyond its products counts)
+    const auto weight_row = [&](int unit, int part) {
+        if constexpr (OUT == OUT_ROPE_KV) {
+            return (unit / HALF_DIM) * 2 * HALF_DIM + unit % HALF_DIM + part * HALF_DIM;
+        } else {
+            return unit + part * units;
+        }
+    };
     int unit = blockIdx.x * groups + warp / split;
 
     // What lane m needs to write row m besides the sums, read early, so that the end of a unit waits
