@@ -21,7 +21,7 @@ class Defaults:
     max_tokens: int = 256  # new tokens a request generates at most
     ignore_eos: bool = False
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: float8 e4m3 (vLLM's names)
-    quantization: str = "none"  # none, fp8: the linear layers' weights in float8 e4m3
+    quantization: str = "none"  # none, fp8: the linear layers' and LM head's weights in float8 e4m3
 
 
 DEFAULTS = Defaults()

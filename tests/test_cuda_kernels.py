@@ -710,6 +710,11 @@ def test_fp8_gemm_matches_fp64_of_its_quantized_operands(geometry, rows, shape):
         bound = 2 * ACCUMULATION_FP8 * (rows_in.double().abs() @ magnitude) \
             + 2 * ULP[s.dtype] * (want.double().abs() + residual.double().abs())
         assert ((got.double() - want.double()).abs() <= bound).all(), "a layer step is off the reference's W8A8"
+    # an fp8 LM head over W8A16_MAX_ROWS rows: the same W8A8 GEMM, its float logits the dtype's product
+    got, want = be.logits(x, norm_weight, weight, 1e-5), s.ref.logits(x, norm_weight, weight, 1e-5)
+    assert got.dtype == torch.float32 and torch.equal(got, got.to(s.dtype).float())
+    bound = 2 * ACCUMULATION_FP8 * (normed.double().abs() @ magnitude) + 2 * ULP[s.dtype] * want.double().abs()
+    assert ((got.double() - want.double()).abs() <= bound).all(), "the LM head is off the reference's W8A8"
 
 
 def test_gemv_falls_back_past_its_limits():

@@ -219,6 +219,21 @@ def test_quantized_weights_count_a_byte_a_value_plus_scales(stories):
     assert decode_weight_bytes(fp8) == fp8.weights.nbytes - 4 * head
 
 
+def test_an_lm_head_the_fp8_gemms_cannot_take_stays_in_the_model_dtype(stories):
+    """A vocabulary that is not a multiple of 16 (Llama 2 fine-tunes' 32001) keeps its LM head in
+    the model dtype with `quantization` fp8: past 2 rows torch._scaled_mm could not take it, and
+    torch's float32 product would be slower than the dtype's GEMM. Its linear layers are fp8 still."""
+    from pagedcli.model.weights import random_weights
+
+    base = ModelConfig.from_file(stories / "config.json")
+    for vocab, fp8_head in ((512, True), (513, False)):
+        config = ModelConfig.from_dict({**base.raw, "vocab_size": vocab})
+        w = random_weights(config, torch.float32, "cpu", quantization="fp8")
+        assert isinstance(w.layers[0].gate_up, Fp8Weight)
+        assert isinstance(w.lm_head, Fp8Weight) == fp8_head
+        assert (w.lm_head is w.embed) == (not fp8_head and config.tie_word_embeddings)
+
+
 def fp8_checkpoint(source, folder, per_tensor: bool = False, **quantization_config):
     """`source`'s checkpoint with its linear layers in fp8, as HF / vLLM fp8 checkpoints hold
     them: `<name>.weight` in F8_E4M3 and `<name>.weight_scale` beside it, [out, 1] per channel

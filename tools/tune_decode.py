@@ -26,6 +26,7 @@ import pagedcli.backends.cuda_gemv as cuda_gemv
 import pagedcli.backends.cuda_launch as cuda_launch
 from pagedcli.bench.bandwidth import measure_bandwidth
 from pagedcli.bench.measure import Workload, run_batch
+from pagedcli.model.fp8 import Fp8Weight
 from pagedcli.model.loader import EngineOptions, build_engine, load_model
 from pagedcli.engine.sequence import SamplingParams
 
@@ -122,10 +123,15 @@ def gemv_table(model, opts, rows: int = 1) -> None:
 
     print(f"\nGEMMs of a layer at batch {rows}, alone (us per call, GB/s of weights)")
     for name, (call, weight) in ops.items():
-        nbytes = weight.numel() * weight.element_size()
+        nbytes = weight_bytes(weight)
         times = {"ours": time_us(call, type(be)), "cublas": time_us(call, TorchBackend)}
         print(f"  {name:26s} {nbytes / 1e6:7.1f} MB  " + "  ".join(
             f"{k} {t:7.2f} us {nbytes / t / 1e3:6.0f} GB/s" for k, t in times.items()), flush=True)
+
+
+def weight_bytes(weight) -> int:
+    """A weight's bytes: an fp8 one (--quantization fp8) a byte a value plus its scales."""
+    return weight.nbytes if isinstance(weight, Fp8Weight) else weight.numel() * weight.element_size()
 
 
 def read_floor_table(model) -> None:
@@ -138,7 +144,7 @@ def read_floor_table(model) -> None:
     from pagedcli.bench.kernel import time_ms
 
     w = model.weights
-    sizes = {name: t.numel() * t.element_size() for name, t in (
+    sizes = {name: weight_bytes(t) for name, t in (
         ("qkv", w.layers[0].qkv), ("o", w.layers[0].o), ("gate_up", w.layers[0].gate_up),
         ("down", w.layers[0].down), ("lm_head", w.lm_head))}
     source = (Path(__file__).parent / "read_floor.cu").read_text()
@@ -276,9 +282,13 @@ def main() -> None:
         read_floor_table(model)
         attention_table()
     for name in args.profile_variants:
+        if name not in VARIANTS:
+            raise SystemExit(f"--profile-variants: no variant {name!r} (there are: {', '.join(VARIANTS)})")
         print(f"\n--- profile: {name}")
-        with variant(dict(VARIANTS[name])):
-            profile(model, replace(opts, batch=args.batch), args.profile_steps)
+        settings = dict(VARIANTS[name])
+        p_opts = replace(opts, overlap=settings.pop("overlap", opts.overlap), batch=args.batch)
+        with variant(settings):
+            profile(model, p_opts, args.profile_steps)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 from pagedcli.backends import NOT_FINITE
 from pagedcli.backends.cuda_compile import Defines
 from pagedcli.model.config import CacheGeometry, ModelConfig
-from pagedcli.model.fp8 import FP8_DTYPE, W8A16_MAX_ROWS
+from pagedcli.model.fp8 import FP8_DTYPE, FP8_MMA_MULTIPLE, W8A16_MAX_ROWS
 
 PARTITION_SIZE = 512  # tokens per split-KV chunk of the decode kernel (a multiple of every block size)
 ATTN_THREADS = 128  # threads of a decode CTA
@@ -77,7 +77,6 @@ GEMV_OPS = ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add"
 # fp8 weights on more rows (cuda_fp8_gemm.py): the activations' per-row quantization, then torch._scaled_mm
 FP8_QUANT_KERNELS = ("quantize_rows_vec", "quantize_rows_scalar", "rms_norm_quantize_rows_vec",
                      "rms_norm_quantize_rows_scalar")
-FP8_MMA_MULTIPLE = 16  # torch._scaled_mm's operands: K and N multiples of 16
 
 
 
@@ -220,7 +219,7 @@ class KernelPlan:
 
 def fp8_fallback_note(why: str) -> str:
     return (f"`quantization` fp8 over {W8A16_MAX_ROWS} rows (prefill, larger batches): {why}; torch's float32 "
-            "product of the per-row quantized activations and the fp8 weights (model/fp8.py)")
+            "product of the per-row quantized activations and the fp8 weights, the LM head's too (model/fp8.py)")
 
 
 def fp8_gemm_unsupported(config: ModelConfig, fp8_tensor_cores: bool) -> str | None:
@@ -240,7 +239,7 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
     may be fp8: KV_DTYPE_DEFINES) on a GPU with thread-block clusters (`clusters`: sm_90+),
     bf16/fp16 mma.sync (`tensor_cores`: sm_80+), fp8 tensor cores (`fp8_tensor_cores`: sm_89+)
     and `max_shared` bytes of shared memory a CTA may opt in to; `fp8_weights`: the linear layers
-    are Fp8Weights (model/fp8.py)."""
+    (and the LM head) are Fp8Weights (model/fp8.py)."""
     if geometry.dtype not in DTYPE_DEFINES:
         raise ValueError(f"no CUDA kernels for {geometry.dtype}")
     dtype = ((DTYPE_DEFINES[geometry.dtype], None),)

@@ -15,9 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedcli.backends.cuda_build import FP8_MMA_MULTIPLE
 from pagedcli.backends.cuda_launch import aligned, ptr, row_threads
-from pagedcli.model.fp8 import FP8_DTYPE, W8A16_MAX_ROWS, Fp8Weight
+from pagedcli.model.fp8 import FP8_DTYPE, FP8_MMA_MULTIPLE, W8A16_MAX_ROWS, Fp8Weight
 
 
 def scaled_mm_missing(device_index: int, dtype: torch.dtype) -> str | None:

@@ -80,8 +80,8 @@ def make_requests(w: Workload, n: int, vocab_size: int, avoid: set[int], tokeniz
 
 # --- the arithmetic ------------------------------------------------------------------------------
 def decode_weight_bytes(model: Model) -> int:
-    """Weight bytes one decode step reads: everything, except that an untied embedding table is
-    only looked up (a few rows), not read whole."""
+    """Weight bytes one decode step reads: everything, except that an embedding table that is not
+    the LM head (untied, or beside an fp8 LM head) is only looked up (a few rows), not read whole."""
     w = model.weights
     embed = w.embed.numel() * w.embed.element_size()
     return w.nbytes - (0 if w.lm_head is w.embed else embed)

@@ -31,6 +31,8 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype
 QUANTIZATIONS = ("none", "fp8")
 DEFAULT_KV_SCALE = 1.0  # vLLM's, when the checkpoint has none
+# torch._scaled_mm, the W8A8 GEMM past W8A16_MAX_ROWS rows on CUDA, takes K and N in multiples of this
+FP8_MMA_MULTIPLE = 16
 # Fp8Weight products of at most this many rows read 16-bit activations (gemv.cu's gemv8_ kernels on
 # CUDA); more rows quantize them per token (fp8 tensor cores on CUDA: cuda_fp8_gemm.py)
 W8A16_MAX_ROWS = 2

@@ -46,7 +46,7 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None  # new tokens a step feeds at most; default by device
     gpu_memory_utilization: float | None = None  # size the pool to this share of the GPU (memory.py)
     kv_cache_dtype: str = DEFAULTS.kv_cache_dtype  # auto (the model dtype) or fp8 (model/fp8.py)
-    quantization: str = DEFAULTS.quantization  # none or fp8: the linear layers' weights (model/fp8.py)
+    quantization: str = DEFAULTS.quantization  # none or fp8: the linear layers' and LM head's weights (model/fp8.py)
     seed: int = 0  # random weights
 
     def __post_init__(self):  # checked here, so before anything slow is loaded

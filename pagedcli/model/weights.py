@@ -6,11 +6,14 @@ never held twice in memory.
 
 FP8 (model/fp8.py): with `quantization` fp8 the linear layers (q/k/v, o, gate/up, down) and the LM
 head become `Fp8Weight`s, quantized as they are read (a tied LM head as an fp8 copy of the
-embedding table, which stays for lookups: docs/performance.md, "FP8", measured that it pays). A
+embedding table, which stays for lookups: docs/performance.md, "FP8", measured that it pays;
+a vocabulary that is not a multiple of FP8_MMA_MULTIPLE keeps its LM head in the model dtype,
+which the fp8 GEMMs past 2 rows could not serve). A
 checkpoint whose config.json has a quantization_config of quant_method fp8 (or compressed-tensors'
 fp8) ships them as e4m3 values with a `weight_scale` each (per tensor or per output channel, as
 vLLM's and llm-compressor's checkpoints name them), kept as they are, or dequantized to the model
-dtype when `quantization` is none. The embeddings and norms stay in the model dtype. K/V scales a
+dtype when `quantization` is none; what such a checkpoint left in float (its ignore list, usually the
+LM head) is quantized at load with `quantization` fp8, like a float checkpoint's layers. The embeddings and norms stay in the model dtype. K/V scales a
 checkpoint ships (`self_attn.k_scale`, `self_attn.v_scale`, vLLM's names) come along for an fp8
 KV cache.
 """
@@ -27,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from pagedcli.model.config import ModelConfig
 from pagedcli.errors import RunError, plural, show_value
 from pagedcli.model.files import read_json
-from pagedcli.model.fp8 import FP8_DTYPE, Fp8Weight, KVScales, quantize_weight
+from pagedcli.model.fp8 import FP8_DTYPE, FP8_MMA_MULTIPLE, Fp8Weight, KVScales, quantize_weight
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of what a weight may be stored as
 FP8_STORED = "F8_E4M3"  # safetensors' name of float8_e4m3fn: an fp8 checkpoint's linear weights
@@ -56,13 +59,13 @@ class Weights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+    lm_head: torch.Tensor | Fp8Weight  # [vocab, hidden]; the same tensor as embed when tied (and not fp8)
     kv_scales: KVScales | None = None  # K/V scales the checkpoint ships (for an fp8 KV cache)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of distinct weight tensors (a tied lm_head counts once); an fp8 weight counts its
-        byte a value and its float32 scales."""
+        """Bytes of distinct weight tensors (an lm_head that is the embedding table counts once); an
+        fp8 weight counts its byte a value and its float32 scales."""
         seen, total = set(), 0
         for t in [self.embed, self.norm, self.lm_head] + [w for l in self.layers for w in vars(l).values()]:
             if t is None:
@@ -349,8 +352,15 @@ def _compressed_tensors_fp8(q: dict) -> bool:
     return True
 
 
+def fp8_lm_head(config: ModelConfig) -> bool:
+    """Whether `quantization` fp8 takes the LM head to fp8 too: where the fp8 GEMMs can serve it past
+    2 rows (its vocabulary a multiple of FP8_MMA_MULTIPLE); otherwise torch's float32 product would
+    take it there, slower than the model dtype's GEMM."""
+    return config.vocab_size % FP8_MMA_MULTIPLE == 0
+
+
 def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, quantization: str = "none") -> Weights:
-    """`quantization` fp8: the linear layers as Fp8Weights (model/fp8.py)."""
+    """`quantization` fp8: the linear layers and the LM head as Fp8Weights (model/fp8.py)."""
     reader = _TensorReader(safetensors_files(Path(folder)), config, dtype, device)
     fp8 = quantization == "fp8"
     layers = []
@@ -370,7 +380,7 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, 
             down_bias=reader.read(p + "mlp.down_proj.bias") if mlp else None,
         ))
     embed = reader.read("model.embed_tokens.weight")
-    if fp8:  # the LM head too, in a copy of its own when it is the embedding table (which stays for lookups)
+    if fp8 and fp8_lm_head(config):  # a copy of its own when it is the embedding table (which stays for lookups)
         lm_head = quantize_weight(embed) if config.tie_word_embeddings else reader.linear(["lm_head.weight"], True)
     else:
         lm_head = embed if config.tie_word_embeddings else reader.read("lm_head.weight")
@@ -386,7 +396,7 @@ def _first_line(e: Exception) -> str:
 def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0, quantization: str = "none") -> Weights:
     """Weights of the right shapes drawn from N(0, 0.02), norms at 1, made on `device` directly:
     the same work per token as the real checkpoint, for benchmarks without a download
-    (`quantization` fp8: the linear layers quantized as they are made)."""
+    (`quantization` fp8: the linear layers and the LM head quantized as they are made)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, i = config.hidden_size, config.intermediate_size
 
@@ -407,6 +417,6 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 
               for _ in range(config.num_layers)]
     embed = normal(config.vocab_size, h)
     lm_head = embed if config.tie_word_embeddings else normal(config.vocab_size, h)
-    if quantization == "fp8":
+    if quantization == "fp8" and fp8_lm_head(config):
         lm_head = quantize_weight(lm_head)
     return Weights(embed, layers, ones(h), lm_head)
