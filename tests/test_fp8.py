@@ -219,6 +219,21 @@ def test_quantized_weights_count_a_byte_a_value_plus_scales(stories):
     assert decode_weight_bytes(fp8) == fp8.weights.nbytes - 4 * head
 
 
+def test_compare_hf_hands_transformers_the_fp8_weights_dequantized(stories):
+    """`bench --compare hf` builds transformers' model from our weights: fp8 ones (which it cannot
+    take as ours) as their dequantized values in the model dtype, every other tensor as it is."""
+    from pagedcli.bench.hf import hf_state_dict
+
+    model = load_model(options(stories, quantization="fp8"))
+    w, c = model.weights, model.source.config
+    sd = hf_state_dict(model)
+    assert all(isinstance(t, torch.Tensor) for t in sd.values())
+    assert torch.equal(sd["model.layers.1.self_attn.k_proj.weight"],
+                       w.layers[1].qkv.dequantize(model.dtype)[c.q_dim:c.q_dim + c.kv_dim])
+    assert torch.equal(sd["lm_head.weight"], w.lm_head.dequantize(model.dtype))
+    assert sd["model.embed_tokens.weight"] is w.embed and sd["model.layers.0.input_layernorm.weight"] is w.layers[0].input_norm
+
+
 def test_an_lm_head_the_fp8_gemms_cannot_take_stays_in_the_model_dtype(stories):
     """A vocabulary that is not a multiple of 16 (Llama 2 fine-tunes' 32001) keeps its LM head in
     the model dtype with `quantization` fp8: past 2 rows torch._scaled_mm could not take it, and

@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 
 from pagedcli.errors import UsageError
+from pagedcli.model.fp8 import Fp8Weight
 from pagedcli.model.loader import Model
 
 
@@ -35,17 +36,22 @@ def hf_model(model: Model):
 
 
 def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
-    """Our fused weights split back into transformers' names (views, no copies)."""
+    """Our fused weights split back into transformers' names (views, no copies; fp8 weights, which
+    transformers does not take as ours, dequantized into the model dtype)."""
     c, w = model.source.config, model.weights
-    sd = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.norm, "lm_head.weight": w.lm_head}
+
+    def dense(t):
+        return t.dequantize(model.dtype) if isinstance(t, Fp8Weight) else t
+
+    sd = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.norm, "lm_head.weight": dense(w.lm_head)}
     for i, lw in enumerate(w.layers):
         p = f"model.layers.{i}."
-        q, k, v = lw.qkv.split([c.q_dim, c.kv_dim, c.kv_dim])
-        gate, up = lw.gate_up.chunk(2)
+        q, k, v = dense(lw.qkv).split([c.q_dim, c.kv_dim, c.kv_dim])
+        gate, up = dense(lw.gate_up).chunk(2)
         sd |= {p + "input_layernorm.weight": lw.input_norm, p + "post_attention_layernorm.weight": lw.post_norm,
                p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
-               p + "self_attn.o_proj.weight": lw.o, p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-               p + "mlp.down_proj.weight": lw.down}
+               p + "self_attn.o_proj.weight": dense(lw.o), p + "mlp.gate_proj.weight": gate,
+               p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": dense(lw.down)}
     return sd
 
 
