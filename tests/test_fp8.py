@@ -231,7 +231,8 @@ def test_compare_hf_hands_transformers_the_fp8_weights_dequantized(stories):
     assert torch.equal(sd["model.layers.1.self_attn.k_proj.weight"],
                        w.layers[1].qkv.dequantize(model.dtype)[c.q_dim:c.q_dim + c.kv_dim])
     assert torch.equal(sd["lm_head.weight"], w.lm_head.dequantize(model.dtype))
-    assert sd["model.embed_tokens.weight"] is w.embed and sd["model.layers.0.input_layernorm.weight"] is w.layers[0].input_norm
+    assert sd["model.embed_tokens.weight"] is w.embed
+    assert sd["model.layers.0.input_layernorm.weight"] is w.layers[0].input_norm
 
 
 def test_an_lm_head_the_fp8_gemms_cannot_take_stays_in_the_model_dtype(stories):

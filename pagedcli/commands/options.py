@@ -53,8 +53,8 @@ class EngineFlags:
         "channel, quantized at load (the embeddings stay in --dtype for their lookups); over 2 rows (prefill, "
         "larger batches) the activations too, per token, for fp8 tensor cores (W8A8), so a greedy text can "
         "depend on the batch. "
-        "A checkpoint that ships fp8 weights "
-        "(quant_method fp8) has its fp8 tensors read as they are; with none they are dequantized to --dtype.")] = DEFAULTS.quantization
+        "A checkpoint that ships fp8 weights (quant_method fp8) has its fp8 tensors read as they are; "
+        "with none they are dequantized to --dtype.")] = DEFAULTS.quantization
     overlap: Annotated[bool, typer.Option(help="On a GPU, queue the next decode step before this one's tokens reach "
                                           "the host, so Python's work per step hides behind the GPU's.")] = DEFAULTS.overlap
 

@@ -6,16 +6,16 @@ never held twice in memory.
 
 FP8 (model/fp8.py): with `quantization` fp8 the linear layers (q/k/v, o, gate/up, down) and the LM
 head become `Fp8Weight`s, quantized as they are read (a tied LM head as an fp8 copy of the
-embedding table, which stays for lookups: docs/performance.md, "FP8", measured that it pays;
-a vocabulary that is not a multiple of FP8_MMA_MULTIPLE keeps its LM head in the model dtype,
-which the fp8 GEMMs past 2 rows could not serve). A
-checkpoint whose config.json has a quantization_config of quant_method fp8 (or compressed-tensors'
-fp8) ships them as e4m3 values with a `weight_scale` each (per tensor or per output channel, as
-vLLM's and llm-compressor's checkpoints name them), kept as they are, or dequantized to the model
-dtype when `quantization` is none; what such a checkpoint left in float (its ignore list, usually the
-LM head) is quantized at load with `quantization` fp8, like a float checkpoint's layers. The embeddings and norms stay in the model dtype. K/V scales a
-checkpoint ships (`self_attn.k_scale`, `self_attn.v_scale`, vLLM's names) come along for an fp8
-KV cache.
+embedding table, which stays for lookups: docs/performance.md, "FP8", measured that it pays; a
+vocabulary that is not a multiple of FP8_MMA_MULTIPLE keeps its LM head in the model dtype, which
+the fp8 GEMMs past 2 rows could not serve). A checkpoint whose config.json has a
+quantization_config of quant_method fp8 (or compressed-tensors' fp8) ships them as e4m3 values
+with a `weight_scale` each (per tensor or per output channel, as vLLM's and llm-compressor's
+checkpoints name them), kept as they are, or dequantized to the model dtype when `quantization` is
+none; what such a checkpoint left in float (its ignore list, usually the LM head) is quantized at
+load with `quantization` fp8, like a float checkpoint's layers. The embeddings and norms stay in
+the model dtype. K/V scales a checkpoint ships (`self_attn.k_scale`, `self_attn.v_scale`, vLLM's
+names) come along for an fp8 KV cache.
 """
 
 from __future__ import annotations
