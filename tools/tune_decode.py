@@ -26,7 +26,6 @@ import pagedcli.backends.cuda_gemv as cuda_gemv
 import pagedcli.backends.cuda_launch as cuda_launch
 from pagedcli.bench.bandwidth import measure_bandwidth
 from pagedcli.bench.measure import Workload, run_batch
-from pagedcli.model.fp8 import Fp8Weight
 from pagedcli.model.loader import EngineOptions, build_engine, load_model
 from pagedcli.engine.sequence import SamplingParams
 
@@ -41,6 +40,13 @@ VARIANTS = {
     "gemv: 512 threads, 2 CTAs per SM": {"GEMV_THREADS": 512, "GEMV_MIN_CTAS": 2, "GEMV_CTAS_PER_SM": 2},
     "gemv: 2 loads a lane (twice the tiles)": {"GEMV_UNROLL": 2},
 }
+
+
+def variant_opts(opts, name: str, batch: int) -> tuple:
+    """A variant's engine options at `batch` (its "overlap" is one of them) and the module constants
+    it sets."""
+    settings = dict(VARIANTS[name])
+    return replace(opts, overlap=settings.pop("overlap", opts.overlap), batch=batch), settings
 
 
 @contextlib.contextmanager
@@ -123,15 +129,10 @@ def gemv_table(model, opts, rows: int = 1) -> None:
 
     print(f"\nGEMMs of a layer at batch {rows}, alone (us per call, GB/s of weights)")
     for name, (call, weight) in ops.items():
-        nbytes = weight_bytes(weight)
+        nbytes = weight.nbytes  # (an fp8 weight's: a byte a value plus its scales)
         times = {"ours": time_us(call, type(be)), "cublas": time_us(call, TorchBackend)}
         print(f"  {name:26s} {nbytes / 1e6:7.1f} MB  " + "  ".join(
             f"{k} {t:7.2f} us {nbytes / t / 1e3:6.0f} GB/s" for k, t in times.items()), flush=True)
-
-
-def weight_bytes(weight) -> int:
-    """A weight's bytes: an fp8 one (--quantization fp8) a byte a value plus its scales."""
-    return weight.nbytes if isinstance(weight, Fp8Weight) else weight.numel() * weight.element_size()
 
 
 def read_floor_table(model) -> None:
@@ -144,7 +145,7 @@ def read_floor_table(model) -> None:
     from pagedcli.bench.kernel import time_ms
 
     w = model.weights
-    sizes = {name: weight_bytes(t) for name, t in (
+    sizes = {name: t.nbytes for name, t in (
         ("qkv", w.layers[0].qkv), ("o", w.layers[0].o), ("gate_up", w.layers[0].gate_up),
         ("down", w.layers[0].down), ("lm_head", w.lm_head))}
     source = (Path(__file__).parent / "read_floor.cu").read_text()
@@ -264,11 +265,10 @@ def main() -> None:
     model = load_model(opts)
     bandwidth = measure_bandwidth(model.device)
     work = Workload(input_len="128", output_len=args.output_len)
-    for name, settings in VARIANTS.items():
+    for name in VARIANTS:
         if args.only and name not in args.only:
             continue
-        settings = dict(settings)
-        v_opts = replace(opts, overlap=settings.pop("overlap", opts.overlap), batch=args.variant_batch)
+        v_opts, settings = variant_opts(opts, name, args.variant_batch)
         with variant(settings):
             r = run_batch(model, v_opts, args.variant_batch, work, bandwidth)
             gpu_ms = replay_ms(model, v_opts)
@@ -285,8 +285,7 @@ def main() -> None:
         if name not in VARIANTS:
             raise SystemExit(f"--profile-variants: no variant {name!r} (there are: {', '.join(VARIANTS)})")
         print(f"\n--- profile: {name}")
-        settings = dict(VARIANTS[name])
-        p_opts = replace(opts, overlap=settings.pop("overlap", opts.overlap), batch=args.batch)
+        p_opts, settings = variant_opts(opts, name, args.batch)
         with variant(settings):
             profile(model, p_opts, args.profile_steps)
 

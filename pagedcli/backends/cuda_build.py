@@ -79,7 +79,6 @@ FP8_QUANT_KERNELS = ("quantize_rows_vec", "quantize_rows_scalar", "rms_norm_quan
                      "rms_norm_quantize_rows_scalar")
 
 
-
 def gemv_kernel_names():
     """The kernels gemv.cu defines: one per row bucket and fused op, each in the model dtype (gemv_)
     and for fp8 weights (gemv8_): its GEMV_KERNELS macro."""
