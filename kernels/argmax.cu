@@ -11,6 +11,10 @@
 // (pagedcli/backends: -1): the engine then fails that request alone. The check rides on the same
 // pass over the logits; a CTA that saw one sets the flag bit of the row's counter before it counts
 // itself done, so the last CTA's count sees every CTA's flag.
+//
+// argmax_rows_widen takes the LM head's product in the model dtype (cuBLAS's output past gemv.cu's
+// rows) and writes the float32 logits as it reads them: the widening is exact, so its tokens are
+// argmax_rows' over those logits, and the step needs no separate conversion kernel.
 
 #include "common.cuh"
 
@@ -36,25 +40,11 @@ __device__ __forceinline__ unsigned long long warp_max_key(unsigned long long ke
     return key;
 }
 
-// grid (chunks, rows). logits: [rows, vocab], row_stride floats apart; tokens: [rows] int64.
-// keys, counters: [rows] each, zero before the launch and zero after it.
-extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(
-    const float* __restrict__ logits, long long row_stride, int vocab, long long* __restrict__ tokens,
-    unsigned long long* __restrict__ keys, unsigned int* __restrict__ counters) {
+// One CTA's part of a row, reduced: every thread passes its best key and whether its values were
+// all finite; thread 0 folds the CTA's key into the row's, and the row's last CTA writes the token.
+__device__ __forceinline__ void finish_chunk(unsigned long long best, bool finite, int row, long long* __restrict__ tokens,
+                                             unsigned long long* __restrict__ keys, unsigned int* __restrict__ counters) {
     __shared__ unsigned long long warp_keys[ARGMAX_THREADS / WARP_SIZE];
-    const int row = blockIdx.y;
-    const int chunk = (vocab + gridDim.x - 1) / gridDim.x;
-    const int begin = blockIdx.x * chunk, end = min(vocab, begin + chunk);
-    const float* __restrict__ x = logits + row * row_stride;
-
-    unsigned long long best = 0;
-    bool finite = true;
-    for (int i = begin + threadIdx.x; i < end; i += ARGMAX_THREADS) {
-        const float value = x[i];
-        finite &= (__float_as_uint(value) & 0x7f800000u) != 0x7f800000u;  // exponent all ones: inf or NaN
-        const unsigned long long key = argmax_key(value, i);
-        best = key > best ? key : best;
-    }
     best = warp_max_key(best);
     if (threadIdx.x % WARP_SIZE == 0) warp_keys[threadIdx.x / WARP_SIZE] = best;
     const bool chunk_finite = __syncthreads_and(finite);
@@ -71,4 +61,71 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(
                                                  : (long long)(0xffffffffu - (unsigned int)(final_key & 0xffffffffu));
         counters[row] = 0;
     }
+}
+
+__device__ __forceinline__ bool is_finite(float value) {
+    return (__float_as_uint(value) & 0x7f800000u) != 0x7f800000u;  // exponent all ones: inf or NaN
+}
+
+// grid (chunks, rows). logits: [rows, vocab], row_stride floats apart; tokens: [rows] int64.
+// keys, counters: [rows] each, zero before the launch and zero after it.
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(
+    const float* __restrict__ logits, long long row_stride, int vocab, long long* __restrict__ tokens,
+    unsigned long long* __restrict__ keys, unsigned int* __restrict__ counters) {
+    const int row = blockIdx.y;
+    const int chunk = (vocab + gridDim.x - 1) / gridDim.x;
+    const int begin = blockIdx.x * chunk, end = min(vocab, begin + chunk);
+    const float* __restrict__ x = logits + row * row_stride;
+
+    unsigned long long best = 0;
+    bool finite = true;
+    for (int i = begin + threadIdx.x; i < end; i += ARGMAX_THREADS) {
+        const float value = x[i];
+        finite &= is_finite(value);
+        const unsigned long long key = argmax_key(value, i);
+        best = key > best ? key : best;
+    }
+    finish_chunk(best, finite, row, tokens, keys, counters);
+}
+
+// grid (chunks, rows). product: [rows, vocab] in the model dtype, product_stride elements apart;
+// logits: [rows, vocab] float32 out, logits_stride apart. vectors != 0: both strides, vocab and
+// both base addresses are whole 16-byte vectors of the product (VEC elements), so every chunk
+// (a multiple of VEC) is read and written in vectors.
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows_widen(
+    const scalar_t* __restrict__ product, long long product_stride, float* __restrict__ logits,
+    long long logits_stride, int vocab, int vectors, long long* __restrict__ tokens,
+    unsigned long long* __restrict__ keys, unsigned int* __restrict__ counters) {
+    const int row = blockIdx.y;
+    const int chunk = ((vocab + gridDim.x - 1) / gridDim.x + VEC - 1) / VEC * VEC;
+    const int begin = blockIdx.x * chunk, end = min(vocab, begin + chunk);
+    const scalar_t* __restrict__ x = product + row * product_stride;
+    float* __restrict__ out = logits + row * logits_stride;
+
+    unsigned long long best = 0;
+    bool finite = true;
+    if (vectors) {
+        for (int i = begin + threadIdx.x * VEC; i < end; i += ARGMAX_THREADS * VEC) {
+            float values[VEC];
+            unpack_vec(*reinterpret_cast<const uint4*>(x + i), values);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                finite &= is_finite(values[j]);
+                const unsigned long long key = argmax_key(values[j], i + j);
+                best = key > best ? key : best;
+            }
+#pragma unroll
+            for (int j = 0; j < VEC; j += 4)
+                *reinterpret_cast<float4*>(out + i + j) = make_float4(values[j], values[j + 1], values[j + 2], values[j + 3]);
+        }
+    } else {
+        for (int i = begin + threadIdx.x; i < end; i += ARGMAX_THREADS) {
+            const float value = to_float(x[i]);
+            out[i] = value;
+            finite &= is_finite(value);
+            const unsigned long long key = argmax_key(value, i);
+            best = key > best ? key : best;
+        }
+    }
+    finish_chunk(best, finite, row, tokens, keys, counters);
 }

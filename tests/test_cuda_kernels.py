@@ -766,6 +766,34 @@ def test_argmax_marks_rows_that_are_not_finite(bad, monkeypatch):
     assert torch.equal(s.ref.argmax(poisoned), expected)
 
 
+
+@pytest.mark.parametrize("geometry", ["llama1b", "fp16", "stories-fp32"])
+@pytest.mark.parametrize("vocab", [128256, 4101])  # whole 16-byte vectors of a row, and not
+@pytest.mark.parametrize("rows", [3, 64])
+def test_logits_greedy_widens_the_lm_head_product_as_it_takes_the_argmax(geometry, vocab, rows, monkeypatch):
+    """Past gemv.cu's rows the LM head's product is in the model dtype: argmax_rows_widen writes it
+    as float32 (exactly the product's values) with the argmax of each row, ties to the first, a row
+    holding a NaN or an inf marked NOT_FINITE, and the next launch clean again."""
+    from pagedcli.backends import NOT_FINITE
+
+    s = Setup(geometry, [16], seed=17)
+    hidden = 256
+    x, norm_weight = s.randn(rows, hidden), s.randn(hidden, scale=0.5) + 1
+    lm_head = s.randn(vocab, hidden, scale=hidden**-0.5)
+    # row 0's largest logit twice, in the first and the last CTA's chunks: the first index wins
+    lm_head[1] = lm_head[vocab - 1] = s.cuda.rms_norm(x[:1], norm_weight, 1e-5)[0]
+    forbid_torch_fallback(monkeypatch, "argmax")
+    for _ in range(2):  # the second launch finds its keys and counters reset
+        logits, tokens = s.cuda.logits_greedy(x, norm_weight, lm_head, 1e-5)
+        product = s.cuda.rms_norm(x, norm_weight, 1e-5) @ lm_head.T
+        assert logits.dtype == torch.float32 and torch.equal(logits, product.float())
+        assert torch.equal(tokens, logits.argmax(dim=-1)) and tokens[0] == 1
+    monkeypatch.undo()
+    poisoned = x.clone()
+    poisoned[1, 7] = float("nan")
+    logits, tokens = s.cuda.logits_greedy(poisoned, norm_weight, lm_head, 1e-5)
+    assert tokens[1] == NOT_FINITE and torch.equal(tokens[2:], logits[2:].argmax(dim=-1))
+
 # --- (h) the qkv GEMV with RoPE and the K/V write fused -------------------------------------------
 
 @pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32", "stories-fp32"])

@@ -41,7 +41,7 @@ def all_logits(loaded, ids: list[int]) -> torch.Tensor:
     cache.grow(0, len(ids))
     batch = StepBatch.build(True, [0], [ids], [0], cache.device)
     batch.last_index = torch.arange(len(ids))
-    logits = loaded.engine.runner.model.forward(batch)
+    logits, _ = loaded.engine.runner.model.forward(batch)
     cache.release(0)
     return logits
 

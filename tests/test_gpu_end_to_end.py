@@ -187,7 +187,7 @@ def test_prefill_steps_from_graphs_match_eager_ones(stories, monkeypatch):
 
     def eager_then_graph(self, slots, token_ids, num_cached, samples):
         batch = StepBatch.build(True, slots, token_ids, num_cached, torch.device("cuda"), samples)
-        eager = self.model.forward(batch).clone()
+        eager = self.model.forward(batch)[0].clone()
         logits, greedy = replay(self, slots, token_ids, num_cached, samples)
         pairs.append((eager, logits.clone()))
         return logits, greedy

@@ -124,6 +124,48 @@ def test_random_interleavings_keep_every_block_accounted_for(operations, blocks_
     assert all(s.status in (Status.FINISHED,) for s in seqs if s.status is not Status.WAITING)
 
 
+cache_ops = st.lists(st.one_of(
+    st.tuples(st.just("write"), st.lists(st.tuples(st.integers(0, 3), st.integers(1, 9)), max_size=4)),
+    st.tuples(st.just("release"), st.integers(0, 3)),
+    st.tuples(st.just("fork"), st.integers(0, 3), st.integers(0, 3)),
+), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cache_ops, st.sampled_from([4, 16]))
+def test_writes_prepared_together_take_the_blocks_one_at_a_time_would_and_reach_the_mirror(operations, block_size):
+    """prepare_writes() for several slots (the engine's step ahead at a block boundary) takes the
+    blocks, copies-on-write and marks the table's changes as prepare_write() one slot at a time
+    does; and the marked entries, copied to a mirror (what sync_device_table sends a GPU), bring it
+    level with the table after any mix of writes, releases and forks."""
+    geometry = CacheGeometry(block_size, 1, 4, CONFIG.num_layers, 400 * CONFIG.num_layers, torch.float32)
+    together, alone = (KVCache(geometry, 4, max_model_len=64, shuffle_seed=3) for _ in range(2))
+    together.device = torch.device("cuda")  # marks its changes for a device mirror (nothing is copied here)
+    mirror = together.table.copy()
+    for op, *args in operations:
+        if op == "write":  # each slot's next `grow` tokens, as a decode step ahead asks for them
+            writes, seen = [], set()
+            for slot, grow in args[0]:
+                if slot not in seen and len(writes) < 4:
+                    seen.add(slot)
+                    writes.append((slot, min(64, together.num_blocks_of_slot[slot] * block_size + grow)))
+            together.prepare_writes(writes)
+            for slot, n in writes:
+                alone.prepare_write(slot, n)
+        elif op == "release":
+            together.release(args[0])
+            alone.release(args[0])
+        elif op == "fork" and args[0] != args[1] and together.num_blocks_of_slot[args[1]] == 0:
+            together.fork(*args)
+            alone.fork(*args)
+        assert (together.table == alone.table).all() and together.allocator.free == alone.allocator.free
+        assert [(a.tolist(), b) for a, b in together.pending_copies] == [(a.tolist(), b) for a, b in alone.pending_copies]
+        if together._changed:
+            index = together._changed_indices()
+            together._changed.clear()
+            mirror.ravel()[index] = together.table.ravel()[index]
+        assert (mirror == together.table).all(), "a changed entry of the table did not reach the mirror"
+
 @settings(max_examples=300, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["allocate", "release", "share"]), st.integers(0, 10_000)),
                     max_size=120),

@@ -39,6 +39,13 @@ VARIANTS = {
     "attention: cluster min span 128": {"CLUSTER_MIN_SPAN": 128},
     "gemv: 512 threads, 2 CTAs per SM": {"GEMV_THREADS": 512, "GEMV_MIN_CTAS": 2, "GEMV_CTAS_PER_SM": 2},
     "gemv: 2 loads a lane (twice the tiles)": {"GEMV_UNROLL": 2},
+    # how many splits a large batch's short contexts get (batch 64 has 1 at 4 CTAs an SM)
+    "attention: splits up to 8 CTAs an SM": {"SPLIT_CTAS_PER_SM": 8},
+    "attention: splits up to 16 CTAs an SM": {"SPLIT_CTAS_PER_SM": 16},
+    "attention: 16 CTAs an SM, min span 64": {"SPLIT_CTAS_PER_SM": 16, "MIN_SPAN": 64},
+    # more decode CTAs resident an SM (shared memory allows 5 by default): a smaller ring or scores
+    "attention: 3 ring stages, 6 CTAs an SM": {"ATTN_STAGES": 3, "MIN_CTAS_SMALL_Q": 6},
+    "attention: 256-token chunks, 6 CTAs an SM": {"PARTITION_SIZE": 256, "MIN_CTAS_SMALL_Q": 6},
 }
 
 

@@ -11,7 +11,9 @@ What runs where:
                       batches on sm_90+ its splits run in thread-block clusters and merge in shared
                       memory); paged_prefill.cu for a step's prompts (tensor-core tiles, every
                       sequence's rows in one launch, K/V read through the block table);
-- `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs.
+- `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs; with
+                      `logits_greedy` past gemv.cu's rows, the same pass widens the LM head's
+                      product to the float32 logits.
 
 FP8 (model/fp8.py): Fp8Weights go through gemv.cu's gemv8_ kernels at up to W8A16_MAX_ROWS rows and
 through fp8_quant.cu and torch._scaled_mm beyond (cuda_fp8_gemm.py: W8A8 on fp8 tensor cores), or
@@ -257,17 +259,41 @@ class CudaBackend:
         return out
 
     def argmax(self, logits):
-        if not (logits.dtype == torch.float32 and logits.is_cuda and logits.device.index == self.device_index
-                and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[0] > 0):
+        if not (logits.dtype == torch.float32 and self._argmax_serves(logits)):
             return self.reference.argmax(logits)
         B, vocab = logits.shape
-        keys, counters = self.shapes.argmax_scratch_for(B, logits.device)
-        tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
-        chunks = max(1, min(-(-vocab // ARGMAX_CHUNK), 4 * self.num_sms))
-        self.launch("argmax_rows", (chunks, B), (ARGMAX_THREADS,), (
-            ptr(logits), np.int64(logits.stride(0)), np.int32(vocab), ptr(tokens), ptr(keys), ptr(counters),
-        ))
+        tokens, scratch = self._argmax_outputs(B, logits.device)
+        self.launch("argmax_rows", (self._argmax_chunks(vocab), B), (ARGMAX_THREADS,), (
+            ptr(logits), np.int64(logits.stride(0)), np.int32(vocab), ptr(tokens),
+        ) + scratch)
         return tokens
+
+    def _widen_argmax(self, product):
+        """(product as float32, its greedy tokens), in one kernel where argmax.cu serves it."""
+        if not (self.fusable(product) and self._argmax_serves(product)):
+            logits = product.float()
+            return logits, self.argmax(logits)
+        B, vocab = product.shape
+        logits = torch.empty((B, vocab), dtype=torch.float32, device=product.device)
+        vectors = vocab % self.vec == 0 and product.stride(0) % self.vec == 0 and aligned(product, logits)
+        tokens, scratch = self._argmax_outputs(B, product.device)
+        self.launch("argmax_rows_widen", (self._argmax_chunks(vocab), B), (ARGMAX_THREADS,), (
+            ptr(product), np.int64(product.stride(0)), ptr(logits), np.int64(logits.stride(0)), np.int32(vocab),
+            np.int32(vectors), ptr(tokens),
+        ) + scratch)
+        return logits, tokens
+
+    def _argmax_serves(self, x) -> bool:
+        return x.is_cuda and x.device.index == self.device_index and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0
+
+    def _argmax_chunks(self, vocab: int) -> int:
+        """argmax.cu's CTAs a row: ARGMAX_CHUNK logits each, at most 4 an SM across the row."""
+        return max(1, min(-(-vocab // ARGMAX_CHUNK), 4 * self.num_sms))
+
+    def _argmax_outputs(self, rows: int, device) -> tuple:
+        """The tokens argmax.cu writes, and its keys and counters (allocated once per batch size)."""
+        keys, counters = self.shapes.argmax_scratch_for(rows, device)
+        return torch.empty(rows, dtype=torch.int64, device=device), (ptr(keys), ptr(counters))
 
     # --- GEMMs with what surrounds them: gemv.cu at small batches ---------------------------------
     def norm_linear(self, x, norm_weight, weight, eps, bias=None):
@@ -277,11 +303,23 @@ class CudaBackend:
         return out if out is not None else composed.norm_matmul(self, x, norm_weight, weight, eps, bias)
 
     def logits(self, x, norm_weight, lm_head, eps):
+        out = self._lm_head(x, norm_weight, lm_head, eps)
+        return out.float()
+
+    def logits_greedy(self, x, norm_weight, lm_head, eps):
+        """The float32 logits and their greedy tokens. A product in the model dtype (past gemv.cu's
+        rows) is widened by argmax.cu as it finds each row's maximum: one pass, not a conversion
+        kernel and then the argmax."""
+        out = self._lm_head(x, norm_weight, lm_head, eps)
+        return (out, self.argmax(out)) if out.dtype == torch.float32 else self._widen_argmax(out)
+
+    def _lm_head(self, x, norm_weight, lm_head, eps):
+        """The final norm and the LM head: float32 logits from gemv.cu at its rows, else the
+        product in the model dtype (cuBLAS; W8A8 for an fp8 head)."""
         out = gemv(self, "rms_norm_float", x, lm_head, norm_weight, eps)
-        if out is not None:
-            return out
-        product = fp8_gemm(self, x, lm_head, norm_weight, eps)  # an fp8 LM head over W8A16_MAX_ROWS rows
-        return product.float() if product is not None else composed.logits(self, x, norm_weight, lm_head, eps)
+        if out is None:
+            out = fp8_gemm(self, x, lm_head, norm_weight, eps)
+        return out if out is not None else composed.norm_matmul(self, x, norm_weight, lm_head, eps)
 
     def norm_linear_silu(self, x, norm_weight, gate_up, eps, bias=None):
         out = gemv(self, "rms_norm_silu_mul", x, gate_up, norm_weight, eps) if bias is None else None  # (no bias)

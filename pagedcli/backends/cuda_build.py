@@ -258,7 +258,7 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
                     ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST))
     plan.files["gemv.cu"] = (gemv, tuple(gemv_kernel_names()))
     plan.files["argmax.cu"] = (dtype + (("ARGMAX_THREADS", ARGMAX_THREADS), ("NOT_FINITE", NOT_FINITE)),
-                               ("argmax_rows",))
+                               ("argmax_rows", "argmax_rows_widen"))
 
     # what gemv.cu and kv_write.cu have no epilogue or table for (the CUDA backend checks the same)
     if config.attention_bias:

@@ -75,6 +75,11 @@ class TorchBackend:
     def logits(self, x, norm_weight, lm_head, eps):
         return composed.logits(self, x, norm_weight, lm_head, eps)
 
+    def logits_greedy(self, x, norm_weight, lm_head, eps):
+        """The float32 logits and their greedy tokens."""
+        logits = self.logits(x, norm_weight, lm_head, eps)
+        return logits, self.argmax(logits)
+
     def argmax(self, logits):
         """Greedy tokens: [B] int64, the first maximum of each row (as torch.argmax); NOT_FINITE for
         a row that holds a NaN or an inf."""

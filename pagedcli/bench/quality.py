@@ -76,7 +76,7 @@ def perplexity(engine, windows: list[list[int]]) -> float:
         cache.sync_device_table()
         batch = StepBatch.build(True, [0], [window], [0], cache.device)
         batch.last_index = torch.arange(len(window), device=cache.device)  # logits at every position
-        logits = llama.forward(batch)
+        logits, _ = llama.forward(batch)
         cache.release(0)
         target = torch.tensor(window[1:], device=logits.device)
         total += F.cross_entropy(logits[:-1].float(), target, reduction="sum").item()

@@ -67,7 +67,7 @@ class BlockAllocator:
         self.tail = int(order[-1]) if num_blocks else self.NONE
         self.num_free = num_blocks
         self.ref_count = np.zeros(num_blocks, dtype=np.int32)
-        self.on_reuse = on_reuse  # told of each block handed out, so a stale prefix entry is dropped
+        self.on_reuse = on_reuse  # told of the blocks handed out, so that stale prefix entries are dropped
 
     @property
     def free(self) -> list[int]:
@@ -96,8 +96,7 @@ class BlockAllocator:
         self.num_free -= n
         self.ref_count[blocks] = 1
         if self.on_reuse is not None:
-            for b in blocks:
-                self.on_reuse(b)
+            self.on_reuse(blocks)
         return blocks
 
     def share(self, blocks) -> None:
@@ -173,7 +172,7 @@ class KVCache:
         self.shares_tail = [False] * max_slots  # the slot's partial last block may be shared (after a fork)
         self.pending_copies: list[tuple[np.ndarray, list[int]]] = []  # copy-on-write: (from, to) blocks
         self.num_copied_blocks = 0  # copy-on-write copies so far (all layers)
-        self._changed: list[np.ndarray] = []  # flat table indices changed since the last device sync
+        self._changed: list[tuple[int, int, int]] = []  # (slot, start, stop) of blocks changed since the last device sync
         if self.device.type == "cpu":
             self.device_table = torch.from_numpy(self.table)  # shares memory: nothing to sync
         else:
@@ -191,14 +190,27 @@ class KVCache:
 
     def grow(self, slot: int, num_tokens: int) -> None:
         """Give `slot` blocks for `num_tokens` tokens in every layer; raises RuntimeError (a bug: the scheduler counts first), changing nothing."""
-        have = self.num_blocks_of_slot[slot]
-        want = self.geometry.blocks_for(num_tokens)
-        if want <= have:
+        self.grow_many([(slot, num_tokens)])
+
+    def grow_many(self, requests: list[tuple[int, int]]) -> None:
+        """grow() for each (slot, num_tokens), the blocks taken in one go: at a block boundary a
+        decode step grows every sequence that crosses it (16 blocks each at Llama-3.2-1B), and
+        taken one sequence at a time the host's work kept the GPU waiting (docs/performance.md)."""
+        layers, spans = self.geometry.num_layers, []
+        for slot, num_tokens in requests:
+            have, want = self.num_blocks_of_slot[slot], self.geometry.blocks_for(num_tokens)
+            if want > have:
+                spans.append((slot, have, want))
+        if not spans:
             return
-        blocks = self.allocator.allocate((want - have) * self.geometry.num_layers)
-        self.table[slot, :, have:want] = np.asarray(blocks, np.int32).reshape(self.geometry.num_layers, want - have)
-        self.num_blocks_of_slot[slot] = want
-        self._mark_changed(slot, have, want)
+        blocks = np.asarray(self.allocator.allocate(sum(want - have for _, have, want in spans) * layers), np.int32)
+        at = 0
+        for slot, have, want in spans:  # in order: each slot gets the blocks a grow() of its own would
+            n = (want - have) * layers
+            self.table[slot, :, have:want] = blocks[at:at + n].reshape(layers, want - have)
+            at += n
+            self.num_blocks_of_slot[slot] = want
+            self._mark_changed(slot, have, want)
 
     def release(self, slot: int) -> None:
         """A finished (or preempted) sequence gives every block back (shared ones lose one owner)."""
@@ -294,16 +306,21 @@ class KVCache:
 
     def prepare_write(self, slot: int, num_tokens: int) -> None:
         """Copy-on-write, then grow: afterwards the slot owns the block its newest token goes into."""
-        if self._write_block_is_shared(slot, num_tokens):
-            last = (num_tokens - 1) // self.geometry.block_size
-            shared = self.table[slot, :, last].copy()
-            private = self.allocator.allocate(self.geometry.num_layers)
-            self.pending_copies.append((shared, private))
-            self.num_copied_blocks += len(private)
-            self.table[slot, :, last] = private
-            self._mark_changed(slot, last, last + 1)
-            self.allocator.release(shared.tolist())
-        self.grow(slot, num_tokens)
+        self.prepare_writes([(slot, num_tokens)])
+
+    def prepare_writes(self, writes: list[tuple[int, int]]) -> None:
+        """prepare_write() for each (slot, num_tokens), the new blocks taken in one go (grow_many)."""
+        for slot, num_tokens in writes:
+            if self._write_block_is_shared(slot, num_tokens):
+                last = (num_tokens - 1) // self.geometry.block_size
+                shared = self.table[slot, :, last].copy()
+                private = self.allocator.allocate(self.geometry.num_layers)
+                self.pending_copies.append((shared, private))
+                self.num_copied_blocks += len(private)
+                self.table[slot, :, last] = private
+                self._mark_changed(slot, last, last + 1)
+                self.allocator.release(shared.tolist())
+        self.grow_many(writes)
 
     def drop_pending_copies(self) -> None:
         """Copy-on-write copies queued for a step that will never run (every request aborted):
@@ -324,22 +341,33 @@ class KVCache:
 
     # --- the device mirror ----------------------------------------------------------------
     def _mark_changed(self, slot: int, start: int, stop: int) -> None:
-        if self.device.type == "cpu" or stop <= start:
-            return
+        """Blocks [start, stop) of `slot`, in every layer, are to be copied to the device mirror."""
+        if self.device.type != "cpu" and stop > start:
+            self._changed.append((slot, start, stop))
+
+    def _changed_indices(self) -> np.ndarray:
+        """The flat table indices of the spans marked since the last sync, in a few numpy calls
+        however many spans a step marked."""
         _, layers, width = self.table.shape
-        rows = slot * layers * width + np.arange(layers)[:, None] * width
-        self._changed.append((rows + np.arange(start, stop)[None, :]).ravel())
+        slot, start, stop = np.asarray(self._changed, dtype=np.int64).T
+        counts = stop - start
+        # each span's blocks, one span after another: start, start + 1, ..., stop - 1
+        blocks = np.arange(counts.sum()) + np.repeat(start - (np.cumsum(counts) - counts), counts)
+        rows = np.repeat(slot, counts) * (layers * width) + blocks
+        return (rows[:, None] + np.arange(layers)[None, :] * width).ravel()
 
     def sync_device_table(self) -> None:
         """Copy the table entries that changed since the last call to the device mirror: one small
         host-to-device copy per step, instead of tiny-vllm's whole table for every layer."""
         if not self._changed:
             return
-        index = np.concatenate(self._changed)
+        index = self._changed_indices()
         self._changed.clear()
-        packed = np.stack([index, self.table.ravel()[index].astype(np.int64)])
-        # non_blocking: the driver stages pageable memory and the host need not wait for a step in
-        # flight (on the H200 the engine's overlap held at batch 64 and 256, where the table changes
-        # nearly every step)
-        packed = torch.from_numpy(packed).to(self.device, non_blocking=True)
+        # from pinned memory, so that the copy waits in the stream behind the step in flight and the
+        # host goes on: from pageable memory the host waited for the GPU's queue to drain (batch.
+        # to_device says why), and the GPU then sat idle while the host queued the next step
+        host = torch.empty((2, index.shape[0]), dtype=torch.int64, pin_memory=True)
+        pair = host.numpy()
+        pair[0], pair[1] = index, self.table.ravel()[index]
+        packed = host.to(self.device, non_blocking=True)
         self.device_table.view(-1)[packed[0]] = packed[1].to(torch.int32)

@@ -13,14 +13,10 @@ def capture_forward(model, batch, pool) -> tuple[torch.cuda.CUDAGraph, torch.Ten
     from `pool`: (graph, logits, greedy tokens), the last two its static outputs. The pass runs once
     on a side stream first, so that nothing (the allocator, cuBLAS's workspace, our scratch buffers)
     is set up for the first time inside the capture."""
-    def forward():
-        logits = model.forward(batch)
-        return logits, model.greedy(logits)
-
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        forward()
+        model.forward(batch)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     # no garbage collection while capturing: one that frees an earlier engine's graph (a bench's
@@ -29,7 +25,7 @@ def capture_forward(model, batch, pool) -> tuple[torch.cuda.CUDAGraph, torch.Ten
     gc.disable()
     try:
         with torch.cuda.graph(graph, pool=pool):
-            logits, tokens = forward()
+            logits, tokens = model.forward(batch)
     finally:
         if collecting:
             gc.enable()

@@ -43,9 +43,15 @@ class PrefixCache:
         for b in row:
             self.hash_of[b] = h
 
-    def forget(self, block: int) -> None:
-        """`block` is being reused for other tokens: its whole row is no longer a cached prefix."""
-        h = self.hash_of.pop(block, None)
-        if h is not None:
-            for b in self.rows.pop(h):
-                self.hash_of.pop(b, None)
+    def forget(self, blocks: list[int]) -> None:
+        """These blocks are being reused for other tokens: a row that holds one is no longer a
+        cached prefix. (One call for all the blocks a step takes: a call per block cost the host
+        more than the rest of taking them.)"""
+        hash_of = self.hash_of
+        if not hash_of:
+            return
+        for block in blocks:
+            h = hash_of.pop(block, None)
+            if h is not None:
+                for b in self.rows.pop(h):
+                    hash_of.pop(b, None)

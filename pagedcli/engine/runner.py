@@ -78,8 +78,7 @@ class ModelRunner:
             batch = StepBatch.build(False, slots, [[t] for t in tokens], num_cached, self.device)
             if feed is not None:
                 batch.token_ids.copy_(feed)
-        logits = self.model.forward(batch)
-        return logits, self.model.greedy(logits)
+        return self.model.forward(batch)
 
 
 class DecodeGraphs(CapturedGraphs):

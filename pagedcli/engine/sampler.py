@@ -45,6 +45,8 @@ class Sampler:
             logits = logits.index_copy(0, index, rows)  # a copy: the raw logits stay for logprobs
             bad = bad.index_copy(0, index, bad[index] | ~torch.isfinite(rows).all(-1))  # (an overflow in them)
             tokens = greedy.index_copy(0, index, rows.argmax(-1))
+        if sampled and tokens is greedy:  # written row by row below: the runner's tensor (a graph's
+            tokens = greedy.clone()       # static output, made in inference mode) stays as it is
         for b in sampled:  # a row that is not finite draws from zeros (multinomial refuses NaN)
             tokens[b], finite = _draw(torch.where(bad[b], 0.0, logits[b]), seqs[b])
             bad[b] |= ~finite

@@ -270,9 +270,7 @@ class Scheduler:
         needs = [self.cache.blocks_to_write(s.slot, len(s) + 1) for s in going_on]
         if sum(needs) > self.cache.num_free_blocks:
             return []
-        for seq, need in zip(going_on, needs):
-            if need:
-                self.cache.prepare_write(seq.slot, len(seq) + 1)
+        self.cache.prepare_writes([(seq.slot, len(seq) + 1) for seq, need in zip(going_on, needs) if need])
         return going_on
 
     def _at_length_limit(self, seq: Sequence, pending: int = 0) -> bool:

@@ -24,9 +24,10 @@ class Llama:
         self.backend = backend
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Returns the logits of the last new token of each sequence that samples (`batch.last_index`):
-        [S, vocab], float32."""
+    def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of the last new token of each sequence that samples (`batch.last_index`),
+        [S, vocab] float32, and their greedy tokens, [S] int64 (the backend's argmax: a kernel of
+        ours on a GPU, inside the decode graph)."""
         c, w, be = self.config, self.w, self.backend
         be.prepare(batch)  # the index tensors every layer shares
         T = batch.token_ids.shape[0]
@@ -38,9 +39,4 @@ class Llama:
             residual = be.linear_add(act, lw.down, residual, bias=lw.down_bias)
         if batch.is_prefill:  # decode has one token per sequence: every row is a last one, and samples
             residual = residual[batch.last_index]
-        return be.logits(residual, w.norm, w.lm_head, c.rms_norm_eps)
-
-    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        """The greedy token of each row of `logits`, [B] int64: the backend's argmax (a kernel of
-        ours on a GPU, inside the decode graph)."""
-        return self.backend.argmax(logits)
+        return be.logits_greedy(residual, w.norm, w.lm_head, c.rms_norm_eps)
