@@ -131,7 +131,7 @@ cache_ops = st.lists(st.one_of(
 ), max_size=40)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(cache_ops, st.sampled_from([4, 16]))
 def test_writes_prepared_together_take_the_blocks_one_at_a_time_would_and_reach_the_mirror(operations, block_size):
     """prepare_writes() for several slots (the engine's step ahead at a block boundary) takes the

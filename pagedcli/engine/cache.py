@@ -309,9 +309,14 @@ class KVCache:
         self.prepare_writes([(slot, num_tokens)])
 
     def prepare_writes(self, writes: list[tuple[int, int]]) -> None:
-        """prepare_write() for each (slot, num_tokens), the new blocks taken in one go (grow_many)."""
+        """prepare_write() for each (slot, num_tokens) in turn, the new blocks of the writes between
+        two copies-on-write (rare: a fork's shared last block) taken in one go (grow_many), so that
+        every slot gets the blocks it would one write at a time."""
+        growing = []
         for slot, num_tokens in writes:
             if self._write_block_is_shared(slot, num_tokens):
+                self.grow_many(growing)
+                growing = []
                 last = (num_tokens - 1) // self.geometry.block_size
                 shared = self.table[slot, :, last].copy()
                 private = self.allocator.allocate(self.geometry.num_layers)
@@ -320,7 +325,8 @@ class KVCache:
                 self.table[slot, :, last] = private
                 self._mark_changed(slot, last, last + 1)
                 self.allocator.release(shared.tolist())
-        self.grow_many(writes)
+            growing.append((slot, num_tokens))
+        self.grow_many(growing)
 
     def drop_pending_copies(self) -> None:
         """Copy-on-write copies queued for a step that will never run (every request aborted):
