@@ -787,7 +787,9 @@ def test_logits_greedy_widens_the_lm_head_product_as_it_takes_the_argmax(geometr
         logits, tokens = s.cuda.logits_greedy(x, norm_weight, lm_head, 1e-5)
         product = s.cuda.rms_norm(x, norm_weight, 1e-5) @ lm_head.T
         assert logits.dtype == torch.float32 and torch.equal(logits, product.float())
-        assert torch.equal(tokens, logits.argmax(dim=-1)) and tokens[0] == 1
+        assert torch.equal(tokens, logits.argmax(dim=-1))
+        if logits[0, 1] == logits[0, vocab - 1]:  # (equal rows, equal sums: as cuBLAS gave them on the H200)
+            assert tokens[0] == 1
     monkeypatch.undo()
     poisoned = x.clone()
     poisoned[1, 7] = float("nan")

@@ -1,6 +1,6 @@
 """Backends: the steps of a forward pass, behind one small interface.
 
-What llama.py calls, layer by layer:
+What model/network.py calls, layer by layer:
 - `attention_inputs(layer, x, norm_weight, qkv, eps, batch, bias=None)`: RMSNorm(x) @ qkv.T (+ bias),
   RoPE, and k and v into their cache blocks; returns the rotated queries;
 - `attend(layer, q, batch)`: each new token's query against its sequence's K/V, read through the
@@ -9,17 +9,18 @@ What llama.py calls, layer by layer:
   projections);
 - `norm_linear_silu(x, norm_weight, gate_up, eps, bias=None)`: silu(gate) * up of RMSNorm(x) @ gate_up.T
   (+ bias) (the MLP's first half);
-- `logits(x, norm_weight, lm_head, eps)`: the final norm and the LM head, as float32.
+- `logits_greedy(x, norm_weight, lm_head, eps)`: the final norm and the LM head, as float32, and
+  each row's greedy token (`argmax`; NOT_FINITE for a row holding a NaN or an inf, so the engine
+  fails that request alone).
 
 `bias` is None unless config.json has attention_bias / mlp_bias (fused like the weights: q|k|v,
 gate|up). RoPE's cos and sin come from `backend.rope` (pagedcli.model.rope.RotaryTable): fixed tables
 `backend.cos`, `backend.sin` for the static types, per-token rows for dynamic NTK.
 
-Around it: `prepare(batch)` (the network, once per forward pass: index tensors the layers share)
-and `argmax(logits)` (the runner: greedy tokens; NOT_FINITE for a row holding a NaN or an inf, so
-the engine fails that request alone). The halves the fused steps are made of are
-methods too, used by fallbacks and tests: `rms_norm`, `norm_linear`, `silu_mul`, `rope_write_kv`;
-composed.py builds the fused steps from any backend's halves.
+Around it: `prepare(batch)` (the network, once per forward pass: index tensors the layers share).
+The halves the fused steps are made of are methods too, used by fallbacks and tests: `rms_norm`,
+`norm_linear`, `silu_mul`, `rope_write_kv`, `logits` and `argmax`; composed.py builds the fused
+steps from any backend's halves.
 
 `TorchBackend` is the reference (CPU and GPU); `CudaBackend` runs our own CUDA kernels and holds a
 `TorchBackend` for what they do not serve.

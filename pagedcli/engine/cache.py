@@ -193,9 +193,10 @@ class KVCache:
         self.grow_many([(slot, num_tokens)])
 
     def grow_many(self, requests: list[tuple[int, int]]) -> None:
-        """grow() for each (slot, num_tokens), the blocks taken in one go: at a block boundary a
-        decode step grows every sequence that crosses it (16 blocks each at Llama-3.2-1B), and
-        taken one sequence at a time the host's work kept the GPU waiting (docs/performance.md)."""
+        """grow() for each (slot, num_tokens), each slot at most once, the blocks taken in one go:
+        at a block boundary a decode step grows every sequence that crosses it (16 blocks each at
+        Llama-3.2-1B), and taken one sequence at a time the host's work kept the GPU waiting
+        (docs/performance.md)."""
         layers, spans = self.geometry.num_layers, []
         for slot, num_tokens in requests:
             have, want = self.num_blocks_of_slot[slot], self.geometry.blocks_for(num_tokens)
@@ -309,9 +310,9 @@ class KVCache:
         self.prepare_writes([(slot, num_tokens)])
 
     def prepare_writes(self, writes: list[tuple[int, int]]) -> None:
-        """prepare_write() for each (slot, num_tokens) in turn, the new blocks of the writes between
-        two copies-on-write (rare: a fork's shared last block) taken in one go (grow_many), so that
-        every slot gets the blocks it would one write at a time."""
+        """prepare_write() for each (slot, num_tokens) in turn, each slot at most once: the new
+        blocks of the writes between two copies-on-write (rare: a fork's shared last block) taken in
+        one go (grow_many), so that every slot gets the blocks it would one write at a time."""
         growing = []
         for slot, num_tokens in writes:
             if self._write_block_is_shared(slot, num_tokens):
