@@ -766,7 +766,6 @@ def test_argmax_marks_rows_that_are_not_finite(bad, monkeypatch):
     assert torch.equal(s.ref.argmax(poisoned), expected)
 
 
-
 @pytest.mark.parametrize("geometry", ["llama1b", "fp16", "stories-fp32"])
 @pytest.mark.parametrize("vocab", [128256, 4101])  # whole 16-byte vectors of a row, and not
 @pytest.mark.parametrize("rows", [3, 64])
@@ -795,6 +794,7 @@ def test_logits_greedy_widens_the_lm_head_product_as_it_takes_the_argmax(geometr
     poisoned[1, 7] = float("nan")
     logits, tokens = s.cuda.logits_greedy(poisoned, norm_weight, lm_head, 1e-5)
     assert tokens[1] == NOT_FINITE and torch.equal(tokens[2:], logits[2:].argmax(dim=-1))
+
 
 # --- (h) the qkv GEMV with RoPE and the K/V write fused -------------------------------------------
 

@@ -269,10 +269,8 @@ class CudaBackend:
         return tokens
 
     def _widen_argmax(self, product):
-        """(product as float32, its greedy tokens), in one kernel where argmax.cu serves it."""
-        if not (self.fusable(product) and self._argmax_serves(product)):
-            logits = product.float()
-            return logits, self.argmax(logits)
+        """(product as float32, its greedy tokens) in one kernel: a product in the model dtype that
+        argmax.cu serves (logits_greedy checks)."""
         B, vocab = product.shape
         logits = torch.empty((B, vocab), dtype=torch.float32, device=product.device)
         vectors = vocab % self.vec == 0 and product.stride(0) % self.vec == 0 and aligned(product, logits)
@@ -284,6 +282,7 @@ class CudaBackend:
         return logits, tokens
 
     def _argmax_serves(self, x) -> bool:
+        """Rows argmax.cu takes: on our GPU, each row contiguous, at least one."""
         return x.is_cuda and x.device.index == self.device_index and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0
 
     def _argmax_chunks(self, vocab: int) -> int:
@@ -303,15 +302,17 @@ class CudaBackend:
         return out if out is not None else composed.norm_matmul(self, x, norm_weight, weight, eps, bias)
 
     def logits(self, x, norm_weight, lm_head, eps):
-        out = self._lm_head(x, norm_weight, lm_head, eps)
-        return out.float()
+        return self._lm_head(x, norm_weight, lm_head, eps).float()
 
     def logits_greedy(self, x, norm_weight, lm_head, eps):
         """The float32 logits and their greedy tokens. A product in the model dtype (past gemv.cu's
         rows) is widened by argmax.cu as it finds each row's maximum: one pass, not a conversion
         kernel and then the argmax."""
         out = self._lm_head(x, norm_weight, lm_head, eps)
-        return (out, self.argmax(out)) if out.dtype == torch.float32 else self._widen_argmax(out)
+        if out.dtype == self.dtype != torch.float32 and self._argmax_serves(out):
+            return self._widen_argmax(out)
+        logits = out.float()
+        return logits, self.argmax(logits)
 
     def _lm_head(self, x, norm_weight, lm_head, eps):
         """The final norm and the LM head: float32 logits from gemv.cu at its rows, else the
