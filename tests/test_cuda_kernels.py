@@ -34,6 +34,7 @@ import random
 import pytest
 import torch
 
+from pagedcli.backends import composed
 from pagedcli.backends.cuda import cuda_available
 
 _OK, _WHY = cuda_available()
@@ -384,6 +385,31 @@ def test_rms_norm(geometry, hidden, rows, monkeypatch):
         assert_ulp_close(out, ref, ulps=8.0, min_identical=0.0)
     else:
         assert_ulp_close(out, ref, ulps=2.0, min_identical=0.99)
+
+
+@pytest.mark.parametrize("geometry", ["llama1b", "stories-fp32", "fp16"])
+@pytest.mark.parametrize("hidden", [2048, 64, 100])
+@pytest.mark.parametrize("rows", [3, 64])
+def test_linear_add_norm(geometry, hidden, rows, monkeypatch):
+    """Past gemv.cu's rows, the residual add and the norm after it are one kernel (add_rms_norm):
+    the sum torch's add stores and our rms_norm of that sum, bit for bit (test_rms_norm holds
+    rms_norm against torch's), the sum written into the residual."""
+    s = Setup(geometry, [16], seed=8)
+    x = s.randn(rows, hidden)
+    weight = s.randn(hidden, hidden, scale=hidden**-0.5)
+    residual = s.randn(rows, hidden, scale=3.0)
+    norm_weight = s.randn(hidden, scale=0.5) + 1
+    want_sum = s.ref.linear_add(x, weight, residual.clone())
+    want_normed = s.cuda.rms_norm(want_sum, norm_weight, 1e-5)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("add_norm fell back to torch ops")
+    monkeypatch.setattr(composed, "add_norm", fail)
+    poison_allocator((rows, hidden), dtype=s.dtype)
+    got_sum, got_normed = s.cuda.linear_add_norm(x, weight, residual, norm_weight, 1e-5)
+    torch.cuda.synchronize()
+    assert got_sum.data_ptr() == residual.data_ptr(), "the sum is not in the residual's memory"
+    assert torch.equal(got_sum, want_sum) and torch.equal(got_normed, want_normed)
 
 
 @pytest.mark.parametrize("geometry", ["llama1b", "stories-fp32", "fp16"])

@@ -18,15 +18,23 @@ def linear(x, weight, bias=None):
     return x @ weight.T if bias is None else F.linear(x, weight, bias)
 
 
-def norm_matmul(be, x, norm_weight, weight, eps, bias=None):
-    """RMSNorm(x) @ weight.T (+ bias): the pre-norm of attention and of the MLP, with the GEMM after it."""
-    return linear(be.rms_norm(x, norm_weight, eps), weight, bias)
+def norm_matmul(be, x, norm_weight, weight, eps, bias=None, normed=None):
+    """RMSNorm(x) @ weight.T (+ bias): the pre-norm of attention and of the MLP, with the GEMM after
+    it. `normed`: that RMSNorm already, where the residual add before made it (linear_add_norm)."""
+    return linear(be.rms_norm(x, norm_weight, eps) if normed is None else normed, weight, bias)
 
 
-def attention_inputs(be, layer: int, x, norm_weight, qkv, eps, batch, bias=None):
+def add_norm(be, residual, product, norm_weight, eps):
+    """(residual + product, RMSNorm of the sum by norm_weight): the residual add and the norm the
+    sum meets next; no norm (None) without a norm_weight."""
+    total = residual + product
+    return total, (None if norm_weight is None else be.rms_norm(total, norm_weight, eps))
+
+
+def attention_inputs(be, layer: int, x, norm_weight, qkv, eps, batch, bias=None, normed=None):
     """RMSNorm(x) @ qkv.T (+ bias), then RoPE on q and k and k, v into the cache: the rotated
     queries, [T, heads, head_dim]."""
-    return rope_write_qkv(be, layer, norm_matmul(be, x, norm_weight, qkv, eps, bias), batch)
+    return rope_write_qkv(be, layer, norm_matmul(be, x, norm_weight, qkv, eps, bias, normed), batch)
 
 
 def rope_write_qkv(be, layer: int, qkv_out, batch):
@@ -38,11 +46,11 @@ def rope_write_qkv(be, layer: int, qkv_out, batch):
                             v.view(T, c.num_kv_heads, c.head_dim), batch)
 
 
-def norm_linear_silu(be, x, norm_weight, gate_up, eps, bias=None):
+def norm_linear_silu(be, x, norm_weight, gate_up, eps, bias=None, normed=None):
     """silu(gate) * up of RMSNorm(x) @ gate_up.T (+ bias): the MLP's first half, with its pre-norm."""
-    return be.silu_mul(norm_matmul(be, x, norm_weight, gate_up, eps, bias))
+    return be.silu_mul(norm_matmul(be, x, norm_weight, gate_up, eps, bias, normed))
 
 
-def logits(be, x, norm_weight, lm_head, eps):
+def logits(be, x, norm_weight, lm_head, eps, normed=None):
     """The final norm and the LM head: float32 logits of the dtype's product."""
-    return norm_matmul(be, x, norm_weight, lm_head, eps).float()
+    return norm_matmul(be, x, norm_weight, lm_head, eps, normed=normed).float()

@@ -1,11 +1,12 @@
 """The CUDA backend: our own kernels (kernels/*.cu), compiled at run time by CuPy.
 
 What runs where:
-- `attention_inputs`, `norm_linear_silu`, `linear_add`, `logits` (and `norm_linear`)
+- `attention_inputs`, `norm_linear_silu`, `linear_add_norm`, `logits_greedy` (and `norm_linear`)
                    -> gemv.cu for up to GEMV_MAX_ROWS rows (decode at small batches): one kernel per
                       GEMM with its RMSNorm, RoPE and K/V write, SiLU-mul or residual add fused in;
-                      more rows: cuBLAS beside elementwise.cu's `rms_norm` and `silu_mul`, and
-                      `rope_write_kv`;
+                      more rows: cuBLAS beside elementwise.cu's `add_rms_norm` (the residual add
+                      and the next norm in one kernel), `rms_norm` (the first layer's) and
+                      `silu_mul`, and `rope_write_kv`;
 - `rope_write_kv`  -> kv_write.cu: RoPE on q and k fused with the K/V write into the paged pool;
 - `attend`         -> paged_attention.cu at decode (one split-KV kernel that also merges; at small
                       batches on sm_90+ its splits run in thread-block clusters and merge in shared
@@ -160,7 +161,7 @@ class CudaBackend:
         ) + self.rope_kv_args(layer, batch, q_out))
         return q_out
 
-    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None):
+    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None, normed=None):
         # gemv.cu adds no bias, and its epilogue reads fixed cos/sin tables
         if bias is None and self.rope.static:
             geo = self.cache.geometry
@@ -169,7 +170,7 @@ class CudaBackend:
                 q = gemv(self, "rms_norm_rope_kv", x, qkv, norm_weight, eps, rope_kv=(layer, batch))
                 if q is not None:
                     return q
-        return composed.rope_write_qkv(self, layer, self.norm_linear(x, norm_weight, qkv, eps, bias), batch)
+        return composed.rope_write_qkv(self, layer, self.norm_linear(x, norm_weight, qkv, eps, bias, normed), batch)
 
     def rope_kv_args(self, layer: int, batch: StepBatch, q_out: torch.Tensor) -> tuple:
         """kv_write.cu's arguments after q, k and v (gemv.cu's qkv epilogue takes the same)."""
@@ -242,6 +243,23 @@ class CudaBackend:
         ))
         return out
 
+    def add_norm(self, residual, product, norm_weight, eps):
+        """(residual + product, RMSNorm of the sum by norm_weight) in one kernel (elementwise.cu's
+        add_rms_norm), the sum written into `residual`; composed.add_norm's torch ops for tensors
+        it does not take, and without a norm_weight."""
+        if not (norm_weight is not None and self.fusable(residual, product, norm_weight) and residual.dim() == 2
+                and product.shape == residual.shape and residual.shape[0] > 0
+                and residual.shape[1] == norm_weight.numel() and residual.is_contiguous() and product.is_contiguous()
+                and norm_weight.is_contiguous()):
+            return composed.add_norm(self, residual, product, norm_weight, eps)
+        rows, hidden = residual.shape
+        out = torch.empty_like(residual)
+        vec = self.vec if hidden % self.vec == 0 and aligned(residual, product, norm_weight, out) else 1
+        self.launch(f"add_rms_norm_{'vec' if vec > 1 else 'scalar'}", (rows,), (row_threads(hidden, vec),), (
+            ptr(residual), ptr(product), ptr(norm_weight), ptr(out), np.int32(hidden), np.float32(eps),
+        ))
+        return residual, out
+
     def silu_mul(self, gate_up):
         if not self.fusable(gate_up) or gate_up.shape[-1] % 2:
             return self.reference.silu_mul(gate_up)
@@ -295,50 +313,60 @@ class CudaBackend:
         return torch.empty(rows, dtype=torch.int64, device=device), (ptr(keys), ptr(counters))
 
     # --- GEMMs with what surrounds them: gemv.cu at small batches ---------------------------------
-    def norm_linear(self, x, norm_weight, weight, eps, bias=None):
+    def norm_linear(self, x, norm_weight, weight, eps, bias=None, normed=None):
         out = gemv(self, "rms_norm_store", x, weight, norm_weight, eps) if bias is None else None
-        if out is None:
-            out = fp8_gemm(self, x, weight, norm_weight, eps, bias)
-        return out if out is not None else composed.norm_matmul(self, x, norm_weight, weight, eps, bias)
+        return out if out is not None else self._normed_product(x, norm_weight, weight, eps, bias, normed)
 
-    def logits(self, x, norm_weight, lm_head, eps):
-        return self._lm_head(x, norm_weight, lm_head, eps).float()
+    def logits(self, x, norm_weight, lm_head, eps, normed=None):
+        return self._lm_head(x, norm_weight, lm_head, eps, normed).float()
 
-    def logits_greedy(self, x, norm_weight, lm_head, eps):
+    def logits_greedy(self, x, norm_weight, lm_head, eps, normed=None):
         """The float32 logits and their greedy tokens. A product in the model dtype (past gemv.cu's
         rows) is widened by argmax.cu as it finds each row's maximum: one pass, not a conversion
         kernel and then the argmax."""
-        out = self._lm_head(x, norm_weight, lm_head, eps)
+        out = self._lm_head(x, norm_weight, lm_head, eps, normed)
         if out.dtype == self.dtype != torch.float32 and self._argmax_serves(out):
             return self._widen_argmax(out)
         logits = out.float()
         return logits, self.argmax(logits)
 
-    def _lm_head(self, x, norm_weight, lm_head, eps):
+    def _lm_head(self, x, norm_weight, lm_head, eps, normed=None):
         """The final norm and the LM head: float32 logits from gemv.cu at its rows, else the
-        product in the model dtype (cuBLAS; W8A8 for an fp8 head)."""
+        product in the model dtype."""
         out = gemv(self, "rms_norm_float", x, lm_head, norm_weight, eps)
-        if out is None:
-            out = fp8_gemm(self, x, lm_head, norm_weight, eps)
-        return out if out is not None else composed.norm_matmul(self, x, norm_weight, lm_head, eps)
+        return out if out is not None else self._normed_product(x, norm_weight, lm_head, eps, normed=normed)
 
-    def norm_linear_silu(self, x, norm_weight, gate_up, eps, bias=None):
+    def norm_linear_silu(self, x, norm_weight, gate_up, eps, bias=None, normed=None):
         out = gemv(self, "rms_norm_silu_mul", x, gate_up, norm_weight, eps) if bias is None else None  # (no bias)
-        if out is not None:
-            return out
-        gate_up_out = fp8_gemm(self, x, gate_up, norm_weight, eps, bias)
-        if gate_up_out is not None:
-            return self.silu_mul(gate_up_out)
-        return composed.norm_linear_silu(self, x, norm_weight, gate_up, eps, bias)
+        if out is None:
+            out = self.silu_mul(self._normed_product(x, norm_weight, gate_up, eps, bias, normed))
+        return out
+
+    def _normed_product(self, x, norm_weight, weight, eps, bias=None, normed=None):
+        """RMSNorm(x) @ weight.T (+ bias) past gemv.cu's rows: W8A8 for an fp8 weight (whose
+        quantization of the rows does the norm, unless `normed` holds it already), else cuBLAS
+        after our rms_norm (or on `normed`)."""
+        if normed is None:
+            out = fp8_gemm(self, x, weight, norm_weight, eps, bias)
+        else:
+            out = fp8_gemm(self, normed, weight, bias=bias)
+        return out if out is not None else composed.norm_matmul(self, x, norm_weight, weight, eps, bias, normed)
 
     def linear_add(self, x, weight, residual, bias=None):
+        return self.linear_add_norm(x, weight, residual, None, 0.0, bias)[0]
+
+    def linear_add_norm(self, x, weight, residual, norm_weight, eps, bias=None):
+        """residual + x @ weight.T (+ bias), and its RMSNorm by norm_weight: at gemv.cu's rows the
+        add is in the GEMV's epilogue and the norm is left (None) to the next GEMV, which norms its
+        rows as it stages them; past them, cuBLAS (W8A8 for an fp8 weight) and then add_norm, the
+        add and the norm in one kernel. The residual may be updated in place."""
         out = gemv(self, "plain_add", x, weight, residual=residual) if bias is None else None  # (no bias)
         if out is not None:
-            return out
+            return out, None
         product = fp8_gemm(self, x, weight, bias=bias)
-        if product is not None:
-            return residual + product
-        return self.reference.linear_add(x, weight, residual, bias)
+        if product is None:
+            product = composed.linear(x, weight, bias)
+        return self.add_norm(residual, product, norm_weight, eps)
 
     # --- helpers --------------------------------------------------------------------------------
     def fusable(self, *tensors: torch.Tensor) -> bool:

@@ -253,7 +253,8 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
         else:
             plan.fallbacks["linear layers"] = fp8_fallback_note(why)
     plan.files["kv_write.cu"] = (model, ("rope_write_kv",))
-    plan.files["elementwise.cu"] = (dtype, ("rms_norm_vec", "rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"))
+    plan.files["elementwise.cu"] = (dtype, ("rms_norm_vec", "rms_norm_scalar", "add_rms_norm_vec", "add_rms_norm_scalar",
+                                            "silu_mul_vec", "silu_mul_scalar"))
     gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),
                     ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST))
     plan.files["gemv.cu"] = (gemv, tuple(gemv_kernel_names()))

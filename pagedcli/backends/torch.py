@@ -56,9 +56,9 @@ class TorchBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def norm_linear(self, x, norm_weight, weight, eps):
+    def norm_linear(self, x, norm_weight, weight, eps, normed=None):
         """RMSNorm(x) @ weight.T: the pre-norm of attention and of the MLP, with the GEMM after it."""
-        return composed.norm_matmul(self, x, norm_weight, weight, eps)
+        return composed.norm_matmul(self, x, norm_weight, weight, eps, normed=normed)
 
     def linear_add(self, x, weight, residual, bias=None):
         """residual + (x @ weight.T + bias): the o and down projections, back into the residual
@@ -66,18 +66,23 @@ class TorchBackend:
         is returned."""
         return residual + composed.linear(x, weight, bias)
 
-    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None):
-        return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch, bias)
+    def linear_add_norm(self, x, weight, residual, norm_weight, eps, bias=None):
+        """linear_add, and the RMSNorm by norm_weight that the new residual meets next (the network
+        hands it to that step as `normed`)."""
+        return composed.add_norm(self, residual, composed.linear(x, weight, bias), norm_weight, eps)
 
-    def norm_linear_silu(self, x, norm_weight, gate_up, eps, bias=None):
-        return composed.norm_linear_silu(self, x, norm_weight, gate_up, eps, bias)
+    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None, normed=None):
+        return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch, bias, normed)
 
-    def logits(self, x, norm_weight, lm_head, eps):
-        return composed.logits(self, x, norm_weight, lm_head, eps)
+    def norm_linear_silu(self, x, norm_weight, gate_up, eps, bias=None, normed=None):
+        return composed.norm_linear_silu(self, x, norm_weight, gate_up, eps, bias, normed)
 
-    def logits_greedy(self, x, norm_weight, lm_head, eps):
+    def logits(self, x, norm_weight, lm_head, eps, normed=None):
+        return composed.logits(self, x, norm_weight, lm_head, eps, normed)
+
+    def logits_greedy(self, x, norm_weight, lm_head, eps, normed=None):
         """The float32 logits and their greedy tokens."""
-        logits = self.logits(x, norm_weight, lm_head, eps)
+        logits = self.logits(x, norm_weight, lm_head, eps, normed)
         return logits, self.argmax(logits)
 
     def argmax(self, logits):

@@ -3,8 +3,9 @@
 Tokens come packed ([T]: a whole prompt per sequence at prefill, one token per sequence at decode).
 Each GEMM goes through the backend together with the step before or after it (the torch reference
 does them one by one; the CUDA backend fuses them into one kernel at small batches and uses cuBLAS
-at large ones), on fused q/k/v and gate/up weights (and their biases, for checkpoints with attention_bias or mlp_bias). The backend also puts K/V into the paged cache
-and reads them back through the block table. The order of operations and of roundings is Hugging
+at large ones, with the residual add and the norm after it in one kernel), on fused q/k/v and
+gate/up weights (and their biases, for checkpoints with attention_bias or mlp_bias). The backend
+also puts K/V into the paged cache and reads them back through the block table. The order of operations and of roundings is Hugging
 Face's LlamaForCausalLM, so the two agree token for token.
 """
 
@@ -30,13 +31,21 @@ class Llama:
         ours on a GPU, inside the decode graph)."""
         c, w, be = self.config, self.w, self.backend
         be.prepare(batch)  # the index tensors every layer shares
-        T = batch.token_ids.shape[0]
+        T, eps = batch.token_ids.shape[0], c.rms_norm_eps
         residual = w.embed[batch.token_ids]  # [T, hidden]: the residual stream, one row per token
+        # RMSNorm(residual) by the norm that reads it next, where the backend made it together with
+        # the residual add (past gemv.cu's rows: one kernel instead of two); None: the next step norms
+        normed = None
         for layer, lw in enumerate(w.layers):
-            q = be.attention_inputs(layer, residual, lw.input_norm, lw.qkv, c.rms_norm_eps, batch, bias=lw.qkv_bias)
-            residual = be.linear_add(be.attend(layer, q, batch).reshape(T, c.q_dim), lw.o, residual, bias=lw.o_bias)
-            act = be.norm_linear_silu(residual, lw.post_norm, lw.gate_up, c.rms_norm_eps, bias=lw.gate_up_bias)
-            residual = be.linear_add(act, lw.down, residual, bias=lw.down_bias)
+            next_norm = w.layers[layer + 1].input_norm if layer + 1 < len(w.layers) else w.norm
+            q = be.attention_inputs(layer, residual, lw.input_norm, lw.qkv, eps, batch, bias=lw.qkv_bias,
+                                    normed=normed)
+            attn = be.attend(layer, q, batch).reshape(T, c.q_dim)
+            residual, normed = be.linear_add_norm(attn, lw.o, residual, lw.post_norm, eps, bias=lw.o_bias)
+            act = be.norm_linear_silu(residual, lw.post_norm, lw.gate_up, eps, bias=lw.gate_up_bias,
+                                      normed=normed)
+            residual, normed = be.linear_add_norm(act, lw.down, residual, next_norm, eps, bias=lw.down_bias)
         if batch.is_prefill:  # decode has one token per sequence: every row is a last one, and samples
             residual = residual[batch.last_index]
-        return be.logits_greedy(residual, w.norm, w.lm_head, c.rms_norm_eps)
+            normed = None if normed is None else normed[batch.last_index]
+        return be.logits_greedy(residual, w.norm, w.lm_head, eps, normed=normed)
