@@ -15,28 +15,37 @@
 
 #include "rope_kv.cuh"
 
-// Work items of one token: a rotary pair of each q head, then of each k head, then each V element.
-// Consecutive threads take consecutive items, so a warp's loads and stores are contiguous.
-#define Q_PAIRS (NUM_HEADS * HALF_DIM)
-#define K_PAIRS (NUM_KV_HEADS * HALF_DIM)
-#define TOKEN_ITEMS (Q_PAIRS + K_PAIRS + KV_DIM)
+// Work items of one token: V rotary pairs of a q head (elements j .. j+V-1 and their partners
+// HALF_DIM on), then of a k head, then V elements of V. Consecutive threads take consecutive items,
+// so a warp's loads and stores are contiguous. V is VEC (16-byte loads and stores) where a head's
+// half is a whole number of vectors, every row is aligned and the grid is large enough (the
+// Python side decides: cuda_build.ROPE_VEC_MIN_CTAS_PER_SM), else 1.
+constexpr int ROPE_VEC = HALF_DIM % VEC == 0 ? VEC : 1;
 
 // grid (T, any): CTA (t, y) takes items y * blockDim + tid, + gridDim.y * blockDim, ... of token t
-// (one item per thread when gridDim.y * blockDim >= TOKEN_ITEMS: at decode, few tokens, all the
-// parallelism is within a token).
+// (one item per thread when gridDim.y * blockDim >= the token's items: at decode, few tokens, all
+// the parallelism is within a token).
 // q, k, v: [T, heads, HEAD_DIM] with the heads of a token contiguous and `*_stride` elements from
 // one token to the next (they are column slices of the fused qkv projection).
 // q_out: [T, NUM_HEADS, HEAD_DIM], contiguous.
 // table: the block table of this layer: table[slot * table_slot_stride + logical_block].
 // k_scale, v_scale (fp8 pools only): this layer's [NUM_KV_HEADS] float32 scales.
-extern "C" __global__ void rope_write_kv(
-    const scalar_t* __restrict__ q, const scalar_t* __restrict__ k, const scalar_t* __restrict__ v,
-    long long q_stride, long long k_stride, long long v_stride,
-    scalar_t* __restrict__ q_out, unsigned char* __restrict__ pool,
-    const int* __restrict__ table, long long table_slot_stride, int max_blocks,
-    const long long* __restrict__ positions, const long long* __restrict__ token_seq,
-    const int* __restrict__ slots,
-    const scalar_t* __restrict__ cos_table, const scalar_t* __restrict__ sin_table, int max_positions KV_SCALE_PARAMS) {
+#define ROPE_WRITE_KV_PARAMS                                                                                   \
+    const scalar_t *__restrict__ q, const scalar_t *__restrict__ k, const scalar_t *__restrict__ v,          \
+        long long q_stride, long long k_stride, long long v_stride, scalar_t *__restrict__ q_out,              \
+        unsigned char *__restrict__ pool, const int *__restrict__ table, long long table_slot_stride,          \
+        int max_blocks, const long long *__restrict__ positions, const long long *__restrict__ token_seq,      \
+        const int *__restrict__ slots, const scalar_t *__restrict__ cos_table,                                 \
+        const scalar_t *__restrict__ sin_table, int max_positions KV_SCALE_PARAMS
+#define ROPE_WRITE_KV_ARGS                                                                                     \
+    q, k, v, q_stride, k_stride, v_stride, q_out, pool, table, table_slot_stride, max_blocks, positions,       \
+        token_seq, slots, cos_table, sin_table, max_positions KV_SCALE_ARGS
+
+template <int V>
+__device__ __forceinline__ void rope_write_kv_impl(ROPE_WRITE_KV_PARAMS) {
+    constexpr int Q_ITEMS = NUM_HEADS * HALF_DIM / V;
+    constexpr int K_ITEMS = NUM_KV_HEADS * HALF_DIM / V;
+    constexpr int TOKEN_ITEMS = Q_ITEMS + K_ITEMS + KV_DIM / V;
     const long long t = blockIdx.x;
     const long long pos = positions[t];
     // padding row (or no rotary row for it): no K/V write, zeros for q
@@ -56,25 +65,32 @@ extern "C" __global__ void rope_write_kv(
     const scalar_t* __restrict__ sin_row = sin_table + (valid ? pos : 0) * HEAD_DIM;
 
     for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < TOKEN_ITEMS; i += gridDim.y * blockDim.x) {
-        if (i >= Q_PAIRS + K_PAIRS) {  // V is copied as it is (quantized, for an fp8 pool)
+        if (i >= Q_ITEMS + K_ITEMS) {  // V is copied as it is (quantized, for an fp8 pool)
             if (row_base != nullptr) {
-                const int e = i - Q_PAIRS - K_PAIRS;
+                const int e = (i - Q_ITEMS - K_ITEMS) * V;
+                float x[V];
+                load_floats<V>(v + t * v_stride + e, x);
 #if defined(KV_FP8)
-                v_dst[e] = to_kv(to_float(v[t * v_stride + e]), scales, true, e / HEAD_DIM);
+#pragma unroll
+                for (int u = 0; u < V; ++u) v_dst[e + u] = to_kv(x[u], scales, true, (e + u) / HEAD_DIM);
 #else
-                v_dst[e] = v[t * v_stride + e];
+                store_floats<V>(v_dst + e, x);  // (a model-dtype value through float and back: exact)
 #endif
             }
             continue;
         }
-        const int head = i / HALF_DIM;  // q heads first, then k heads
-        const int j = i % HALF_DIM;
+        const int head = i * V / HALF_DIM;  // q heads first, then k heads
+        const int j = i * V % HALF_DIM;
         const scalar_t* src;
         scalar_t* dst;
         if (head < NUM_HEADS) {
             dst = q_dst + head * HEAD_DIM;
             if (!valid) {
-                dst[j] = dst[j + HALF_DIM] = from_float(0.0f);
+                float zeros[V];
+#pragma unroll
+                for (int u = 0; u < V; ++u) zeros[u] = 0.0f;
+                store_floats<V>(dst + j, zeros);
+                store_floats<V>(dst + j + HALF_DIM, zeros);
                 continue;
             }
             src = q + t * q_stride + head * HEAD_DIM;
@@ -85,17 +101,28 @@ extern "C" __global__ void rope_write_kv(
             dst = k_dst + (head - NUM_HEADS) * HEAD_DIM;
 #endif
         }
-        const float c1 = to_float(cos_row[j]), c2 = to_float(cos_row[j + HALF_DIM]);
-        const float s1 = to_float(sin_row[j]), s2 = to_float(sin_row[j + HALF_DIM]);
-        float out1, out2;
-        rotate_pair(to_float(src[j]), to_float(src[j + HALF_DIM]), c1, c2, s1, s2, out1, out2);
+        float x1[V], x2[V], c1[V], c2[V], s1[V], s2[V], out1[V], out2[V];
+        load_floats<V>(src + j, x1);
+        load_floats<V>(src + j + HALF_DIM, x2);
+        load_floats<V>(cos_row + j, c1);
+        load_floats<V>(cos_row + j + HALF_DIM, c2);
+        load_floats<V>(sin_row + j, s1);
+        load_floats<V>(sin_row + j + HALF_DIM, s2);
+#pragma unroll
+        for (int u = 0; u < V; ++u) rotate_pair(x1[u], x2[u], c1[u], c2[u], s1[u], s2[u], out1[u], out2[u]);
 #if defined(KV_FP8)
         if (head >= NUM_HEADS) {  // k, quantized into the pool
-            store_kv_pair(row_base, false, head - NUM_HEADS, j, out1, out2, scales);
+#pragma unroll
+            for (int u = 0; u < V; ++u) store_kv_pair(row_base, false, head - NUM_HEADS, j + u, out1[u], out2[u], scales);
             continue;
         }
 #endif
-        dst[j] = from_float(out1);
-        dst[j + HALF_DIM] = from_float(out2);
+        store_floats<V>(dst + j, out1);
+        store_floats<V>(dst + j + HALF_DIM, out2);
     }
 }
+
+// Every row 16-byte aligned and a head's half whole vectors (the Python side checks the rows).
+extern "C" __global__ void rope_write_kv_vec(ROPE_WRITE_KV_PARAMS) { rope_write_kv_impl<ROPE_VEC>(ROPE_WRITE_KV_ARGS); }
+
+extern "C" __global__ void rope_write_kv_scalar(ROPE_WRITE_KV_PARAMS) { rope_write_kv_impl<1>(ROPE_WRITE_KV_ARGS); }

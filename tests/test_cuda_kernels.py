@@ -195,7 +195,10 @@ def assert_attention_close(out, ref64, ref_torch):
 
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
-def test_rope_write_kv_matches_reference(geometry, phase):
+@pytest.mark.parametrize("width", ["vectors", "elements"])
+def test_rope_write_kv_matches_reference(geometry, phase, width, monkeypatch):
+    # 16-byte vectors at any grid (where the geometry allows them), or one element a thread
+    monkeypatch.setattr("pagedcli.backends.cuda.ROPE_VEC_MIN_CTAS_PER_SM", 0 if width == "vectors" else 10**9)
     prompt = [1, 15, 16, 17, 100]
     s = Setup(geometry, [n + 20 for n in prompt] + [60], seed=1)
     if phase == "prefill":  # whole prompts, plus one sequence continuing a cached prefix of 20 tokens

@@ -121,9 +121,12 @@ def same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
-def test_kv_write_is_the_references_quantize_bit_for_bit(geometry, phase):
+@pytest.mark.parametrize("width", ["vectors", "elements"])
+def test_kv_write_is_the_references_quantize_bit_for_bit(geometry, phase, width, monkeypatch):
     """RoPE'd k and v into an fp8 pool: every byte the torch reference writes (e4m3 of the exact
     quotient by the head's scale, saturated), nothing else touched; q as the model-dtype kernel's."""
+    # 16-byte vectors at any grid (where the geometry allows them), or one element a thread
+    monkeypatch.setattr("pagedcli.backends.cuda.ROPE_VEC_MIN_CTAS_PER_SM", 0 if width == "vectors" else 10**9)
     prompt = [1, 15, 16, 17, 100]
     s = Setup(geometry, [n + 20 for n in prompt] + [60], seed=1)
     if phase == "prefill":  # whole prompts, plus one sequence continuing a cached prefix of 20 tokens

@@ -46,6 +46,9 @@ VARIANTS = {
     # more decode CTAs resident an SM (shared memory allows 5 by default): a smaller ring or scores
     "attention: 3 ring stages, 6 CTAs an SM": {"ATTN_STAGES": 3, "MIN_CTAS_SMALL_Q": 6},
     "attention: 256-token chunks, 6 CTAs an SM": {"PARTITION_SIZE": 256, "MIN_CTAS_SMALL_Q": 6},
+    # rope_write_kv past gemv.cu's rows: CTAs a token (its items over the threads of a CTA)
+    "rope: 64 threads a CTA": {"KV_WRITE_THREADS": 64},
+    "rope: 32 threads a CTA": {"KV_WRITE_THREADS": 32},
 }
 
 

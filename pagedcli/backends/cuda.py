@@ -41,7 +41,8 @@ import torch
 
 from pagedcli.backends import composed
 from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, DTYPE_DEFINES,
-                                          GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS, SILU_THREADS, VEC_BYTES,
+                                          GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS, ROPE_VEC_MIN_CTAS_PER_SM,
+                                          SILU_THREADS, VEC_BYTES,
                                           fp8_fallback_note, gemv_kernel_names, plan_kernels)
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
 from pagedcli.backends.cuda_fp8_gemm import fp8_gemm, scaled_mm_missing
@@ -154,9 +155,16 @@ class CudaBackend:
         q_out = torch.empty((T, self.num_heads, self.head_dim), dtype=self.dtype, device=q.device)
         if T == 0:
             return q_out
-        geo = self.cache.geometry  # work items per token: rotary pairs of q and k, V elements
-        items = (self.num_heads + geo.num_kv_heads) * self.head_dim // 2 + geo.kv_dim
-        self.launch("rope_write_kv", (T, -(-items // KV_WRITE_THREADS)), (KV_WRITE_THREADS,), (
+        geo = self.cache.geometry  # work items per token: `vec` rotary pairs of q and k, or V elements
+        half = self.head_dim // 2
+        elements = (self.num_heads + geo.num_kv_heads) * half + geo.kv_dim
+        vec = self.vec if (half % self.vec == 0
+                           and T * -(-elements // (self.vec * KV_WRITE_THREADS)) >= ROPE_VEC_MIN_CTAS_PER_SM * self.num_sms
+                           and aligned(q, k, v, q_out, self.cache.pool, self.cos, self.sin)
+                           and all(x.stride(0) % self.vec == 0 for x in (q, k, v))) else 1
+        items = elements // vec
+        self.launch(f"rope_write_kv_{'vec' if vec > 1 else 'scalar'}", (T, -(-items // KV_WRITE_THREADS)),
+                    (KV_WRITE_THREADS,), (
             ptr(q), ptr(k), ptr(v), np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0)),
         ) + self.rope_kv_args(layer, batch, q_out))
         return q_out

@@ -52,6 +52,10 @@ PREFILL_BLOCK_N = 64
 PREFILL_MAX_HEAD_DIM = 256
 H100_MAX_SHARED = 227 * 1024  # shared memory a CTA may opt in to on sm_90 (the plan's default GPU)
 KV_WRITE_THREADS = 128
+# rope_write_kv reads and writes 16-byte vectors where its grid then has at least this many CTAs an
+# SM; with fewer (decode at batch 64 and below on the H200), the kernel of one element a thread,
+# with 8 times the threads, finishes sooner (docs/performance.md)
+ROPE_VEC_MIN_CTAS_PER_SM = 2
 SILU_THREADS = 256
 ARGMAX_THREADS = 256
 ARGMAX_CHUNK = 4096  # logits per argmax CTA
@@ -252,7 +256,7 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
             plan.files["fp8_quant.cu"] = (dtype, FP8_QUANT_KERNELS)
         else:
             plan.fallbacks["linear layers"] = fp8_fallback_note(why)
-    plan.files["kv_write.cu"] = (model, ("rope_write_kv",))
+    plan.files["kv_write.cu"] = (model, ("rope_write_kv_vec", "rope_write_kv_scalar"))
     plan.files["elementwise.cu"] = (dtype, ("rms_norm_vec", "rms_norm_scalar", "add_rms_norm_vec", "add_rms_norm_scalar",
                                             "silu_mul_vec", "silu_mul_scalar"))
     gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),
