@@ -1,5 +1,5 @@
-// elementwise.cu: the two elementwise steps of a Llama layer, for batches too large for gemv.cu
-// (which fuses them into its GEMV at small batches).
+// elementwise.cu: the elementwise steps of a Llama layer, for batches too large for gemv.cu
+// (which fuses them into its GEMVs at small batches).
 //
 // rms_norm:     out = weight * RMSNorm(x).
 // add_rms_norm: residual += product, then out = weight * RMSNorm(residual): the residual add after
@@ -62,13 +62,13 @@ __device__ __forceinline__ void rms_norm_impl(scalar_t* __restrict__ x, const sc
 extern "C" __global__ void __launch_bounds__(1024) rms_norm_vec(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ weight, scalar_t* __restrict__ out, int hidden,
     float eps) {
-    rms_norm_impl<VEC, false>(const_cast<scalar_t*>(x), nullptr, weight, out, hidden, eps);
+    rms_norm_impl<VEC, false>(const_cast<scalar_t*>(x), nullptr, weight, out, hidden, eps);  // (not written)
 }
 
 extern "C" __global__ void __launch_bounds__(1024) rms_norm_scalar(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ weight, scalar_t* __restrict__ out, int hidden,
     float eps) {
-    rms_norm_impl<1, false>(const_cast<scalar_t*>(x), nullptr, weight, out, hidden, eps);
+    rms_norm_impl<1, false>(const_cast<scalar_t*>(x), nullptr, weight, out, hidden, eps);  // (not written)
 }
 
 // residual, product, out: [rows, hidden] contiguous; residual is updated in place.

@@ -17,10 +17,16 @@
 
 // Work items of one token: V rotary pairs of a q head (elements j .. j+V-1 and their partners
 // HALF_DIM on), then of a k head, then V elements of V. Consecutive threads take consecutive items,
-// so a warp's loads and stores are contiguous. V is VEC (16-byte loads and stores) where a head's
-// half is a whole number of vectors, every row is aligned and the grid is large enough (the
-// Python side decides: cuda_build.ROPE_VEC_MIN_CTAS_PER_SM), else 1.
-constexpr int ROPE_VEC = HALF_DIM % VEC == 0 ? VEC : 1;
+// so a warp's loads and stores are contiguous. V is 1 (rope_write_kv_scalar) or ROPE_VEC
+// (rope_write_kv_vec): VEC, 16-byte loads and stores, where a head's half is a whole number of
+// vectors, else 1 (backends/cuda_build.py defines it). The Python side launches the vector kernel
+// where the tensors' starts and token strides are aligned (the rows within them then are: HEAD_DIM
+// is whole vectors) and the grid is large enough (cuda_build.ROPE_VEC_MIN_CTAS_PER_SM).
+#if !defined(ROPE_VEC)
+#error "kv_write.cu needs -DROPE_VEC (backends/cuda_build.py)"
+#endif
+static_assert(ROPE_VEC == 1 || ROPE_VEC == VEC, "ROPE_VEC: one element or one 16-byte vector");
+static_assert(HALF_DIM % ROPE_VEC == 0, "ROPE_VEC must divide half a head");
 
 // grid (T, any): CTA (t, y) takes items y * blockDim + tid, + gridDim.y * blockDim, ... of token t
 // (one item per thread when gridDim.y * blockDim >= the token's items: at decode, few tokens, all
@@ -113,7 +119,8 @@ __device__ __forceinline__ void rope_write_kv_impl(ROPE_WRITE_KV_PARAMS) {
 #if defined(KV_FP8)
         if (head >= NUM_HEADS) {  // k, quantized into the pool
 #pragma unroll
-            for (int u = 0; u < V; ++u) store_kv_pair(row_base, false, head - NUM_HEADS, j + u, out1[u], out2[u], scales);
+            for (int u = 0; u < V; ++u)
+                store_kv_pair(row_base, false, head - NUM_HEADS, j + u, out1[u], out2[u], scales);
             continue;
         }
 #endif
@@ -122,7 +129,6 @@ __device__ __forceinline__ void rope_write_kv_impl(ROPE_WRITE_KV_PARAMS) {
     }
 }
 
-// Every row 16-byte aligned and a head's half whole vectors (the Python side checks the rows).
 extern "C" __global__ void rope_write_kv_vec(ROPE_WRITE_KV_PARAMS) { rope_write_kv_impl<ROPE_VEC>(ROPE_WRITE_KV_ARGS); }
 
 extern "C" __global__ void rope_write_kv_scalar(ROPE_WRITE_KV_PARAMS) { rope_write_kv_impl<1>(ROPE_WRITE_KV_ARGS); }

@@ -195,3 +195,30 @@ def slow_build(seconds: float):
     """An engine process's build that takes `seconds` (module-level: spawn pickles it by name)."""
     time.sleep(seconds)
     raise RuntimeError("a slow build's end")
+
+
+# --- the CUDA backend's kernels (GPU tests) ---------------------------------------------------
+
+def spy_launches(be) -> list[str]:
+    """The names of the kernels `be` launches from now on, in order."""
+    launched, launch = [], be.launch
+
+    def spy(kernel, *args, **kwargs):
+        launched.append(kernel)
+        return launch(kernel, *args, **kwargs)
+    be.launch = spy
+    return launched
+
+
+def use_rope_width(monkeypatch, width: str) -> None:
+    """rope_write_kv's 16-byte-vector kernel at any grid ("vectors", where the geometry allows it),
+    or its one-element kernel ("elements")."""
+    monkeypatch.setattr("pagedcli.backends.cuda.ROPE_VEC_MIN_CTAS_PER_SM", 0 if width == "vectors" else 10**9)
+
+
+def rope_kernel(s, width: str) -> str:
+    """The RoPE + K/V write kernel a test's rows get under use_rope_width(width):
+    the vector one wherever half a head is whole 16-byte vectors (the test's q, k, v are aligned
+    column slices of one fused tensor)."""
+    vectors = width == "vectors" and s.config.head_dim // 2 % s.cuda.vec == 0
+    return "rope_write_kv_vec" if vectors else "rope_write_kv_scalar"

@@ -34,6 +34,7 @@ import random
 import pytest
 import torch
 
+from helpers import rope_kernel, spy_launches, use_rope_width
 from pagedcli.backends import composed
 from pagedcli.backends.cuda import cuda_available
 
@@ -197,8 +198,7 @@ def assert_attention_close(out, ref64, ref_torch):
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 @pytest.mark.parametrize("width", ["vectors", "elements"])
 def test_rope_write_kv_matches_reference(geometry, phase, width, monkeypatch):
-    # 16-byte vectors at any grid (where the geometry allows them), or one element a thread
-    monkeypatch.setattr("pagedcli.backends.cuda.ROPE_VEC_MIN_CTAS_PER_SM", 0 if width == "vectors" else 10**9)
+    use_rope_width(monkeypatch, width)
     prompt = [1, 15, 16, 17, 100]
     s = Setup(geometry, [n + 20 for n in prompt] + [60], seed=1)
     if phase == "prefill":  # whole prompts, plus one sequence continuing a cached prefix of 20 tokens
@@ -219,14 +219,23 @@ def test_rope_write_kv_matches_reference(geometry, phase, width, monkeypatch):
     s.cache.pool.copy_(before)
     poison_allocator(q_ref.shape, dtype=s.dtype)
     s.cuda.prepare(batch)
+    launched = spy_launches(s.cuda)
     q_cuda = s.cuda.rope_write_kv(layer, q, k, v, batch)
     torch.cuda.synchronize()
+    assert launched == [rope_kernel(s, width)]
 
     assert_ulp_close(q_cuda, q_ref)
     changed = (s.cache.pool != before).flatten(2).any(-1)  # [blocks, 2]: which K/V halves we wrote
     assert changed.any()
     assert_ulp_close(s.cache.pool, pool_ref)  # the written rows, and nothing else touched
     assert torch.equal(s.cache.pool[:, 1], pool_ref[:, 1]), "V is a plain copy"
+    if width == "vectors":  # the one-element kernel's arithmetic, element for element
+        pool_vectors = s.cache.pool.clone()
+        s.cache.pool.copy_(before)
+        use_rope_width(monkeypatch, "elements")
+        q_elements = s.cuda.rope_write_kv(layer, q, k, v, batch)
+        torch.cuda.synchronize()
+        assert torch.equal(q_cuda, q_elements) and torch.equal(pool_vectors, s.cache.pool)
 
 
 # --- (b) decode attention ----------------------------------------------------------------------
@@ -409,10 +418,16 @@ def test_linear_add_norm(geometry, hidden, rows, monkeypatch):
         raise AssertionError("add_norm fell back to torch ops")
     monkeypatch.setattr(composed, "add_norm", fail)
     poison_allocator((rows, hidden), dtype=s.dtype)
-    got_sum, got_normed = s.cuda.linear_add_norm(x, weight, residual, norm_weight, 1e-5)
+    got_sum, got_normed = s.cuda.linear_add_norm(x, weight, residual.clone(), norm_weight, 1e-5)
+    torch.cuda.synchronize()
+    assert torch.equal(got_sum, want_sum) and torch.equal(got_normed, want_normed)
+    # the sum goes into the residual's memory; a bias (attention_bias, mlp_bias) is the GEMM's
+    bias = s.randn(hidden)
+    want_sum = s.ref.linear_add(x, weight, residual.clone(), bias)
+    got_sum, got_normed = s.cuda.linear_add_norm(x, weight, residual, norm_weight, 1e-5, bias=bias)
     torch.cuda.synchronize()
     assert got_sum.data_ptr() == residual.data_ptr(), "the sum is not in the residual's memory"
-    assert torch.equal(got_sum, want_sum) and torch.equal(got_normed, want_normed)
+    assert torch.equal(got_sum, want_sum) and torch.equal(got_normed, s.cuda.rms_norm(want_sum, norm_weight, 1e-5))
 
 
 @pytest.mark.parametrize("geometry", ["llama1b", "stories-fp32", "fp16"])
@@ -490,7 +505,9 @@ def test_decode_step_in_cuda_graph_replays_with_new_contents():
 
 # --- (e) padding rows --------------------------------------------------------------------------
 
-def test_padding_rows_write_nothing_and_stay_finite():
+@pytest.mark.parametrize("width", ["vectors", "elements"])
+def test_padding_rows_write_nothing_and_stay_finite(width, monkeypatch):
+    use_rope_width(monkeypatch, width)
     layer = 0
     lengths = [100, 17, 4097, 33]
     s = Setup("llama1b", lengths, seed=9)
@@ -504,7 +521,9 @@ def test_padding_rows_write_nothing_and_stay_finite():
 
     s.cuda.prepare(padded)
     poison_scratch(s.cuda)
+    launched = spy_launches(s.cuda)
     q_rot = s.cuda.rope_write_kv(layer, q, k, v, padded)
+    assert launched == [rope_kernel(s, width)]
     out = s.cuda.attend(layer, q_rot, padded)
     torch.cuda.synchronize()
     assert torch.isfinite(q_rot).all() and torch.isfinite(out).all()
@@ -728,6 +747,12 @@ def test_fp8_gemm_matches_fp64_of_its_quantized_operands(geometry, rows, shape):
         slack = ACCUMULATION_FP8 * size
         excess = ((out.double() - exact).abs() - ULP[s.dtype] * exact.abs() - slack).max().item()
         assert excess <= 0, f"off the fp64 W8A8 product by {excess} beyond an ulp plus accumulation error"
+    # rows normed beforehand (linear_add_norm's `normed`: our rms_norm's) quantize to the bytes the
+    # norm fused into the quantization gives, so the GEMM is the same either way
+    prenormed = kernel_quantize(be, be.rms_norm(x, norm_weight, 1e-5))
+    fused = kernel_quantize(be, x, norm_weight, 1e-5)
+    assert torch.equal(prenormed[0].view(torch.uint8), fused[0].view(torch.uint8))
+    assert torch.equal(prenormed[1], fused[1])
     # the layer steps over W8A16_MAX_ROWS rows: W8A8, as the torch reference computes it (the same
     # bytes in: the test above), apart by the accumulation error and a rounding or two
     residual = s.randn(rows, N)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import hf_checkpoint
-from helpers import record_logits
+from helpers import record_logits, rope_kernel, spy_launches, use_rope_width
 from pagedcli.backends.cuda import cuda_available
 from test_cuda_kernels import LENGTHS, PREFILL_CASES
 
@@ -125,8 +125,7 @@ def same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
 def test_kv_write_is_the_references_quantize_bit_for_bit(geometry, phase, width, monkeypatch):
     """RoPE'd k and v into an fp8 pool: every byte the torch reference writes (e4m3 of the exact
     quotient by the head's scale, saturated), nothing else touched; q as the model-dtype kernel's."""
-    # 16-byte vectors at any grid (where the geometry allows them), or one element a thread
-    monkeypatch.setattr("pagedcli.backends.cuda.ROPE_VEC_MIN_CTAS_PER_SM", 0 if width == "vectors" else 10**9)
+    use_rope_width(monkeypatch, width)
     prompt = [1, 15, 16, 17, 100]
     s = Setup(geometry, [n + 20 for n in prompt] + [60], seed=1)
     if phase == "prefill":  # whole prompts, plus one sequence continuing a cached prefix of 20 tokens
@@ -147,8 +146,10 @@ def test_kv_write_is_the_references_quantize_bit_for_bit(geometry, phase, width,
     raw(s.cache.pool).copy_(before)
     poison_allocator(q_ref.shape, dtype=s.dtype)
     s.cuda.prepare(batch)
+    launched = spy_launches(s.cuda)
     q_cuda = s.cuda.rope_write_kv(layer, q, k, v, batch)
     torch.cuda.synchronize()
+    assert launched == [rope_kernel(s, width)]
     assert_ulp_close(q_cuda, q_ref)
     assert not torch.equal(raw(s.cache.pool), raw(before))
     assert torch.equal(raw(s.cache.pool), raw(pool_ref))

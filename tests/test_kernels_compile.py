@@ -1,6 +1,7 @@
 """Every CUDA kernel compiles, with nvcc, for every preset geometry and dtype, with a pool in the
 model dtype and an fp8 pool, exactly as the CUDA backend would build it (cuda_build.plan_kernels:
-the same files, kernels and -D defines; the builds run at once, one nvcc per core), and what the
+the same files, kernels and -D defines; the builds run at once, one nvcc per core; a PTX build
+defines every kernel the plan would load from it), and what the
 plan sends to torch ops instead is what our kernels truly cannot serve. fp8.cuh's software float ->
 e4m3 conversion (what GPUs before sm_89 run) is compiled into a host program and compared with
 torch's cast.
@@ -12,11 +13,14 @@ A geometry that fails here is one a user would have hit at run time.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import tempfile
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,6 +76,7 @@ class Build:
     defines: tuple
     cubin: bool = True  # through ptxas to a binary, or only to PTX
     arch: str = "sm_90"
+    names: tuple = ()  # the kernels the plan takes from it: a PTX build must define each
 
 
 def all_builds() -> list[Build]:
@@ -89,9 +94,9 @@ def all_builds() -> list[Build]:
                 plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True, fp8_weights=True)
                 what = f"{name} {str(dtype).removeprefix('torch.')}" + (" fp8 pool" if pool else "")
                 cubin = dtype == torch.bfloat16 and (pool is None or name == "llama-3.2-1b")
-                for file, (defines, _) in plan.files.items():
+                for file, (defines, names) in plan.files.items():
                     if pool is None or file != "gemv.cu" or dtype == torch.bfloat16:
-                        builds.setdefault((file, defines), Build(what, file, defines, cubin))
+                        builds.setdefault((file, defines), Build(what, file, defines, cubin, names=names))
     # the block sizes the kernels unroll over, at the reference geometry
     config = configs["llama-3.2-1b"]
     for block_size in (8, 32, 64):
@@ -103,12 +108,19 @@ def all_builds() -> list[Build]:
 
 
 def nvcc(build: Build) -> tuple[bool, str]:
+    """Whether the build compiles (and, to PTX, defines every kernel the plan names), and why not."""
     folder = kernel_folder()
     output = ("-cubin",) if build.cubin else ("-ptx", *FAST_PTX)
-    cmd = [NVCC, *COMPILE_OPTIONS, f"-arch={build.arch}", *output, "-o", "/dev/null", f"-I{folder}",
-           *define_flags(build.defines), str(folder / build.file)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    return done.returncode == 0, done.stderr
+    with tempfile.TemporaryDirectory() as tmp:
+        target = "/dev/null" if build.cubin else f"{tmp}/out.ptx"
+        cmd = [NVCC, *COMPILE_OPTIONS, f"-arch={build.arch}", *output, "-o", target, f"-I{folder}",
+               *define_flags(build.defines), str(folder / build.file)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or build.cubin:
+            return done.returncode == 0, done.stderr
+        entries = set(re.findall(r"\.entry\s+(\w+)", Path(target).read_text()))
+    missing = sorted(set(build.names) - entries)  # (a kernel compiled under an #if the plan does not mirror)
+    return not missing, f"the plan names kernels the build does not define: {', '.join(missing)}"
 
 
 def compile_all(builds: list[Build]) -> list[tuple[bool, str]]:

@@ -15,8 +15,8 @@ What model/network.py calls, layer by layer:
   float32, and each row's greedy token (`argmax`; NOT_FINITE for a row holding a NaN or an inf, so the engine
   fails that request alone).
 
-`normed`, where given, is RMSNorm(x) by norm_weight already (from linear_add_norm): the step uses
-it instead of norming x. `bias` is None unless config.json has attention_bias / mlp_bias (fused like
+`normed`, where given, is RMSNorm(x) by norm_weight already (from linear_add_norm): the step may
+use it instead of norming x (a kernel that norms x as it loads it, gemv.cu's, leaves it). `bias` is None unless config.json has attention_bias / mlp_bias (fused like
 the weights: q|k|v, gate|up). RoPE's cos and sin come from `backend.rope`
 (pagedcli.model.rope.RotaryTable): fixed tables `backend.cos`, `backend.sin` for the static types,
 per-token rows for dynamic NTK.

@@ -101,6 +101,7 @@ class CudaBackend:
             self.fp8_gemm = False
             self.fallbacks["linear layers"] = fp8_fallback_note(missing)
         self.heads_per_cta = plan.heads_per_cta
+        self.rope_vec = plan.rope_vec
         self.attention_kernel = plan.attention_decode
         self.prefill_kernel, self.prefill_shared, self.prefill_rows = (plan.attention_prefill, plan.prefill_shared,
                                                                        plan.prefill_rows)
@@ -155,13 +156,14 @@ class CudaBackend:
         q_out = torch.empty((T, self.num_heads, self.head_dim), dtype=self.dtype, device=q.device)
         if T == 0:
             return q_out
-        geo = self.cache.geometry  # work items per token: `vec` rotary pairs of q and k, or V elements
-        half = self.head_dim // 2
-        elements = (self.num_heads + geo.num_kv_heads) * half + geo.kv_dim
-        vec = self.vec if (half % self.vec == 0
-                           and T * -(-elements // (self.vec * KV_WRITE_THREADS)) >= ROPE_VEC_MIN_CTAS_PER_SM * self.num_sms
-                           and aligned(q, k, v, q_out, self.cache.pool, self.cos, self.sin)
-                           and all(x.stride(0) % self.vec == 0 for x in (q, k, v))) else 1
+        # a work item: `vec` rotary pairs of a q or k head, or `vec` elements of V
+        geo = self.cache.geometry
+        elements = (self.num_heads + geo.num_kv_heads) * self.head_dim // 2 + geo.kv_dim
+        vec = self.rope_vec  # (the plan's: kv_write.cu's ROPE_VEC)
+        if not (vec > 1 and T * -(-elements // (vec * KV_WRITE_THREADS)) >= ROPE_VEC_MIN_CTAS_PER_SM * self.num_sms
+                and aligned(q, k, v, q_out, self.cache.pool, self.cos, self.sin)
+                and all(x.stride(0) % vec == 0 for x in (q, k, v))):
+            vec = 1
         items = elements // vec
         self.launch(f"rope_write_kv_{'vec' if vec > 1 else 'scalar'}", (T, -(-items // KV_WRITE_THREADS)),
                     (KV_WRITE_THREADS,), (
@@ -254,7 +256,9 @@ class CudaBackend:
     def add_norm(self, residual, product, norm_weight, eps):
         """(residual + product, RMSNorm of the sum by norm_weight) in one kernel (elementwise.cu's
         add_rms_norm), the sum written into `residual`; composed.add_norm's torch ops for tensors
-        it does not take, and without a norm_weight."""
+        it does not take, and without a norm_weight. (Its width, like rms_norm's, decides the order
+        of the sum of squares; the product is a fresh GEMM output, so aligned whenever the
+        residual is.)"""
         if not (norm_weight is not None and self.fusable(residual, product, norm_weight) and residual.dim() == 2
                 and product.shape == residual.shape and residual.shape[0] > 0
                 and residual.shape[1] == norm_weight.numel() and residual.is_contiguous() and product.is_contiguous()
@@ -351,9 +355,10 @@ class CudaBackend:
         return out
 
     def _normed_product(self, x, norm_weight, weight, eps, bias=None, normed=None):
-        """RMSNorm(x) @ weight.T (+ bias) past gemv.cu's rows: W8A8 for an fp8 weight (whose
-        quantization of the rows does the norm, unless `normed` holds it already), else cuBLAS
-        after our rms_norm (or on `normed`)."""
+        """RMSNorm(x) @ weight.T (+ bias) where gemv.cu does not serve (past its rows, a bias, shapes
+        it does not take): W8A8 for an fp8 weight (whose quantization of the rows does the norm,
+        unless `normed` holds it already: the same bytes), else cuBLAS after our rms_norm (or on
+        `normed`)."""
         if normed is None:
             out = fp8_gemm(self, x, weight, norm_weight, eps, bias)
         else:

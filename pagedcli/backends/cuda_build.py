@@ -210,6 +210,7 @@ class KernelPlan:
     prefill_shared: int = 0  # dynamic shared memory of a prefill CTA
     prefill_rows: int = 0  # query rows a prefill CTA takes
     fp8_gemm: bool = False  # fp8 weights over W8A16_MAX_ROWS rows on fp8 tensor cores (cuda_fp8_gemm.py)
+    rope_vec: int = 1  # elements a thread of rope_write_kv_vec takes (kv_write.cu's ROPE_VEC)
 
     @property
     def attention_decode(self) -> bool:
@@ -256,9 +257,11 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
             plan.files["fp8_quant.cu"] = (dtype, FP8_QUANT_KERNELS)
         else:
             plan.fallbacks["linear layers"] = fp8_fallback_note(why)
-    plan.files["kv_write.cu"] = (model, ("rope_write_kv_vec", "rope_write_kv_scalar"))
-    plan.files["elementwise.cu"] = (dtype, ("rms_norm_vec", "rms_norm_scalar", "add_rms_norm_vec", "add_rms_norm_scalar",
-                                            "silu_mul_vec", "silu_mul_scalar"))
+    vec = VEC_BYTES // geometry.dtype.itemsize  # 16-byte vectors where a head's half is whole vectors
+    plan.rope_vec = vec if geometry.head_dim // 2 % vec == 0 else 1
+    plan.files["kv_write.cu"] = (model + (("ROPE_VEC", plan.rope_vec),), ("rope_write_kv_vec", "rope_write_kv_scalar"))
+    plan.files["elementwise.cu"] = (dtype, ("rms_norm_vec", "rms_norm_scalar", "add_rms_norm_vec",
+                                            "add_rms_norm_scalar", "silu_mul_vec", "silu_mul_scalar"))
     gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),
                     ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST))
     plan.files["gemv.cu"] = (gemv, tuple(gemv_kernel_names()))

@@ -56,9 +56,10 @@ class TorchBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def norm_linear(self, x, norm_weight, weight, eps, normed=None):
-        """RMSNorm(x) @ weight.T: the pre-norm of attention and of the MLP, with the GEMM after it."""
-        return composed.norm_matmul(self, x, norm_weight, weight, eps, normed=normed)
+    def norm_linear(self, x, norm_weight, weight, eps, bias=None, normed=None):
+        """RMSNorm(x) @ weight.T (+ bias): the pre-norm of attention and of the MLP, with the GEMM
+        after it."""
+        return composed.norm_matmul(self, x, norm_weight, weight, eps, bias, normed)
 
     def linear_add(self, x, weight, residual, bias=None):
         """residual + (x @ weight.T + bias): the o and down projections, back into the residual
