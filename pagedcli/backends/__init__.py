@@ -12,14 +12,14 @@ What model/network.py calls, layer by layer:
 - `norm_linear_silu(x, norm_weight, gate_up, eps, bias=None, normed=None)`: silu(gate) * up of
   RMSNorm(x) @ gate_up.T (+ bias) (the MLP's first half);
 - `logits_greedy(x, norm_weight, lm_head, eps, normed=None)`: the final norm and the LM head, as
-  float32, and each row's greedy token (`argmax`; NOT_FINITE for a row holding a NaN or an inf, so the engine
-  fails that request alone).
+  float32, and each row's greedy token (`argmax`; NOT_FINITE for a row holding a NaN or an inf, so
+  the engine fails that request alone).
 
 `normed`, where given, is RMSNorm(x) by norm_weight already (from linear_add_norm): the step may
-use it instead of norming x (a kernel that norms x as it loads it, gemv.cu's, leaves it). `bias` is None unless config.json has attention_bias / mlp_bias (fused like
-the weights: q|k|v, gate|up). RoPE's cos and sin come from `backend.rope`
-(pagedcli.model.rope.RotaryTable): fixed tables `backend.cos`, `backend.sin` for the static types,
-per-token rows for dynamic NTK.
+use it instead of norming x (a kernel that norms x as it loads it, gemv.cu's, leaves it). `bias` is
+None unless config.json has attention_bias / mlp_bias (fused like the weights: q|k|v, gate|up).
+RoPE's cos and sin come from `backend.rope` (pagedcli.model.rope.RotaryTable): fixed tables
+`backend.cos`, `backend.sin` for the static types, per-token rows for dynamic NTK.
 
 Around it: `prepare(batch)` (the network, once per forward pass: index tensors the layers share).
 The halves the fused steps are made of are methods too, used by fallbacks and tests: `rms_norm`,
