@@ -246,7 +246,7 @@ class CudaBackend:
             return self.reference.rms_norm(x, weight, eps)
         x, weight = x.contiguous(), weight.contiguous()
         out = torch.empty_like(x)
-        vec = self.vec if hidden % self.vec == 0 and aligned(x, weight, out) else 1
+        vec = self._width(hidden, x, weight, out)
         threads = row_threads(hidden, vec)
         self.launch(f"rms_norm_{'vec' if vec > 1 else 'scalar'}", (rows,), (threads,), (
             ptr(x), ptr(weight), ptr(out), np.int32(hidden), np.float32(eps),
@@ -256,9 +256,9 @@ class CudaBackend:
     def add_norm(self, residual, product, norm_weight, eps):
         """(residual + product, RMSNorm of the sum by norm_weight) in one kernel (elementwise.cu's
         add_rms_norm), the sum written into `residual`; composed.add_norm's torch ops for tensors
-        it does not take, and without a norm_weight. (Its width, like rms_norm's, decides the order
-        of the sum of squares; the product is a fresh GEMM output, so aligned whenever the
-        residual is.)"""
+        it does not take, and without a norm_weight. (Its width decides the order of the sum of
+        squares, as rms_norm's does: both take _width's; the product is a fresh GEMM output,
+        aligned whenever the residual is.)"""
         if not (norm_weight is not None and self.fusable(residual, product, norm_weight) and residual.dim() == 2
                 and product.shape == residual.shape and residual.shape[0] > 0
                 and residual.shape[1] == norm_weight.numel() and residual.is_contiguous() and product.is_contiguous()
@@ -266,7 +266,7 @@ class CudaBackend:
             return composed.add_norm(self, residual, product, norm_weight, eps)
         rows, hidden = residual.shape
         out = torch.empty_like(residual)
-        vec = self.vec if hidden % self.vec == 0 and aligned(residual, product, norm_weight, out) else 1
+        vec = self._width(hidden, residual, product, norm_weight, out)
         self.launch(f"add_rms_norm_{'vec' if vec > 1 else 'scalar'}", (rows,), (row_threads(hidden, vec),), (
             ptr(residual), ptr(product), ptr(norm_weight), ptr(out), np.int32(hidden), np.float32(eps),
         ))
@@ -281,7 +281,7 @@ class CudaBackend:
         total = out.numel()
         if total == 0:
             return out
-        vec = self.vec if inter % self.vec == 0 and aligned(gate_up, out) else 1
+        vec = self._width(inter, gate_up, out)
         blocks = max(1, min(-(-total // (vec * SILU_THREADS)), 16 * self.num_sms))
         self.launch(f"silu_mul_{'vec' if vec > 1 else 'scalar'}", (blocks,), (SILU_THREADS,), (
             ptr(gate_up), ptr(out), np.int32(inter), np.int64(total),
@@ -386,6 +386,11 @@ class CudaBackend:
         """Tensors our elementwise kernels take: the model dtype, on our GPU (else: torch fallback).
         (Compare device indices: torch.device("cuda") != torch.device("cuda", 0).)"""
         return all(t.dtype == self.dtype and t.is_cuda and t.device.index == self.device_index for t in tensors)
+
+    def _width(self, n: int, *tensors: torch.Tensor) -> int:
+        """Elements an elementwise kernel's thread takes at once along rows of `n`: a 16-byte vector
+        where the rows are whole vectors and every tensor starts aligned, else 1 (its _scalar twin)."""
+        return self.vec if n % self.vec == 0 and aligned(*tensors) else 1
 
     def _heads_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[T, heads, head_dim] with heads contiguous within a token (any token stride): the layout
