@@ -19,18 +19,20 @@
 // online softmax.
 // For each chunk:
 //   1. K pass: a token's K row for one kv head is HEAD_DIM contiguous elements, read as 16-byte
-//      vectors (8-byte ones for a row that is not whole 16-byte vectors) by a group of ROW_LANES lanes (HEAD_DIM = 64 in bf16: 8 lanes, 128 bytes; a warp
-//      reads 4 rows at once, a 128-thread CTA 16 rows). Each lane dots its 16 bytes with the
-//      matching slice of every query head (in registers, pre-scaled by log2(e)/sqrt(HEAD_DIM) so
-//      that softmax can use exp2), the group sums with shuffles, and the scores go to shared
-//      memory. Loads are asynchronous copies (cp.async) into a small ring in shared memory that each
+//      vectors (8-byte ones for a row that is not whole 16-byte vectors) by a group of ROW_LANES
+//      lanes (HEAD_DIM = 64 in bf16: 8 lanes, 128 bytes; a warp reads 4 rows at once, a 128-thread
+//      CTA 16 rows). Each lane dots its 16 bytes with the matching slice of every query head (in
+//      registers, pre-scaled by log2(e)/sqrt(HEAD_DIM) so that softmax can use exp2), the group
+//      sums with shuffles, the scores go to shared memory, and each warp keeps each head's max.
+//      Loads are asynchronous copies (cp.async) into a small ring in shared memory that each
 //      thread owns (it only reads back its own copies, so no barrier is needed): ATTN_STAGES steps
 //      of UNROLL rows per lane are in flight while one is used, without holding registers.
-//   2. softmax over the chunk (exact, from the scores in shared memory), merged with the earlier
-//      chunks' running max and sum.
+//   2. After one barrier, every thread merges the warps' maxima with the earlier chunks' running
+//      max (no pass over the scores, no barrier of its own).
 //   3. V pass: the same lanes read V rows (the ring runs on from K to V, so the first V rows are
-//      requested during the K pass and the softmax) and accumulate p * v in fp32 registers; the
-//      row groups' sums then meet in shared memory.
+//      requested during the K pass), turn each row's scores into probabilities 2^(s - max) as they
+//      use them, and accumulate p * v and the p's in fp32 registers; the row groups' sums then
+//      meet in shared memory.
 // Merge: at small batches on sm_90+ (paged_attention_decode_cluster) every ATTN_CLUSTER
 // consecutive splits form a thread-block cluster and first merge in shared memory, across the
 // cluster (a hardware barrier, no trip to global memory): at a batch-1 context of a few hundred
@@ -392,9 +394,10 @@ __device__ __forceinline__ Lanes lanes_of(int tid) {
 // Phase 1, the K pass: scores[h][t] = q_h . k_t (log2 units) for the chunk's n tokens. The ring's
 // first STAGES - 1 steps were issued by the caller; this issues the K pass's own and, past it, the
 // V pass's first ones.
-__device__ __forceinline__ void score_chunk(float* scores, kv_vec_t* ring, const scalar_t* q_base, float scale_log2,
-                                            const unsigned char* k_base, const unsigned char* v_base,
-                                            const int* blocks, int n, int iters, const Lanes& l, int tid) {
+__device__ __forceinline__ void score_chunk(float* scores, float (*warp_max_buf)[HEADS_PER_CTA], kv_vec_t* ring,
+                                            const scalar_t* q_base, float scale_log2, const unsigned char* k_base,
+                                            const unsigned char* v_base, const int* blocks, int n, int iters,
+                                            const Lanes& l, int tid) {
     float qf[HEADS_PER_CTA][KV_VEC];
 #pragma unroll
     for (int h = 0; h < HEADS_PER_CTA; ++h) {
@@ -411,6 +414,9 @@ __device__ __forceinline__ void score_chunk(float* scores, kv_vec_t* ring, const
             for (int j = 0; j < KV_VEC; ++j) qf[h][j] = 0.0f;
         }
     }
+    float held_max[HEADS_HELD];  // the largest score of each head this lane holds (reduce_row)
+#pragma unroll
+    for (int i = 0; i < HEADS_HELD; ++i) held_max[i] = neg_infinity();
     for (int it = 0; it < iters; ++it) {
         const int t0 = it * TOKENS_PER_ITER;
         kv_vec_t cur[UNROLL];
@@ -431,71 +437,66 @@ __device__ __forceinline__ void score_chunk(float* scores, kv_vec_t* ring, const
             }
             reduce_row(dot, l.lane_in_row);
             const int t = t0 + u * ROWS_PER_STEP + l.row_in_step;
-            if (t < n && l.score_writer) {
+            if (t < n) {
 #pragma unroll
                 for (int i = 0; i < HEADS_HELD; ++i) {
-                    if (l.score_head + i < HEADS_PER_CTA) scores[(l.score_head + i) * SCORE_STRIDE + t] = dot[i];
+                    held_max[i] = fmaxf(held_max[i], dot[i]);
+                    if (l.score_writer && l.score_head + i < HEADS_PER_CTA) {
+                        scores[(l.score_head + i) * SCORE_STRIDE + t] = dot[i];
+                    }
                 }
             }
         }
     }
+    // the warp's max of each head: over its rows (the lanes ROW_LANES apart hold the same heads),
+    // written by the first row's lanes
+#pragma unroll
+    for (int off = ROW_LANES; off < WARP_SIZE; off <<= 1) {
+#pragma unroll
+        for (int i = 0; i < HEADS_HELD; ++i) held_max[i] = fmaxf(held_max[i], __shfl_xor_sync(FULL_MASK, held_max[i], off));
+    }
+    if (l.lane < ROW_LANES && l.score_writer) {
+#pragma unroll
+        for (int i = 0; i < HEADS_HELD; ++i) {
+            if (l.score_head + i < HEADS_PER_CTA) warp_max_buf[l.warp][l.score_head + i] = held_max[i];
+        }
+    }
 }
 
-// Phase 2, softmax over the chunk, merged with the earlier chunks: probabilities relative to the
-// new running max replace the scores; `correction[h]` rescales the earlier sums (read by phase 3
-// after its first barrier).
-__device__ __forceinline__ void softmax_chunk(float* scores, int n, float (&run_max)[HEADS_PER_CTA],
-                                              float (&run_sum)[HEADS_PER_CTA], float* correction, const Lanes& l,
-                                              int tid) {
-    __shared__ float warp_max_buf[NUM_WARPS][HEADS_PER_CTA];
-    __shared__ float warp_sum_buf[NUM_WARPS][HEADS_PER_CTA];
-    float new_max[HEADS_PER_CTA];
-#pragma unroll
-    for (int h = 0; h < HEADS_PER_CTA; ++h) {
-        float m = neg_infinity();
-        for (int t = tid; t < n; t += ATTN_THREADS) m = fmaxf(m, scores[h * SCORE_STRIDE + t]);
-        m = warp_max(m);
-        if (l.lane == 0) warp_max_buf[l.warp][h] = m;
-    }
-    __syncthreads();
+// Phase 2, the chunk's max, merged with the earlier chunks': every thread reads the warps' maxima
+// (after the barrier that ends the K pass) and moves the running max; `correction` (2^(old max -
+// new max), 0 for the CTA's first chunk) is what the earlier sums are rescaled by; `head_correction`
+// holds it in shared memory for the output elements, whose head is known only at run time.
+__device__ __forceinline__ void chunk_max(const float (*warp_max_buf)[HEADS_PER_CTA], float (&run_max)[HEADS_PER_CTA],
+                                          float (&correction)[HEADS_PER_CTA], float* head_correction, int tid) {
 #pragma unroll
     for (int h = 0; h < HEADS_PER_CTA; ++h) {
         float m = run_max[h];
 #pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, warp_max_buf[w][h]);
-        new_max[h] = m;  // finite: the chunk has at least one token
-        float s = 0.0f;
-        for (int t = tid; t < n; t += ATTN_THREADS) {
-            const float p = exp2f(scores[h * SCORE_STRIDE + t] - m);
-            scores[h * SCORE_STRIDE + t] = p;
-            s += p;
-        }
-        s = warp_sum(s);
-        if (l.lane == 0) warp_sum_buf[l.warp][h] = s;
-    }
-    __syncthreads();  // probabilities and per-warp sums are complete
-#pragma unroll
-    for (int h = 0; h < HEADS_PER_CTA; ++h) {
-        float s = 0.0f;
-#pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) s += warp_sum_buf[w][h];
-        const float c = exp2f(run_max[h] - new_max[h]);  // 0 for the CTA's first chunk
-        run_sum[h] = run_sum[h] * c + s;
-        run_max[h] = new_max[h];
-        if (tid == h) correction[h] = c;
+        for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, warp_max_buf[w][h]);  // finite: the chunk has a token
+        correction[h] = exp2f(run_max[h] - m);
+        if (tid == h) head_correction[h] = correction[h];  // for the sums' elements (phase 3's last barrier)
+        run_max[h] = m;
     }
 }
 
-// Phase 3, the V pass: p[h][t] * v_t summed over the chunk into `owned` (rescaled by the
-// correction first): in registers per row group, across a warp's groups with shuffles, then
-// across warps in shared memory (`smem`, the score buffer, once every warp is done with it).
-__device__ __forceinline__ void accumulate_chunk(float (&owned)[OWNED], float* smem, const float* scores,
-                                                 kv_vec_t* ring, const float* correction,
-                                                 const unsigned char* k_base, const unsigned char* v_base,
+// Phase 3, the V pass: each row's probabilities p = 2^(score - max), made by every lane of the row
+// as it needs them, and p[h][t] * v_t summed over the chunk into `owned`, the p's into `run_sum`
+// (both rescaled by the correction first): in registers per row group, across a warp's groups with
+// shuffles, then across warps in shared memory (`smem`, the score buffer, once every warp is done
+// with it).
+__device__ __forceinline__ void accumulate_chunk(float (&owned)[OWNED], float (&run_sum)[HEADS_PER_CTA], float* smem,
+                                                 const float* scores, kv_vec_t* ring,
+                                                 const float (&run_max)[HEADS_PER_CTA],
+                                                 const float (&correction)[HEADS_PER_CTA],
+                                                 const float* head_correction, const unsigned char* k_base,
+                                                 const unsigned char* v_base,
                                                  const int* blocks, int n, int iters, const Lanes& l, int tid) {
-    float acc[HEADS_PER_CTA][KV_VEC];
+    __shared__ float warp_sum_buf[NUM_WARPS][HEADS_PER_CTA];
+    float acc[HEADS_PER_CTA][KV_VEC], p_sum[HEADS_PER_CTA];
 #pragma unroll
     for (int h = 0; h < HEADS_PER_CTA; ++h) {
+        p_sum[h] = 0.0f;
 #pragma unroll
         for (int j = 0; j < KV_VEC; ++j) acc[h][j] = 0.0f;
     }
@@ -512,7 +513,8 @@ __device__ __forceinline__ void accumulate_chunk(float (&owned)[OWNED], float* s
                 unpack_kv(cur_v[u], vf);
 #pragma unroll
                 for (int h = 0; h < HEADS_PER_CTA; ++h) {
-                    const float p = scores[h * SCORE_STRIDE + t];
+                    const float p = exp2f(scores[h * SCORE_STRIDE + t] - run_max[h]);
+                    p_sum[h] += p;
 #pragma unroll
                     for (int j = 0; j < KV_VEC; ++j) acc[h][j] = fmaf(p, vf[j], acc[h][j]);
                 }
@@ -523,11 +525,12 @@ __device__ __forceinline__ void accumulate_chunk(float (&owned)[OWNED], float* s
     for (int off = ROW_LANES; off < WARP_SIZE; off <<= 1) {
 #pragma unroll
         for (int h = 0; h < HEADS_PER_CTA; ++h) {
+            p_sum[h] += __shfl_xor_sync(FULL_MASK, p_sum[h], off);
 #pragma unroll
             for (int j = 0; j < KV_VEC; ++j) acc[h][j] += __shfl_xor_sync(FULL_MASK, acc[h][j], off);
         }
     }
-    __syncthreads();
+    __syncthreads();  // every warp is done with the scores
     float* const warp_acc = smem;  // [NUM_WARPS][HEADS_PER_CTA][HEAD_DIM]
     if (l.lane < ROW_LANES && l.active) {
 #pragma unroll
@@ -538,7 +541,18 @@ __device__ __forceinline__ void accumulate_chunk(float (&owned)[OWNED], float* s
             }
         }
     }
+    if (l.lane == 0) {
+#pragma unroll
+        for (int h = 0; h < HEADS_PER_CTA; ++h) warp_sum_buf[l.warp][h] = p_sum[h];
+    }
     __syncthreads();
+#pragma unroll
+    for (int h = 0; h < HEADS_PER_CTA; ++h) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) s += warp_sum_buf[w][h];
+        run_sum[h] = run_sum[h] * correction[h] + s;
+    }
 #pragma unroll
     for (int k = 0; k < OWNED; ++k) {
         const int i = tid + k * ATTN_THREADS;
@@ -546,7 +560,7 @@ __device__ __forceinline__ void accumulate_chunk(float (&owned)[OWNED], float* s
             float s = 0.0f;
 #pragma unroll
             for (int w = 0; w < NUM_WARPS; ++w) s += warp_acc[w * HEADS_PER_CTA * HEAD_DIM + i];
-            owned[k] = owned[k] * correction[i / HEAD_DIM] + s;
+            owned[k] = owned[k] * head_correction[i / HEAD_DIM] + s;
         }
     }
 }
@@ -642,8 +656,13 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
     const int tid = threadIdx.x;
     scalar_t* __restrict__ out_rows = out + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM;
 
-    // (The slot is read beside the length, not after it: the two reads overlap instead of adding
-    // their latencies.)
+    // q's lines are requested into L1 first and the slot is read beside the length: these reads
+    // overlap instead of adding their latencies to the chain length -> block table -> K.
+    constexpr int Q_BYTES = HEADS_PER_CTA * HEAD_DIM * (int)sizeof(scalar_t);
+    for (int b = tid * 128; b < Q_BYTES; b += ATTN_THREADS * 128) {
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(reinterpret_cast<const unsigned char*>(
+                         q + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM) + b));
+    }
     const int context = min(max(context_lens[seq], 0), max_context);
     const int slot = slots[seq];
     if (context == 0) {  // padding row: zeros, written by one CTA
@@ -665,6 +684,7 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
 
     __shared__ __align__(16) float smem[SMEM_FLOATS];  // scores and load ring; later per-warp sums
     __shared__ int chunk_blocks[BLOCKS_PER_CHUNK];
+    __shared__ float warp_max[NUM_WARPS][HEADS_PER_CTA];  // each warp's max score of each head, this chunk
     __shared__ float head_correction[HEADS_PER_CTA];
     __shared__ float head_scale[HEADS_PER_CTA];  // 1 / softmax denominator, for the final writes
     float* const scores = smem;
@@ -703,10 +723,12 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
         for (int g = 0; g < STAGES - 1; ++g) {
             issue_step(ring, g, iters, k_base, v_base, chunk_blocks, n, l.row_in_step, l.active, tid);
         }
-        score_chunk(scores, ring, q_base, scale_log2, k_base, v_base, chunk_blocks, n, iters, l, tid);
-        __syncthreads();
-        softmax_chunk(scores, n, run_max, run_sum, head_correction, l, tid);
-        accumulate_chunk(owned, smem, scores, ring, head_correction, k_base, v_base, chunk_blocks, n, iters, l, tid);
+        score_chunk(scores, warp_max, ring, q_base, scale_log2, k_base, v_base, chunk_blocks, n, iters, l, tid);
+        __syncthreads();  // the scores and the warps' maxima are complete
+        float correction[HEADS_PER_CTA];
+        chunk_max(warp_max, run_max, correction, head_correction, tid);
+        accumulate_chunk(owned, run_sum, smem, scores, ring, run_max, correction, head_correction, k_base, v_base,
+                         chunk_blocks, n, iters, l, tid);
     }
 
     if constexpr (CLUSTER > 1) {
