@@ -453,7 +453,9 @@ __device__ __forceinline__ void score_chunk(float* scores, float (*warp_max_buf)
 #pragma unroll
     for (int off = ROW_LANES; off < WARP_SIZE; off <<= 1) {
 #pragma unroll
-        for (int i = 0; i < HEADS_HELD; ++i) held_max[i] = fmaxf(held_max[i], __shfl_xor_sync(FULL_MASK, held_max[i], off));
+        for (int i = 0; i < HEADS_HELD; ++i) {
+            held_max[i] = fmaxf(held_max[i], __shfl_xor_sync(FULL_MASK, held_max[i], off));
+        }
     }
     if (l.lane < ROW_LANES && l.score_writer) {
 #pragma unroll
