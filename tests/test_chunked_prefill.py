@@ -200,3 +200,52 @@ def test_a_steps_new_tokens_are_sliced_across_prompt_and_output():
     for start in range(8):
         for stop in range(start, 8):
             assert seq.tokens_between(start, stop) == seq.token_ids[start:stop]
+
+
+def test_a_mixed_step_puts_its_decoding_rows_first(tiny, make_engine):
+    """Two samples of a short prompt fork once its prefill is in, the second joining the running
+    list behind a long prompt admitted part-way in the same step: each mixed step still feeds the
+    decoding sequences first, one token each, then the chunk (the CUDA backend's decode kernel
+    serves the leading one-token rows as they lie); the output is the unchunked one."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    short, long = prompts([6])[0], prompts([60], seed=1)[0]
+
+    def run_all(engine):
+        seqs = engine.add_parallel(short, [params, params]) + [engine.add_request(long, params)]
+        run(engine, [], params)  # to the end, the blocks checked after each step
+        return [s.output_token_ids for s in seqs]
+
+    engine = make_engine(tiny, batch=4, max_num_batched_tokens=8).engine
+    plans, schedule = [], engine.scheduler.schedule
+
+    def recorded():  # each step's new tokens, and which of its sequences were decoding
+        plan = schedule()
+        plans.append((plan.num_new, [not s.is_prefilling for s in plan.seqs]))
+        return plan
+
+    engine.scheduler.schedule = recorded
+    assert run_all(engine) == run_all(make_engine(tiny, batch=4, chunked_prefill=False).engine)
+    assert plans[0][0] == [6, 2], "the short prompt whole, the long one's first chunk"
+    assert plans[1] == ([1, 1, 6], [True, True, False]), "the fork decodes beside its parent, ahead of the chunk"
+    for num_new, decoding in plans:
+        assert decoding == sorted(decoding, reverse=True), num_new
+        assert num_new[:sum(decoding)] == [1] * sum(decoding)
+
+
+def test_prefill_tiles_skip_the_leading_one_token_rows_and_cover_every_other_row():
+    """cuda_launch's work list for a step of three one-token rows, then a 70-token chunk and a
+    16-token prompt: the leading one-token rows (and only those) are left to the decode kernel,
+    every other new row lies in exactly one tile, the longest-reaching tiles first."""
+    from pagedcli.backends.cuda_launch import leading_single_rows, max_prefill_tiles, prefill_tile_lists
+
+    num_new, context = [1, 1, 1, 70, 1, 16], [40, 9, 1, 170, 30, 16]
+    d = leading_single_rows(num_new)
+    assert d == 3 and leading_single_rows([5, 1]) == 0 and leading_single_rows([1, 1]) == 2
+    seq, row, starts = prefill_tile_lists(num_new, context, 32, skip=d)
+    assert starts == [0, 1, 2, 3, 73, 74]
+    covered = sorted((b, r) for b, r0 in zip(seq, row) for r in range(r0, min(r0 + 32, num_new[b])))
+    assert covered == [(3, r) for r in range(70)] + [(4, 0)] + [(5, r) for r in range(16)]
+    reach = [context[b] - num_new[b] + r0 + min(32, num_new[b] - r0) for b, r0 in zip(seq, row)]
+    assert reach == sorted(reach, reverse=True)
+    assert len(seq) <= max_prefill_tiles(sum(num_new), len(num_new), 32)
+    assert sorted(set(prefill_tile_lists(num_new, context, 32)[0])) == list(range(6)), "no skip: a tile each"

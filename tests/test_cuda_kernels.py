@@ -299,6 +299,8 @@ def test_decode_attend_one_split_merges_all_chunks(monkeypatch):
 PREFILL_CASES = {
     "prompts": [(1, 0), (15, 0), (16, 0), (17, 0), (100, 0), (1000, 0), (64, 0), (65, 0)],
     "cached prefixes and decode rows": [(13, 20), (1, 64), (50, 128), (64, 64), (1, 1), (200, 37), (1, 999)],
+    # as the scheduler orders a mixed step: the decoding rows first (the decode kernel's), then chunks
+    "decode rows first": [(1, 64), (1, 999), (1, 0), (1, 300), (13, 20), (50, 128), (1, 37), (200, 37)],
 }
 
 
@@ -357,6 +359,9 @@ def test_prefill_attend_matches_fp64_reference(geometry, case, monkeypatch):
     seqs = PREFILL_CASES[case]
     s, q, out = _prefill_case(geometry, seqs, monkeypatch)
     assert s.cuda.prefill_kernel == (s.dtype != torch.float32), s.cuda.fallbacks
+    if s.cuda.prefill_kernel and s.cuda.attention_kernel:  # the leading one-token rows went to the decode kernel
+        assert s.cuda._prefill_tiles[4].shape[0] == {"prompts": 1, "cached prefixes and decode rows": 0,
+                                                     "decode rows first": 4}[case]
     assert_prefill_close(out, reference_prefill_fp64(s, 1, q, seqs, s.slots))
 
 

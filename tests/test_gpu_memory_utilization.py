@@ -37,10 +37,10 @@ def test_no_room_left_for_a_pool():
 
 def test_the_profiled_step_is_the_largest_the_engine_runs():
     cuda = torch.device("cuda")
-    assert largest_step(EngineOptions(batch=4), cuda, 131072) == [8189, 1, 1, 1]  # the 8192-token budget
-    assert largest_step(EngineOptions(batch=4, max_num_batched_tokens=100), cuda, 131072) == [97, 1, 1, 1]
+    assert largest_step(EngineOptions(batch=4), cuda, 131072) == [1, 1, 1, 8189]  # the 8192-token budget
+    assert largest_step(EngineOptions(batch=4, max_num_batched_tokens=100), cuda, 131072) == [1, 1, 1, 97]
     # unchunked, one whole prompt may be as long as the model allows
-    assert largest_step(EngineOptions(batch=2, chunked_prefill=False, max_model_len=20000), cuda, 131072) == [19999, 1]
+    assert largest_step(EngineOptions(batch=2, chunked_prefill=False, max_model_len=20000), cuda, 131072) == [1, 19999]
     assert largest_step(EngineOptions(batch=1), cuda, 2048) == [2047]  # no longer than the model's context
 
 

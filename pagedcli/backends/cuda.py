@@ -47,8 +47,8 @@ from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHU
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
 from pagedcli.backends.cuda_fp8_gemm import fp8_gemm, scaled_mm_missing
 from pagedcli.backends.cuda_gemv import gemv
-from pagedcli.backends.cuda_launch import (Launcher, LaunchShapes, aligned, prefill_tiles, ptr, resident_ctas,
-                                           row_threads)
+from pagedcli.backends.cuda_launch import (Launcher, LaunchShapes, aligned, leading_single_rows, prefill_tiles, ptr,
+                                           resident_ctas, row_threads)
 from pagedcli.backends.torch import TorchBackend
 from pagedcli.backends.torch_decode import decode_attention_full_width
 from pagedcli.engine.batch import StepBatch
@@ -105,7 +105,7 @@ class CudaBackend:
         self.attention_kernel = plan.attention_decode
         self.prefill_kernel, self.prefill_shared, self.prefill_rows = (plan.attention_prefill, plan.prefill_shared,
                                                                        plan.prefill_rows)
-        self._prefill_tiles: tuple | None = None  # this prefill step's work list (cuda_launch.prefill_tiles)
+        self._prefill_tiles: tuple | None = None  # this prefill step's work (cuda_launch.prefill_tiles, decode rows)
         # a prefill step can be replayed from a CUDA graph (engine/prefill_graphs.py) when nothing in
         # it is decided from the step's host lists: our prefill kernel with the tiles the caller
         # staged, RoPE from fixed tables (and the K/V write with them); not with fp8 weights, whose
@@ -139,8 +139,14 @@ class CudaBackend:
         torch_prefill = batch.is_prefill and not self.prefill_kernel
         self.reference.prepare_indices(batch, attention=torch_prefill, rope=not self.rope.static)
         if batch.is_prefill and self.prefill_kernel:
-            self._prefill_tiles = batch.prefill_tiles if batch.prefill_tiles is not None else prefill_tiles(
-                batch.num_new, batch.context_lens_host, self.prefill_rows, self.cache.device)
+            if batch.prefill_tiles is not None:  # staged by a prefill graph (engine/prefill_graphs.py)
+                self._prefill_tiles = batch.prefill_tiles
+            else:
+                d = leading_single_rows(batch.num_new) if self.attention_kernel else 0
+                self._prefill_tiles = prefill_tiles(batch.num_new, batch.context_lens_host, self.prefill_rows,
+                                                    self.cache.device, skip=d) + (batch.slots[:d], batch.context_lens[:d])
+            if self._prefill_tiles[4].shape[0]:
+                self.shapes.scratch_for(self._prefill_tiles[4].shape[0])
         elif not batch.is_prefill:
             self.shapes.scratch_for(batch.slots.shape[0])
 
@@ -214,29 +220,42 @@ class CudaBackend:
                                                *((scales.k[layer], scales.v[layer]) if scales is not None else ()))
         q = q.contiguous()
         out = torch.empty_like(q)
+        self._decode_attend(layer, q, out, batch.slots, batch.context_lens)
+        return out
+
+    def _decode_attend(self, layer: int, q: torch.Tensor, out: torch.Tensor, slots: torch.Tensor,
+                       context_lens: torch.Tensor) -> None:
+        """paged_attention.cu for the first B rows of q, into those of out: row b is the newest token
+        of the sequence in slots[b], which sees its context_lens[b] keys (0: a padding row, zeros)."""
+        B = slots.shape[0]
         if B == 0:
-            return out
+            return
         splits, part_out, part_max, part_sum, counters = self.shapes.scratch_for(B)
         table, slot_stride, _ = self._layer_table(layer)
         kernel = "paged_attention_decode_cluster" if self.shapes.uses_clusters(B) else "paged_attention_decode"
         self.launch(kernel, (self.num_heads // self.heads_per_cta, B, splits), (ATTN_THREADS,), (
-            ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(batch.slots), ptr(batch.context_lens),
+            ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(slots), ptr(context_lens),
             np.int32(self.max_context), ptr(part_out), ptr(part_max), ptr(part_sum), ptr(counters),
             self.scale_log2,
         ) + self._kv_scale_args(layer))
-        return out
 
     def _prefill_attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        tile_seq, tile_row, seq_start, num_new = self._prefill_tiles
+        """The step's first sequences that feed one token (their slots and contexts: the work list's
+        last two) through the decode kernel, then the prefill kernel's tiles for the rest. In this
+        order: a prefill graph runs the decode kernel over a fixed number of rows, and those past the
+        step's one-token sequences are padding that writes zeros over rows the tiles then write."""
+        tile_seq, tile_row, seq_start, num_new, decode_slots, decode_context = self._prefill_tiles
         q = q.contiguous()
         out = torch.empty_like(q)
         if q.shape[0] == 0:
             return out
-        table, slot_stride, _ = self._layer_table(layer)
-        self.launch("paged_prefill_attention", (tile_seq.shape[0] * self.num_heads,), (PREFILL_WARPS * 32,), (
-            ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(tile_seq), ptr(tile_row),
-            ptr(seq_start), ptr(num_new), ptr(batch.context_lens), ptr(batch.slots), self.scale_log2,
-        ) + self._kv_scale_args(layer), shared_mem=self.prefill_shared)
+        self._decode_attend(layer, q, out, decode_slots, decode_context)
+        if tile_seq.shape[0]:
+            table, slot_stride, _ = self._layer_table(layer)
+            self.launch("paged_prefill_attention", (tile_seq.shape[0] * self.num_heads,), (PREFILL_WARPS * 32,), (
+                ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(tile_seq), ptr(tile_row),
+                ptr(seq_start), ptr(num_new), ptr(batch.context_lens), ptr(batch.slots), self.scale_log2,
+            ) + self._kv_scale_args(layer), shared_mem=self.prefill_shared)
         return out
 
     def rms_norm(self, x, weight, eps):

@@ -63,13 +63,26 @@ class Launcher:
             self.kernels[kernel](grid, block, args, shared_mem=shared_mem)
 
 
-def prefill_tile_lists(num_new: list[int], context_lens: list[int], rows: int) -> tuple[list[int], list[int], list[int]]:
-    """paged_prefill.cu's work list for a step: a tile per `rows` new tokens of a sequence, as its
-    sequence and first row, the tiles that read the most keys first (a causal tile's keys end at its
-    last row: launched early, the long ones do not trail the rest); and each sequence's first token
-    in the step."""
+def leading_single_rows(num_new: list[int]) -> int:
+    """How many of a prefill-kind step's sequences, from the first, feed one token each: the
+    decoding ones, which the scheduler puts first. paged_attention.cu serves them (their rows are
+    the step's first tokens, so q and the output need no gather), reading a sequence's keys once for
+    all the query heads of a KV group; a prefill tile would read them once per query head and
+    multiply 16 rows or more for its one."""
+    n = 0
+    while n < len(num_new) and num_new[n] == 1:
+        n += 1
+    return n
+
+
+def prefill_tile_lists(num_new: list[int], context_lens: list[int], rows: int,
+                       skip: int = 0) -> tuple[list[int], list[int], list[int]]:
+    """paged_prefill.cu's work list for a step: a tile per `rows` new tokens of each sequence past
+    the first `skip` (those the decode kernel serves), as its sequence and first row, the tiles that
+    read the most keys first (a causal tile's keys end at its last row: launched early, the long
+    ones do not trail the rest); and each sequence's first token in the step."""
     tiles = [(ctx - n + r + min(rows, n - r), b, r)
-             for b, (n, ctx) in enumerate(zip(num_new, context_lens)) for r in range(0, n, rows)]
+             for b, (n, ctx) in enumerate(zip(num_new, context_lens)) if b >= skip for r in range(0, n, rows)]
     tiles.sort(key=lambda t: -t[0])
     starts = [0]
     for n in num_new[:-1]:
@@ -83,10 +96,11 @@ def max_prefill_tiles(num_tokens: int, num_seqs: int, rows: int) -> int:
     return -(-num_tokens // rows) + min(num_seqs, num_tokens)
 
 
-def prefill_tiles(num_new: list[int], context_lens: list[int], rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def prefill_tiles(num_new: list[int], context_lens: list[int], rows: int, device: torch.device,
+                  skip: int = 0) -> tuple[torch.Tensor, ...]:
     """prefill_tile_lists as (tile_seq, tile_row, seq_start, num_new) int32 tensors on `device`, in
     one host-to-device copy (batch.to_device)."""
-    seq, row, starts = prefill_tile_lists(num_new, context_lens, rows)
+    seq, row, starts = prefill_tile_lists(num_new, context_lens, rows, skip)
     int32 = torch.int32
     t = to_device({"seq": (seq, int32), "row": (row, int32), "start": (starts, int32),
                    "num_new": (list(num_new), int32)}, device)

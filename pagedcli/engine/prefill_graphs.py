@@ -9,8 +9,11 @@ token bucket up, as vLLM does, with the step's inputs padded to the bucket:
 - tokens past the step's own sit at position -1 (no K/V written, as the decode graphs' padding)
   and belong to a padding sequence, row `max_slots` of the per-sequence arrays, with no new tokens
   and no context;
-- the prefill kernel's work list (its tiles) is staged here, padded with tiles of the padding
-  sequence, which find no rows and no keys and leave at once;
+- the attention's work is staged here: the first sequences that feed one token (the decoding
+  ones), which the decode kernel serves, as a fixed number of rows (their slots and contexts)
+  padded with rows of no context, whose zeros land on rows that the prefill kernel then writes
+  (CudaBackend._prefill_attend); and the prefill kernel's tiles for the other sequences, padded
+  with tiles of the padding sequence, which find no rows and no keys and leave at once;
 - the logits are those of the first `min(max_slots, bucket)` sampling rows (the padded ones repeat
   token 0's row and are not returned).
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedcli.backends.cuda_launch import max_prefill_tiles, prefill_tile_lists
+from pagedcli.backends.cuda_launch import leading_single_rows, max_prefill_tiles, prefill_tile_lists
 from pagedcli.engine.batch import StepBatch, pack
 from pagedcli.engine.cache import KVCache
 from pagedcli.engine.graph_capture import CapturedGraphs
@@ -39,6 +42,7 @@ class PrefillGraphs(CapturedGraphs):
         self.model, self.cache = model, cache
         self.rows = model.backend.prefill_rows  # new tokens a tile of the prefill kernel covers
         self.max_seqs = cache.max_slots
+        self.decode_kernel = model.backend.attention_kernel  # serves the one-token sequences
         self.pad = self.max_seqs  # the padding sequence's row
         self.buckets = [b for b in BUCKETS if b < min(max_tokens, MAX_GRAPH_TOKENS)]
         self.buckets.append(min(max_tokens, MAX_GRAPH_TOKENS))
@@ -48,7 +52,8 @@ class PrefillGraphs(CapturedGraphs):
                        ("last_index", int64, min(self.max_seqs, T)), ("slots", int32, B), ("context_lens", int32, B),
                        ("tile_seq", int32, max_prefill_tiles(T, self.max_seqs, self.rows)),
                        ("tile_row", int32, max_prefill_tiles(T, self.max_seqs, self.rows)),
-                       ("seq_start", int32, B), ("num_new", int32, B))
+                       ("seq_start", int32, B), ("num_new", int32, B),
+                       ("decode_slots", int32, self._decode_rows(T)), ("decode_context", int32, self._decode_rows(T)))
         nbytes = sum(_aligned(n * dtype.itemsize) for _, dtype, n in self.layout)
         self.host = torch.zeros(nbytes, dtype=torch.uint8).pin_memory()
         self.host_np = {name: t.numpy() for name, t in self._views(self.host).items()}
@@ -64,23 +69,28 @@ class PrefillGraphs(CapturedGraphs):
             at += _aligned(n * dtype.itemsize)
         return views
 
+    def _decode_rows(self, n: int) -> int:
+        """Rows bucket n's graph gives the decode kernel: as many as its one-token sequences can be."""
+        return min(self.max_seqs, n) if self.decode_kernel else 0
+
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.buckets[-1]
 
     def _batch(self, n: int) -> StepBatch:
         """Bucket n's static batch: views of the staged inputs."""
         x = self.inputs
-        tiles = max_prefill_tiles(n, self.max_seqs, self.rows)
+        tiles, d = max_prefill_tiles(n, self.max_seqs, self.rows), self._decode_rows(n)
         return StepBatch(is_prefill=True, token_ids=x["token_ids"][:n], positions=x["positions"][:n],
                          token_seq=x["token_seq"][:n], slots=x["slots"], context_lens=x["context_lens"],
                          last_index=x["last_index"][:min(self.max_seqs, n)], num_new=[], context_lens_host=[],
-                         prefill_tiles=(x["tile_seq"][:tiles], x["tile_row"][:tiles], x["seq_start"], x["num_new"]))
+                         prefill_tiles=(x["tile_seq"][:tiles], x["tile_row"][:tiles], x["seq_start"], x["num_new"],
+                                        x["decode_slots"][:d], x["decode_context"][:d]))
 
     def _stage_padding(self) -> None:
         """Every input a padding one: a replay then writes nothing to the pool."""
         h = self.host_np
         h["token_ids"][:], h["positions"][:], h["token_seq"][:], h["last_index"][:] = 0, -1, self.pad, 0
-        for name in ("slots", "context_lens", "seq_start", "num_new", "tile_row"):
+        for name in ("slots", "context_lens", "seq_start", "num_new", "tile_row", "decode_slots", "decode_context"):
             h[name][:] = 0
         h["tile_seq"][:] = self.pad
         self.staged.copy_(self.host)
@@ -98,7 +108,8 @@ class PrefillGraphs(CapturedGraphs):
         graph, _, logits, greedy = self.graph(n)
         num_new = [len(ids) for ids in token_ids]
         context = [c + k for c, k in zip(num_cached, num_new)]
-        tile_seq, tile_row, starts = prefill_tile_lists(num_new, context, self.rows)
+        d = leading_single_rows(num_new) if self.decode_kernel else 0
+        tile_seq, tile_row, starts = prefill_tile_lists(num_new, context, self.rows, skip=d)
         k, tiles = len(tile_seq), max_prefill_tiles(n, self.max_seqs, self.rows)
         h = self.host_np
         h["token_ids"][:T], h["positions"][:T], h["token_seq"][:T] = flat, positions, token_seq
@@ -108,6 +119,8 @@ class PrefillGraphs(CapturedGraphs):
             h[name][:b], h[name][b:] = values, 0
         h["tile_seq"][:k], h["tile_row"][:k] = tile_seq, tile_row
         h["tile_seq"][k:tiles], h["tile_row"][k:tiles] = self.pad, 0
+        h["decode_slots"][:d], h["decode_context"][:d] = slots[:d], context[:d]
+        h["decode_slots"][d:], h["decode_context"][d:] = 0, 0  # no keys: zeros, overwritten by the tiles
         self.staged.copy_(self.host, non_blocking=True)
         graph.replay()
         return logits[:S], greedy[:S]

@@ -174,19 +174,20 @@ class Scheduler:
 
     def _schedule_chunked(self) -> Schedule:
         """The token budget, running sequences first: a token for each decoding one, then a chunk
-        for a prompt part-way through its prefill, then the waiting queue with what is left."""
+        for a prompt part-way through its prefill, then the waiting queue with what is left. The
+        decoding ones come first in the step too: their rows are then its first tokens, which the
+        CUDA backend's decode kernel serves as they lie (cuda_launch.leading_single_rows)."""
         running = self._grow_running()  # room for each one's next token, preempting from the back
-        budget = self.max_num_batched_tokens - sum(1 for s in running if not s.is_prefilling)
-        seqs, num_new = [], []
+        seqs = [s for s in running if not s.is_prefilling]
+        num_new = [1] * len(seqs)
+        budget = self.max_num_batched_tokens - len(seqs)
         for seq in running:
             if seq.is_prefilling:  # its blocks are all held since admission: only the budget limits it
                 n = min(len(seq) - seq.num_cached, budget)
-                budget -= n
-            else:
-                n = 1  # (counted above)
-            if n:  # (a second prompt part-way, behind one that took the budget, waits a step)
-                seqs.append(seq)
-                num_new.append(n)
+                if n:  # (a second prompt part-way, behind one that took the budget, waits a step)
+                    seqs.append(seq)
+                    num_new.append(n)
+                    budget -= n
         admitted, chunks = self._admit(budget)
         seqs, num_new = seqs + admitted, num_new + chunks
         return Schedule(seqs, num_new, any(s.is_prefilling for s in seqs))

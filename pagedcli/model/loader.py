@@ -191,14 +191,15 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
 
 def largest_step(opts: EngineOptions, device: torch.device, context_length: int) -> list[int]:
     """The prompt lengths of the largest step the engine may run, as a profiling pass feeds it:
-    one long prompt (the attention's widest) and a token for each other slot (their rows of
-    logits). Chunked, the step's budget; unchunked, a whole prompt of the longest length too."""
+    a token for each slot but one (their rows of logits; first, as the scheduler puts decoding
+    sequences) and one long prompt (the attention's widest). Chunked, the step's budget;
+    unchunked, a whole prompt of the longest length too."""
     tokens = opts.batched_tokens(device)
     if not opts.chunked_prefill:
         tokens = max(tokens, opts.max_model_len or context_length)
     rows = min(opts.batch, tokens)
     longest = min(tokens - (rows - 1), context_length - 1)  # room for the token it samples
-    return [longest] + [1] * (rows - 1)
+    return [1] * (rows - 1) + [longest]
 
 
 def profile_activations(model: Model, opts: EngineOptions) -> int:
