@@ -71,6 +71,27 @@ def test_freed_cached_blocks_are_evicted_least_recently_used(tiny, make_engine):
     assert engine.scheduler.cached_prompt_tokens == hits, "a's blocks were evicted"
 
 
+def test_the_prefix_cache_keeps_the_first_writer_and_forgets_a_row_by_any_of_its_blocks():
+    """PrefixCache's rows (a physical block per layer) as the allocator reuses blocks: a hash known
+    already, or a row with a block another row holds, stays private; reusing any one block of a
+    row drops the whole row, and only it; the longest known run is found from the start."""
+    import numpy as np
+
+    from pagedcli.engine.prefix_cache import PrefixCache
+
+    cache = PrefixCache(12)
+    cache.insert([7, 8, 9], np.array([[0, 1], [2, 3], [4, 5]]))
+    cache.insert([8, 10, 11], np.array([[6, 7], [3, 8], [9, 10]]))  # 8: known; 10: block 3 is 8's
+    assert sorted(cache.rows) == [7, 8, 9, 11]
+    assert [r.tolist() for r in cache.lookup([7, 8, 10, 11], 4)] == [[0, 1], [2, 3]], "stops at the unknown 10"
+    assert len(cache.lookup([7, 8, 9], 2)) == 2, "at most the limit"
+    cache.forget(np.array([5, 10, 6]))  # 9's and 11's rows; 6 and 7 were never held (10's stayed private)
+    assert sorted(cache.rows) == [7, 8]
+    assert cache.held.nonzero()[0].tolist() == [0, 1, 2, 3]
+    cache.insert([9], np.array([[4, 11]]))  # block 4 is free of rows again: 9 can be cached anew
+    assert cache.lookup([7, 8, 9], 3)[2].tolist() == [4, 11]
+
+
 @pytest.mark.parametrize("prompt_len", [37, 32])  # a shared partial block, and none
 def test_parallel_samples_share_blocks_and_equal_unshared_runs(tiny, make_engine, prompt_len):
     prompt = list(range(20, 20 + prompt_len))

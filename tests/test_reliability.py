@@ -173,7 +173,8 @@ def test_writes_prepared_together_take_the_blocks_one_at_a_time_would_and_reach_
 def test_the_free_list_is_a_queue_of_least_recently_freed_blocks(ops, num_blocks, seed):
     """BlockAllocator against a plain model of its free list (an OrderedDict: taken from the front,
     freed to the back, a block a prefix shares taken out wherever it is): the same blocks handed
-    out in the same order, the same free list after every operation."""
+    out in the same order, the same free list after every operation (a queue with stale entries
+    in it, squeezed out as it fills: many operations on a few blocks squeeze it often)."""
     from collections import OrderedDict
 
     from pagedcli.engine.cache import BlockAllocator
@@ -193,7 +194,7 @@ def test_the_free_list_is_a_queue_of_least_recently_freed_blocks(ops, num_blocks
         elif op == "release" and any(owners):
             owned = [b for b in range(num_blocks) if owners[b]]
             blocks = [owned[(x + 7 * i) % len(owned)] for i in range(1 + x % 3)]
-            blocks = [b for i, b in enumerate(blocks) if blocks.index(b) == i and owners[b] >= blocks.count(b)]
+            blocks = [b for b in blocks if owners[b] >= blocks.count(b)]  # (a block twice, if it has two owners)
             for b in blocks:
                 owners[b] -= 1
                 if owners[b] == 0:
@@ -206,11 +207,7 @@ def test_the_free_list_is_a_queue_of_least_recently_freed_blocks(ops, num_blocks
             owners[b] += 1
             allocator.share([b])
         assert allocator.free == list(free) and allocator.num_free == len(free)
-        backwards, b = [], allocator.tail  # the other links: from the back
-        while b != allocator.NONE and len(backwards) <= num_blocks:
-            backwards.append(b)
-            b = allocator.prev[b]
-        assert backwards == list(free)[::-1]
+        assert allocator.head <= allocator.tail <= len(allocator.queue), "stale entries are squeezed out in time"
         assert allocator.ref_count.tolist() == owners
 
 

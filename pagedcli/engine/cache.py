@@ -20,7 +20,6 @@ that changed, once per step (`sync_device_table`).
 from __future__ import annotations
 
 import random
-from array import array
 
 import numpy as np
 import torch
@@ -42,15 +41,18 @@ class BlockAllocator:
     survives as long as possible (prefix caching's LRU eviction). `shuffle_seed` hands blocks out
     in a random order, so a kernel that ignores the block table cannot pass a test by luck.
 
-    The queue is a doubly linked list in two arrays indexed by block id (next and previous free
-    block, NONE at the ends): O(1) to take from the front, append at the back, or take out a block a
-    cached prefix shares. Arrays, not an OrderedDict of the blocks: a pool sized to the GPU holds
-    millions (4 million 32 KiB blocks in 90% of an H200), and an OrderedDict of them costs ~100 bytes
-    a block and, at every full garbage collection, a walk over all of them (140 ms for 4 million on
-    this project's CPU) in which the engine queues nothing. A block is free exactly when its
+    Every call takes or gives a whole sequence's blocks at once (a block per layer: an 8,000-token
+    prompt of Llama-3.2-1B is 8,000 blocks), so each is a few numpy operations, not a loop over
+    the blocks in Python (which held up every running sequence for several steps' time whenever
+    a long one finished or was admitted: docs/performance.md, "Under arrivals"). The queue is an array of block ids in
+    the order they were freed, read from `head` and appended at `tail`; a block that leaves the
+    free list for another reason (a cached prefix shared again) keeps its entry, which is then
+    stale: an entry counts only while its block is free and it is the block's latest (`position`).
+    Stale entries are squeezed out when the array fills. Arrays, not a Python container of the
+    blocks: a pool sized to the GPU holds millions (4 million 32 KiB blocks in 90% of an H200),
+    and a container of them is walked at every full garbage collection (an OrderedDict of 4
+    million: 140 ms, in which the engine queues nothing). A block is free exactly when its
     reference count is 0."""
-
-    NONE = -1
 
     def __init__(self, num_blocks: int, shuffle_seed: int | None = None, on_reuse=None):
         self.num_blocks = num_blocks
@@ -60,81 +62,78 @@ class BlockAllocator:
             shuffled = list(range(num_blocks))
             random.Random(shuffle_seed).shuffle(shuffled)
             order = np.asarray(shuffled, dtype=np.int32)
-        links = np.full((2, num_blocks), self.NONE, dtype=np.int32)  # next, prev: linked in `order`
-        links[0, order[:-1]], links[1, order[1:]] = order[1:], order[:-1]
-        self.next, self.prev = array("i", links[0].tobytes()), array("i", links[1].tobytes())  # (ids: int32)
-        self.head = int(order[0]) if num_blocks else self.NONE
-        self.tail = int(order[-1]) if num_blocks else self.NONE
+        self.queue = np.empty(2 * num_blocks + 1, dtype=np.int32)  # room for as many stale entries as live ones
+        self.queue[:num_blocks] = order
+        self.position = np.empty(num_blocks, dtype=np.int64)  # each block's latest entry in the queue
+        self.position[order] = np.arange(num_blocks)
+        self.head, self.tail = 0, num_blocks
         self.num_free = num_blocks
         self.ref_count = np.zeros(num_blocks, dtype=np.int32)
         self.on_reuse = on_reuse  # told of the blocks handed out, so that stale prefix entries are dropped
 
+    def _live(self, start: int, stop: int) -> np.ndarray:
+        """Which entries of queue[start:stop] stand for a free block."""
+        blocks = self.queue[start:stop]
+        return (self.ref_count[blocks] == 0) & (self.position[blocks] == np.arange(start, stop))
+
     @property
     def free(self) -> list[int]:
-        """The free blocks, least recently freed first (a walk over the list: for checks)."""
-        blocks, b = [], self.head
-        while b != self.NONE:
-            blocks.append(b)
-            b = self.next[b]
-            if len(blocks) > self.num_blocks:  # (a bug would loop the list: say so, not spin)
-                raise RuntimeError("the free list runs in a circle")
-        return blocks
+        """The free blocks, least recently freed first (for checks)."""
+        return self.queue[self.head:self.tail][self._live(self.head, self.tail)].tolist()
 
     def allocate(self, n: int) -> list[int]:
         if not 0 <= n <= self.num_free:
             # the scheduler asks only for blocks it has counted free: reaching this is a bug
             raise RuntimeError(f"{n} blocks asked, {self.num_free} free")
-        blocks, b, nxt = [], self.head, self.next
-        for _ in range(n):
-            blocks.append(b)
-            b = nxt[b]
-        self.head = b
-        if b == self.NONE:
-            self.tail = self.NONE
-        else:
-            self.prev[b] = self.NONE
+        taken, need = [], n
+        while need:  # a window of the queue at a time: stale entries in it are passed over
+            stop = min(self.tail, self.head + max(2 * need, 64))
+            live = np.flatnonzero(self._live(self.head, stop))[:need]
+            taken.append(self.queue[self.head + live])
+            need -= live.shape[0]
+            self.head = self.head + int(live[-1]) + 1 if need == 0 else stop
+        blocks = np.concatenate(taken) if taken else np.empty(0, np.int32)
         self.num_free -= n
         self.ref_count[blocks] = 1
         if self.on_reuse is not None:
             self.on_reuse(blocks)
-        return blocks
+        return blocks.tolist()
 
     def share(self, blocks) -> None:
         """One more owner for each block (a cached prefix or a forked sequence); a block that was
-        free leaves the free list."""
-        for b in blocks:
-            if self.ref_count[b] == 0:
-                self._unlink(int(b))
-            self.ref_count[b] += 1
+        free leaves the free list (its queue entry goes stale)."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        self.num_free -= len(np.unique(blocks[self.ref_count[blocks] == 0]))
+        np.add.at(self.ref_count, blocks, 1)
 
     def release(self, blocks) -> None:
-        for b in blocks:
-            assert b >= 0 and self.ref_count[b] > 0, f"block {b} released twice, or not a block"
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                self._append(int(b))
+        """One owner less for each block; those left with none join the free list's end, in the
+        order given."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        if not blocks.size:
+            return
+        ids, times = np.unique(blocks, return_counts=True)
+        if ids[0] < 0 or (self.ref_count[ids] < times).any():  # a bug: say which, as an assert would
+            bad = ids[(ids < 0) | (self.ref_count[ids] < times)][0]
+            raise AssertionError(f"block {bad} released twice, or not a block")
+        self.ref_count[ids] -= times.astype(np.int32)
+        freed = blocks[self.ref_count[blocks] == 0]
+        if len(ids) < len(blocks):  # a block given twice joins once, where its count reached 0: its last
+            _, last = np.unique(freed[::-1], return_index=True)
+            freed = freed[np.sort(len(freed) - 1 - last)]
+        if self.tail + len(freed) > len(self.queue):
+            self._squeeze()
+        self.queue[self.tail:self.tail + len(freed)] = freed
+        self.position[freed] = np.arange(self.tail, self.tail + len(freed))
+        self.tail += len(freed)
+        self.num_free += len(freed)
 
-    def _unlink(self, b: int) -> None:
-        before, after = self.prev[b], self.next[b]
-        if before == self.NONE:
-            self.head = after
-        else:
-            self.next[before] = after
-        if after == self.NONE:
-            self.tail = before
-        else:
-            self.prev[after] = before
-        self.prev[b] = self.next[b] = self.NONE
-        self.num_free -= 1
-
-    def _append(self, b: int) -> None:
-        self.prev[b], self.next[b] = self.tail, self.NONE
-        if self.tail == self.NONE:
-            self.head = b
-        else:
-            self.next[self.tail] = b
-        self.tail = b
-        self.num_free += 1
+    def _squeeze(self) -> None:
+        """Drop the stale entries: the free blocks, in order, from the queue's start."""
+        live = self.queue[self.head:self.tail][self._live(self.head, self.tail)]
+        self.queue[:len(live)] = live
+        self.position[live] = np.arange(len(live))
+        self.head, self.tail = 0, len(live)
 
 
 class KVCache:
@@ -163,7 +162,7 @@ class KVCache:
         if geometry.kv_fp8:
             given = kv_scales or KVScales.default(geometry.num_layers, geometry.num_kv_heads, self.device)
             self.kv_scales = given.to(self.device)
-        self.prefix_cache = PrefixCache() if prefix_caching else None
+        self.prefix_cache = PrefixCache(geometry.num_blocks) if prefix_caching else None
         self.allocator = BlockAllocator(geometry.num_blocks, shuffle_seed,
                                         on_reuse=self.prefix_cache.forget if prefix_caching else None)
         self.table = np.full((max_slots, geometry.num_layers, self.max_blocks_per_seq), UNASSIGNED, np.int32)
@@ -217,7 +216,7 @@ class KVCache:
         """A finished (or preempted) sequence gives every block back (shared ones lose one owner)."""
         n = self.num_blocks_of_slot[slot]
         if n:
-            self.allocator.release(self.table[slot, :, :n].ravel().tolist())
+            self.allocator.release(self.table[slot, :, :n].ravel())
         self.table[slot, :, :n] = UNASSIGNED
         self.num_blocks_of_slot[slot] = 0
         self.num_offered[slot] = 0
@@ -226,7 +225,7 @@ class KVCache:
 
     # --- prefix caching -------------------------------------------------------------------
     # `seq` below is a Sequence: its token_ids, and block_hashes, the memo of their block hashes.
-    def cached_prefix(self, seq) -> list[tuple[int, ...]]:
+    def cached_prefix(self, seq) -> list[np.ndarray]:
         """Rows (a physical block per layer) of the cached full blocks that begin `seq`'s tokens;
         never all of them, since the last token must be computed to give the next token's logits."""
         if self.prefix_cache is None:
@@ -236,17 +235,18 @@ class KVCache:
             extend_block_hashes(seq.block_hashes, seq.token_ids, self.geometry.block_size, limit)
         return self.prefix_cache.lookup(seq.block_hashes, limit)
 
-    def blocks_to_admit(self, num_tokens: int, prefix: list[tuple[int, ...]]) -> int:
+    def blocks_to_admit(self, num_tokens: int, prefix: list[np.ndarray]) -> int:
         """Free blocks that admitting a sequence with this cached prefix uses up: new blocks for
         the rest, and the cached ones that sit in the free list (unowned, kept for reuse)."""
         new = (self.geometry.blocks_for(num_tokens) - len(prefix)) * self.geometry.num_layers
         return new + (int((self.allocator.ref_count[np.asarray(prefix)] == 0).sum()) if prefix else 0)
 
-    def admit(self, slot: int, num_tokens: int, prefix: list[tuple[int, ...]]) -> None:
+    def admit(self, slot: int, num_tokens: int, prefix: list[np.ndarray]) -> None:
         """Give a fresh slot its cached prefix blocks (shared) and new blocks for the rest."""
-        for i, row in enumerate(prefix):
-            self.allocator.share(row)
-            self.table[slot, :, i] = row
+        if prefix:
+            rows = np.stack(prefix)  # [blocks, layers]
+            self.allocator.share(rows.ravel())
+            self.table[slot, :, :len(prefix)] = rows.T
         self.num_blocks_of_slot[slot] = len(prefix)
         self._mark_changed(slot, 0, len(prefix))
         self.num_offered[slot] = len(prefix)  # found in the cache: nothing to offer
@@ -256,7 +256,7 @@ class KVCache:
         """Forget the cached prefixes and zero the counters (between runs: every slot is free)."""
         self.num_copied_blocks = 0
         if self.prefix_cache is not None:
-            self.prefix_cache = PrefixCache()
+            self.prefix_cache = PrefixCache(self.geometry.num_blocks)
             self.allocator.on_reuse = self.prefix_cache.forget
             self.num_offered = [0] * self.max_slots
 
@@ -269,15 +269,14 @@ class KVCache:
             return  # the common case, checked first: no block was completed
         if len(seq.block_hashes) < full:
             extend_block_hashes(seq.block_hashes, seq.token_ids, self.geometry.block_size, full)
-        for i in range(done, full):
-            self.prefix_cache.insert(seq.block_hashes[i], tuple(self.table[slot, :, i].tolist()))
+        self.prefix_cache.insert(seq.block_hashes[done:full], self.table[slot, :, done:full].T.copy())
         self.num_offered[slot] = full
 
     # --- sharing between sequences: fork and copy-on-write ----------------------------------
     def fork(self, parent: int, child: int) -> None:
         """`child` shares every block of `parent` (parallel samples of one prompt)."""
         n = self.num_blocks_of_slot[parent]
-        self.allocator.share(self.table[parent, :, :n].ravel().tolist())
+        self.allocator.share(self.table[parent, :, :n].ravel())
         self.table[child, :, :n] = self.table[parent, :, :n]
         self.num_blocks_of_slot[child] = n
         self.num_offered[child] = self.num_offered[parent]
@@ -325,7 +324,7 @@ class KVCache:
                 self.num_copied_blocks += len(private)
                 self.table[slot, :, last] = private
                 self._mark_changed(slot, last, last + 1)
-                self.allocator.release(shared.tolist())
+                self.allocator.release(shared)
             growing.append((slot, num_tokens))
         self.grow_many(growing)
 

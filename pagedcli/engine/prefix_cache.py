@@ -10,6 +10,8 @@ until the allocator hands it out again, least recently freed first.
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def extend_block_hashes(hashes: list[int], token_ids: list[int], block_size: int, num_blocks: int) -> None:
     """Grow `hashes`, the chained hashes of the first full blocks of `token_ids`, to `num_blocks`
@@ -22,11 +24,17 @@ def extend_block_hashes(hashes: list[int], token_ids: list[int], block_size: int
 
 
 class PrefixCache:
-    def __init__(self):
-        self.rows: dict[int, tuple[int, ...]] = {}  # hash -> physical block of each layer
-        self.hash_of: dict[int, int] = {}  # physical block -> the hash whose row holds it
+    """The cached full blocks: hash -> row (a physical block per layer), and for each physical
+    block the hash whose row holds it, as arrays over the pool, so that forgetting the blocks a
+    step takes is a few numpy operations whatever their number (a whole prompt's: BlockAllocator
+    says why that matters)."""
 
-    def lookup(self, hashes: list[int], limit: int) -> list[tuple[int, ...]]:
+    def __init__(self, num_blocks: int):
+        self.rows: dict[int, np.ndarray] = {}  # hash -> physical block of each layer
+        self.held = np.zeros(num_blocks, dtype=bool)  # the block is in a row of `rows`
+        self.hash_of = np.zeros(num_blocks, dtype=np.int64)  # (where held) that row's hash
+
+    def lookup(self, hashes: list[int], limit: int) -> list[np.ndarray]:
         """The rows of the longest run of known hashes from the start, at most `limit`."""
         rows = []
         for h in hashes[:limit]:
@@ -36,22 +44,23 @@ class PrefixCache:
             rows.append(row)
         return rows
 
-    def insert(self, h: int, row: tuple[int, ...]) -> None:
-        if h in self.rows or any(b in self.hash_of for b in row):
-            return  # first writer wins; a duplicate computed meanwhile stays private
-        self.rows[h] = row
-        for b in row:
-            self.hash_of[b] = h
+    def insert(self, hashes: list[int], rows: np.ndarray) -> None:
+        """Offer rows[i] (a block per layer) as the cached block hashes[i]. The first writer wins: a
+        hash known already, or a row with a block that another row holds, stays private."""
+        taken = self.held[rows].any(axis=1).tolist()
+        kept = []
+        for i, (h, t) in enumerate(zip(hashes, taken)):
+            if not t and h not in self.rows:
+                self.rows[h] = rows[i]
+                kept.append(i)
+        if kept:
+            self.held[rows[kept]] = True
+            self.hash_of[rows[kept]] = np.asarray(hashes, dtype=np.int64)[kept, None]
 
-    def forget(self, blocks: list[int]) -> None:
+    def forget(self, blocks: np.ndarray) -> None:
         """These blocks are being reused for other tokens: a row that holds one is no longer a
         cached prefix. (One call for all the blocks a step takes: a call per block cost the host
         more than the rest of taking them.)"""
-        hash_of = self.hash_of
-        if not hash_of:
-            return
-        for block in blocks:
-            h = hash_of.pop(block, None)
-            if h is not None:
-                for b in self.rows.pop(h):
-                    hash_of.pop(b, None)
+        hit = blocks[self.held[blocks]]
+        for h in set(self.hash_of[hit].tolist()):
+            self.held[self.rows.pop(h)] = False

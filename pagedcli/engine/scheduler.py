@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from pagedcli.engine.cache import KVCache
 from pagedcli.backends import NOT_FINITE
 from pagedcli.engine.sequence import Sequence, Status
@@ -219,7 +221,7 @@ class Scheduler:
             budget -= num_new[-1]
         return admitted, num_new
 
-    def _fits(self, seq: Sequence, prefix: list[tuple[int, ...]]) -> bool:
+    def _fits(self, seq: Sequence, prefix: list[np.ndarray]) -> bool:
         return self.cache.blocks_to_admit(len(seq), prefix) <= self.cache.num_free_blocks
 
     def _can_admit(self) -> bool:
