@@ -46,7 +46,8 @@ if _OK:  # these import cupy lazily, but keep CPU-only collection free of GPU wo
 DEVICE = "cuda"
 
 # (num_heads, num_kv_heads, head_dim, block_size, dtype): GQA 1, 3, 4, 8 at head_dim 64 and 128,
-# block sizes 8 to 64, bf16 and fp16, and stories260K's head_dim 8 in float32 (decode kernel only)
+# block sizes 8 to 64, bf16 and fp16, and stories260K's head_dim 8 in bf16 and in float32 (decode
+# kernel only)
 GEOMETRIES = {
     "gqa4-d64": (32, 8, 64, 16, torch.bfloat16),  # Llama-3.2-1B
     "gqa1-d64-b8": (8, 8, 64, 8, torch.bfloat16),
@@ -55,6 +56,7 @@ GEOMETRIES = {
     "gqa1-d128": (16, 16, 128, 16, torch.bfloat16),
     "gqa8-d64-fp16": (32, 4, 64, 16, torch.float16),
     "gqa3-d128-fp16": (12, 4, 128, 16, torch.float16),
+    "d8-bf16": (8, 4, 8, 16, torch.bfloat16),  # stories260K: one 8-byte e4m3 load a row
     "d8-fp32": (8, 4, 8, 16, torch.float32),
 }
 TENSOR_CORE = [g for g, (*_, dtype) in GEOMETRIES.items() if dtype != torch.float32]
@@ -353,22 +355,30 @@ def test_prefill_attention_fp8_long_prompts(monkeypatch):
 # round each layer's results to bf16, so logits agree to about a percent of their largest; a
 # token may differ only where the reference's two best are nearer than that (then the texts part)
 LOGIT_RTOL, TIE_RTOL = 0.05, 0.02
+# ... except at head_dim 8 (stories260K), where a score sums only 8 products: an e4m3 rounding step
+# is up to 1/16 of a value, and a K/V element one bf16 unit apart in the two backends lands on the
+# other side of a rounding boundary about one time in 16, which moves its score visibly. Measured on
+# the CPU (docs/performance.md, FP8: the torch backend against itself with K/V elements nudged by
+# one bf16 unit before the write, this test's prompts): 2-5% of the largest logit with a bf16 pool,
+# 8-21% with an fp8 pool (head_dim 64: 1% and 2%). The bounds there are that noise's; the kernels
+# themselves are held to float64's bounds at head_dim 8 above (the "d8-bf16" geometry).
+D8_FP8_LOGIT_RTOL = D8_FP8_TIE_RTOL = 0.3
 
 
-def assert_same_until_a_near_tie(tokens, want_tokens, logits, want_logits):
+def assert_same_until_a_near_tie(tokens, want_tokens, logits, want_logits, logit_rtol=LOGIT_RTOL, tie_rtol=TIE_RTOL):
     for a, b, la, lb in zip(tokens, want_tokens, logits, want_logits):
         assert len(a) == len(b)
         for i, (x, y) in enumerate(zip(a, b)):
             scale = lb[i].abs().max().item()
             worst = (la[i] - lb[i]).abs().max().item()
-            assert worst <= LOGIT_RTOL * scale, f"step {i}: logits off by {worst} (largest {scale})"
+            assert worst <= logit_rtol * scale, f"step {i}: logits off by {worst} (largest {scale})"
             if x != y:
                 gap = (lb[i][y] - lb[i][x]).item()
-                assert gap <= TIE_RTOL * scale, f"step {i}: tokens {x} and {y} differ without a near-tie ({gap})"
+                assert gap <= tie_rtol * scale, f"step {i}: tokens {x} and {y} differ without a near-tie ({gap})"
                 break
 
 
-def run_both(opts, rounds, steps):
+def run_both(opts, rounds, steps, **bounds):
     """The same model and options through our kernels and through the torch backend (on the same
     GPU, the same fp8 pool semantics), one round of prompts after the other (a later round's
     prompts start with an earlier one's: their prefix blocks are read from the prefix cache);
@@ -384,7 +394,8 @@ def run_both(opts, rounds, steps):
     for prompts in rounds:
         a, b = ([s for s in e.run_to_completion(prompts, params)] for e in (ours, reference))
         logits = [[torch.stack(got[s.id]).float().cpu() for s in seqs] for got, seqs in zip(seen, (a, b))]
-        assert_same_until_a_near_tie([s.output_token_ids for s in a], [s.output_token_ids for s in b], *logits)
+        assert_same_until_a_near_tie([s.output_token_ids for s in a], [s.output_token_ids for s in b], *logits,
+                                     **bounds)
     if len(rounds) > 1:
         assert ours.scheduler.cached_prompt_tokens > 0  # the prefill kernel read cached e4m3 blocks
 
@@ -409,13 +420,10 @@ def test_engine_fp8_pool_cuda_backend_equals_torch_backend(tmp_path, head_dim, g
         run_both(opts, [prompts, [long[:48] + [7] * 10]], 24)
 
 
-@pytest.mark.xfail(reason="at its 20th token 0.84 off the torch backend's logits of a largest 15.4 (5.5%, the bound "
-                          "5%), the same with the prefill attention as torch ops: decode over e4m3 at head_dim 8, not "
-                          "yet understood (docs/performance.md, FP8)", strict=False)
 def test_engine_fp8_pool_stories260k_bf16(stories):
     """stories260K (head_dim 8: one 8-byte e4m3 load a row) in bf16 with an fp8 pool, CUDA graphs:
-    our kernels against the torch backend on the GPU."""
+    our kernels against the torch backend on the GPU, to head_dim 8's bounds (D8_FP8_LOGIT_RTOL)."""
     prompts = [[1], [1, 403, 407, 261, 378], list(range(5, 45))]
     opts = EngineOptions(model=str(stories), device="cuda", dtype="bfloat16", batch=3, kv_cache_dtype="fp8",
                          shuffle_blocks=17, num_blocks=5 * 60)
-    run_both(opts, [prompts], 60)
+    run_both(opts, [prompts], 60, logit_rtol=D8_FP8_LOGIT_RTOL, tie_rtol=D8_FP8_TIE_RTOL)

@@ -73,8 +73,9 @@ def test_freed_cached_blocks_are_evicted_least_recently_used(tiny, make_engine):
 
 def test_the_prefix_cache_keeps_the_first_writer_and_forgets_a_row_by_any_of_its_blocks():
     """PrefixCache's rows (a physical block per layer) as the allocator reuses blocks: a hash known
-    already, or a row with a block another row holds, stays private; reusing any one block of a
-    row drops the whole row, and only it; the longest known run is found from the start."""
+    already, or a row with a block another row holds (or an earlier row of the same call), stays
+    private; reusing any one block of a row drops the whole row, and only it; the longest known run
+    is found from the start."""
     import numpy as np
 
     from pagedcli.engine.prefix_cache import PrefixCache
@@ -90,6 +91,12 @@ def test_the_prefix_cache_keeps_the_first_writer_and_forgets_a_row_by_any_of_its
     assert cache.held.nonzero()[0].tolist() == [0, 1, 2, 3]
     cache.insert([9], np.array([[4, 11]]))  # block 4 is free of rows again: 9 can be cached anew
     assert cache.lookup([7, 8, 9], 3)[2].tolist() == [4, 11]
+    # in one call (every sequence's new block of a decode step): a duplicate hash, and a row that
+    # shares a block with an earlier row of the call, stay private as they would in separate calls
+    cache.insert([20, 20, 21, 22], np.array([[5, 6], [10, 6], [6, 10], [10, 11]]))
+    assert cache.lookup([20], 1)[0].tolist() == [5, 6]
+    assert 21 not in cache.rows and 22 not in cache.rows
+    assert cache.held.nonzero()[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 11]
 
 
 @pytest.mark.parametrize("prompt_len", [37, 32])  # a shared partial block, and none

@@ -260,17 +260,26 @@ class KVCache:
             self.allocator.on_reuse = self.prefix_cache.forget
             self.num_offered = [0] * self.max_slots
 
-    def register(self, slot: int, seq, num_cached: int) -> None:
-        """Offer the slot's newly completed full blocks (of its first `num_cached` tokens, which
-        are in the cache) to the prefix cache."""
-        full = num_cached // self.geometry.block_size
-        done = self.num_offered[slot]
-        if self.prefix_cache is None or full <= done:
-            return  # the common case, checked first: no block was completed
-        if len(seq.block_hashes) < full:
-            extend_block_hashes(seq.block_hashes, seq.token_ids, self.geometry.block_size, full)
-        self.prefix_cache.insert(seq.block_hashes[done:full], self.table[slot, :, done:full].T.copy())
-        self.num_offered[slot] = full
+    def register(self, seqs: list, cached: list[int] | None = None) -> None:
+        """Offer the full blocks each sequence completed (of its first `cached` tokens, default its
+        `num_cached`, which are in its slot's blocks) to the prefix cache, all in one call: at a
+        block boundary every sequence of a decode step completes one."""
+        if self.prefix_cache is None:
+            return
+        size, offered = self.geometry.block_size, self.num_offered
+        hashes, rows = [], []
+        for i, seq in enumerate(seqs):
+            slot, full = seq.slot, (seq.num_cached if cached is None else cached[i]) // size
+            done = offered[slot]
+            if full <= done:
+                continue  # the common case: no block was completed
+            if len(seq.block_hashes) < full:
+                extend_block_hashes(seq.block_hashes, seq.token_ids, size, full)
+            hashes += seq.block_hashes[done:full]
+            rows.append(self.table[slot, :, done:full].T)
+            offered[slot] = full
+        if hashes:
+            self.prefix_cache.insert(hashes, np.concatenate(rows))
 
     # --- sharing between sequences: fork and copy-on-write ----------------------------------
     def fork(self, parent: int, child: int) -> None:

@@ -46,8 +46,12 @@ class PrefixCache:
 
     def insert(self, hashes: list[int], rows: np.ndarray) -> None:
         """Offer rows[i] (a block per layer) as the cached block hashes[i]. The first writer wins: a
-        hash known already, or a row with a block that another row holds, stays private."""
-        taken = self.held[rows].any(axis=1).tolist()
+        hash known already, or a row with a block that another row holds (or that an earlier row of
+        this call has), stays private."""
+        flat = rows.ravel()
+        repeated = np.ones(flat.shape, dtype=bool)  # the block came in an earlier place of this call
+        repeated[np.unique(flat, return_index=True)[1]] = False
+        taken = (self.held[rows] | repeated.reshape(rows.shape)).any(axis=1).tolist()
         kept = []
         for i, (h, t) in enumerate(zip(hashes, taken)):
             if not t and h not in self.rows:

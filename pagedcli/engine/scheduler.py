@@ -136,7 +136,7 @@ class Scheduler:
         for row, parent in enumerate(seqs):
             children = self.forks.pop(parent.id, [])
             if children:  # the prompt's full blocks, offered once and hashed once for all samples
-                self.cache.register(parent.slot, parent, len(parent))
+                self.cache.register([parent], [len(parent)])  # (its num_cached grows in update())
             for child in children:
                 child.block_hashes = list(parent.block_hashes)
                 if not self.free_slots:
@@ -300,14 +300,15 @@ class Scheduler:
         now, and nothing was sampled; the blocks it completed are offered to the prefix cache."""
         for seq, n in zip(seqs, num_new):
             seq.num_cached += n
-            self.cache.register(seq.slot, seq, seq.num_cached)
+        self.cache.register(seqs)
 
     def update(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
         """Append each sampled token; finish the sequences that are done. Returns those."""
         finished = []
-        for seq, token in zip(seqs, tokens):
+        for seq in seqs:
             seq.num_cached = len(seq)  # everything fed this step is now in the cache
-            self.cache.register(seq.slot, seq, seq.num_cached)
+        self.cache.register(seqs)
+        for seq, token in zip(seqs, tokens):
             p = seq.params
             if token == NOT_FINITE:
                 seq.finish_reason = "error"
@@ -317,7 +318,7 @@ class Scheduler:
             elif token in self.stop_ids and not p.ignore_eos:
                 seq.finish_reason = "stop"
             else:
-                seq.output_token_ids.append(token)
+                seq.append_token(token)
                 if self._at_length_limit(seq):
                     seq.finish_reason = "length"
             if seq.finish_reason:

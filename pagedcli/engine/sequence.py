@@ -92,7 +92,8 @@ class Sequence:
         self.prompt = prompt
         self.request_id: str | None = None  # the client's name for it (serve), shown by the live view
         self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = []  # grown by append_token() only, which counts it
+        self.num_tokens = len(self.prompt_token_ids)  # prompt + output: len(), asked for several times a step
         self.params = params
         self.status = Status.WAITING
         self.slot: int | None = None
@@ -115,7 +116,11 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     def __len__(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_tokens
+
+    def append_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.num_tokens += 1
 
     def tokens_between(self, start: int, stop: int) -> list[int]:
         """token_ids[start:stop], without joining the prompt and the output (a step's new tokens
