@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,20 +49,25 @@ class StepBatch:
 
 
 def pack(token_ids: list[list[int]], num_cached: list[int], samples: list[bool] | None = None):
-    """The packed lists of a step: every new token, its position, its sequence, and the index of
-    each sampling sequence's last token (StepBatch's fields of the same names)."""
-    flat, positions, token_seq, last = [], [], [], []
-    for b, (ids, start) in enumerate(zip(token_ids, num_cached)):
-        flat.extend(ids)
-        positions.extend(range(start, start + len(ids)))
-        token_seq.extend([b] * len(ids))
-        if samples is None or samples[b]:
-            last.append(len(flat) - 1)
+    """The packed arrays of a step (int64): every new token, its position, its sequence, and the
+    index of each sampling sequence's last token (StepBatch's fields of the same names). In numpy
+    calls, not a Python loop a token: a long prompt's chunk is 8,192 tokens, and the GPU idled
+    while the host packed them (docs/performance.md, "Prefill")."""
+    lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
+    total = int(lens.sum())
+    flat = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=total)
+    token_seq = np.repeat(np.arange(len(token_ids), dtype=np.int64), lens)
+    first = np.cumsum(lens) - lens  # each sequence's first index in the step
+    positions = np.arange(total, dtype=np.int64) + np.repeat(np.asarray(num_cached, dtype=np.int64) - first, lens)
+    last = first + lens - 1
+    if samples is not None:
+        last = last[np.asarray(samples, dtype=bool)]
     return flat, positions, token_seq, last
 
 
-def to_device(arrays: dict[str, tuple[list[int], torch.dtype]], device: torch.device) -> dict[str, torch.Tensor]:
-    """Lists of ints as tensors of the given dtypes on `device`, in one host-to-device copy: packed
+def to_device(arrays: dict[str, tuple[list[int] | np.ndarray, torch.dtype]],
+              device: torch.device) -> dict[str, torch.Tensor]:
+    """Lists (or arrays) of ints as tensors of the given dtypes on `device`, in one host-to-device copy: packed
     into one buffer, pinned on a GPU. A copy from pageable memory makes the host wait for the GPU's
     queue before the driver stages it, so each prefill step's index lists (16k entries each for a
     long prompt) left the GPU idle ~1 ms per copy (docs/performance.md, "Prefill"); from pinned
