@@ -196,7 +196,9 @@ def test_a_steps_new_tokens_are_sliced_across_prompt_and_output():
     from pagedcli.engine.sequence import Sequence
 
     seq = Sequence(0, [1, 2, 3, 4], SamplingParams())
-    seq.output_token_ids = [5, 6, 7]
+    for token in (5, 6, 7):
+        seq.append_token(token)
+    assert len(seq) == 7
     for start in range(8):
         for stop in range(start, 8):
             assert seq.tokens_between(start, stop) == seq.token_ids[start:stop]

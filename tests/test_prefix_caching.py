@@ -91,12 +91,23 @@ def test_the_prefix_cache_keeps_the_first_writer_and_forgets_a_row_by_any_of_its
     assert cache.held.nonzero()[0].tolist() == [0, 1, 2, 3]
     cache.insert([9], np.array([[4, 11]]))  # block 4 is free of rows again: 9 can be cached anew
     assert cache.lookup([7, 8, 9], 3)[2].tolist() == [4, 11]
-    # in one call (every sequence's new block of a decode step): a duplicate hash, and a row that
-    # shares a block with an earlier row of the call, stay private as they would in separate calls
+    # in one call (every sequence's new block of a decode step): a duplicate hash stays private, and
+    # so does a row that shares a block with an earlier row of the call (kept or not)
     cache.insert([20, 20, 21, 22], np.array([[5, 6], [10, 6], [6, 10], [10, 11]]))
     assert cache.lookup([20], 1)[0].tolist() == [5, 6]
     assert 21 not in cache.rows and 22 not in cache.rows
     assert cache.held.nonzero()[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 11]
+
+
+def test_every_sequence_of_a_step_offers_the_block_it_completed(tiny, make_engine):
+    """Three sequences complete their first block in the same decode step, and the step offers all
+    three to the prefix cache (KVCache.register takes the step's sequences at once): prompts that
+    repeat each one's first 17 tokens then find 16 of them cached."""
+    engine = make_engine(tiny, batch=3).engine
+    seqs = engine.run_to_completion([[10 + i] * 10 for i in range(3)], SamplingParams(max_tokens=12, ignore_eos=True))
+    before = engine.scheduler.cached_prompt_tokens
+    engine.run_to_completion([s.token_ids[:17] for s in seqs], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert engine.scheduler.cached_prompt_tokens - before == 3 * 16
 
 
 @pytest.mark.parametrize("prompt_len", [37, 32])  # a shared partial block, and none
