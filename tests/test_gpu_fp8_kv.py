@@ -46,8 +46,8 @@ if _OK:  # these import cupy lazily, but keep CPU-only collection free of GPU wo
 DEVICE = "cuda"
 
 # (num_heads, num_kv_heads, head_dim, block_size, dtype): GQA 1, 3, 4, 8 at head_dim 64 and 128,
-# block sizes 8 to 64, bf16 and fp16, and stories260K's head_dim 8 in bf16 and in float32 (decode
-# kernel only)
+# block sizes 8 to 64, bf16 and fp16, and stories260K's head_dim 8 in bf16, and in float32 (the
+# decode kernel only: float32 prefill takes the torch path)
 GEOMETRIES = {
     "gqa4-d64": (32, 8, 64, 16, torch.bfloat16),  # Llama-3.2-1B
     "gqa1-d64-b8": (8, 8, 64, 8, torch.bfloat16),

@@ -67,11 +67,11 @@ def pack(token_ids: list[list[int]], num_cached: list[int], samples: list[bool] 
 
 def to_device(arrays: dict[str, tuple[list[int] | np.ndarray, torch.dtype]],
               device: torch.device) -> dict[str, torch.Tensor]:
-    """Lists (or arrays) of ints as tensors of the given dtypes on `device`, in one host-to-device copy: packed
-    into one buffer, pinned on a GPU. A copy from pageable memory makes the host wait for the GPU's
-    queue before the driver stages it, so each prefill step's index lists (16k entries each for a
-    long prompt) left the GPU idle ~1 ms per copy (docs/performance.md, "Prefill"); from pinned
-    memory the copy is queued behind the step before, and the host goes on."""
+    """Lists (or arrays) of ints as tensors of the given dtypes on `device`, in one host-to-device
+    copy: packed into one buffer, pinned on a GPU. A copy from pageable memory makes the host wait
+    for the GPU's queue before the driver stages it, so each prefill step's index lists (16k entries
+    each for a long prompt) left the GPU idle ~1 ms per copy (docs/performance.md, "Prefill"); from
+    pinned memory the copy is queued behind the step before, and the host goes on."""
     offsets, total = {}, 0
     for name, (values, dtype) in arrays.items():
         offsets[name] = total
