@@ -268,8 +268,8 @@ class KVCache:
             return
         size, offered = self.geometry.block_size, self.num_offered
         hashes, rows = [], []
-        for i, seq in enumerate(seqs):
-            slot, full = seq.slot, (seq.num_cached if cached is None else cached[i]) // size
+        for seq, num_cached in zip(seqs, cached or [s.num_cached for s in seqs]):
+            slot, full = seq.slot, num_cached // size
             done = offered[slot]
             if full <= done:
                 continue  # the common case: no block was completed
