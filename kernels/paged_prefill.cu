@@ -34,6 +34,7 @@
 #include "async_copy.cuh"
 #include "fp8.cuh"
 #include "geometry.cuh"
+#include "mma.cuh"
 
 #if !defined(PREFILL_BLOCK_M) || !defined(PREFILL_BLOCK_N) || !defined(PREFILL_WARPS) || !defined(PREFILL_M_TILES) || \
     !defined(PREFILL_VEC_BYTES) || !defined(PREFILL_SHARED_BYTES)
@@ -90,52 +91,6 @@ constexpr int SMEM_BYTES = (TILE_ELEMS_M + 2 * TILE_ELEMS_N) * (int)sizeof(scala
 constexpr int SMEM_BYTES = (TILE_ELEMS_M + 4 * TILE_ELEMS_N) * (int)sizeof(scalar_t);
 #endif
 static_assert(SMEM_BYTES == PREFILL_SHARED_BYTES, "cuda_build.prefill_shared_bytes disagrees with the kernel");
-
-// --- tensor-core PTX (sm_80+) ---------------------------------------------------------------------
-
-// Four 8x8 matrices of 16-bit elements; lane l names row l % 8 of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(unsigned int (&r)[4], const scalar_t* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int (&r)[4], const scalar_t* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
-}
-
-// c += a (16x16, row-major) * b (16x8, column-major), fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
-#if defined(DTYPE_BF16)
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
-// Two floats as two packed 16-bit elements (lo in the low half), rounded to nearest even.
-__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
-    unsigned int r;
-#if defined(DTYPE_BF16)
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
-// 2^x, flushing results below float's normal range to zero (a probability under 2^-126 of the
-// row's largest, which is 1): MUFU.EX2 alone, without exp2f's handling of subnormal results.
-__device__ __forceinline__ float exp2_flush(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // --- the phases -----------------------------------------------------------------------------
 

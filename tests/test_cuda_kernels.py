@@ -240,8 +240,11 @@ def test_rope_write_kv_matches_reference(geometry, phase, width, monkeypatch):
 
 # --- (b) decode attention ----------------------------------------------------------------------
 
-def _decode_case(geometry, lengths, max_model_len, seed, layer=1):
-    s = Setup(geometry, lengths, max_model_len=max_model_len, seed=seed)
+def _decode_case(geometry, lengths, max_model_len, seed, layer=1, block_size=None):
+    """Decode attention of one step against float64 and the torch reference; returns the setup and
+    the kernels it launched. paged_decode_mma.cu rounds P to the element type before P V (as
+    paged_prefill.cu, FlashAttention and SDPA do), so it is held to the prefill kernel's bound."""
+    s = Setup(geometry, lengths, max_model_len=max_model_len, seed=seed, block_size=block_size)
     batch = s.decode_batch(lengths)
     q = s.randn(len(lengths), s.config.num_heads, s.config.head_dim, scale=2.0)
     s.ref.prepare(batch)
@@ -249,16 +252,36 @@ def _decode_case(geometry, lengths, max_model_len, seed, layer=1):
     s.cuda.prepare(batch)
     poison_scratch(s.cuda)
     poison_allocator(q.shape, dtype=s.dtype)
+    launched = spy_launches(s.cuda)
     out = s.cuda.attend(layer, q, batch)
     torch.cuda.synchronize()
     ref64 = reference_attention_fp64(s, layer, q, lengths, s.slots)
-    assert_attention_close(out, ref64, ref_torch)
-    return s
+    if launched == [DECODE_MMA]:
+        assert torch.isfinite(out).all()
+        assert_prefill_close(out, ref64)
+        loose = (out.float() - ref_torch.float()).abs().max().item()
+        assert loose <= 2e-2 * ref_torch.float().abs().max().item(), f"off the torch reference by {loose}"
+    else:
+        assert_attention_close(out, ref64, ref_torch)
+    return s, launched
+
+
+DECODE_MMA = "paged_attention_decode_mma"
+
+
+def one_cta_per_kv_head(monkeypatch) -> None:
+    """No split at any batch size: the decode kernel on tensor cores wherever it serves."""
+    monkeypatch.setattr(cuda_launch, "SPLIT_CTAS_PER_SM", 0)
+
+
+def serves_on_tensor_cores(s) -> bool:
+    """Whether paged_decode_mma.cu serves this setup's geometry (bf16/fp16 pools, sm_80+)."""
+    return s.cuda.attention_kernel and s.dtype != torch.float32 and torch.cuda.get_device_capability() >= (8, 0)
 
 
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 def test_decode_attend_mixed_lengths(geometry):
-    s = _decode_case(geometry, list(LENGTHS), max_model_len=4200, seed=2)
+    s, _ = _decode_case(geometry, list(LENGTHS), max_model_len=4200, seed=2)
     if s.cuda.cluster > 1 and geometry == "llama1b":  # sm_90+: one cluster of 8 splits per (sequence, head group)
         assert s.cuda.shapes.uses_clusters(len(LENGTHS)) and s.cuda.shapes.num_splits(len(LENGTHS)) == cuda_build.ATTN_CLUSTER
 
@@ -268,7 +291,7 @@ def test_decode_attend_clusters_merge_then_their_sums_merge():
     sums merge through global memory. 16 splits: a 4,097-token context (more than 8 CTAs cover with
     a chunk each) takes both clusters, a 300-token one 5 splits of 64 tokens in the first (its other
     3 CTAs have no tokens, the second cluster leaves)."""
-    s = _decode_case("llama1b", [4097, 300], max_model_len=8192, seed=6)
+    s, _ = _decode_case("llama1b", [4097, 300], max_model_len=8192, seed=6)
     if s.cuda.cluster > 1:
         assert s.cuda.shapes.uses_clusters(2) and s.cuda.shapes.num_splits(2) == 2 * cuda_build.ATTN_CLUSTER
 
@@ -276,8 +299,10 @@ def test_decode_attend_clusters_merge_then_their_sums_merge():
 @pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32", "stories-fp32"])
 def test_decode_attend_batch_64(geometry):
     lengths = random.Random(3).choices(LENGTHS, k=64)
-    s = _decode_case(geometry, lengths, max_model_len=8192, seed=3)
-    if geometry == "llama1b":  # few splits at batch 64: a 4097-token span has several chunks to merge
+    s, launched = _decode_case(geometry, lengths, max_model_len=8192, seed=3)
+    if geometry == "llama1b" and s.cuda.shapes.num_splits(64) == 1:  # one CTA per (sequence, kv head)
+        assert launched == [DECODE_MMA]
+    elif geometry == "llama1b":  # few splits at batch 64: a 4097-token span has several chunks to merge
         assert math.ceil(4097 / s.cuda.shapes.num_splits(64)) > cuda_build.PARTITION_SIZE
 
 
@@ -289,8 +314,27 @@ def test_decode_attend_single_long_sequence(geometry):
 def test_decode_attend_one_split_merges_all_chunks(monkeypatch):
     """One CTA per (sequence, head group) walks every chunk and merges them (online softmax)."""
     monkeypatch.setattr(cuda_launch, "SPLIT_CTAS_PER_SM", 0)
-    s = _decode_case("llama1b", [4097, 1000, 1, 513], max_model_len=8192, seed=5)
-    assert s.cuda.shapes.num_splits(4) == 1
+    monkeypatch.setattr(cuda_build, "DECODE_MMA_KERNEL", False)  # paged_attention.cu's own one-split path
+    s, launched = _decode_case("llama1b", [4097, 1000, 1, 513], max_model_len=8192, seed=5)
+    assert s.cuda.shapes.num_splits(4) == 1 and launched == ["paged_attention_decode"]
+
+
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+def test_decode_attend_tensor_cores_matches_fp64_reference(geometry, monkeypatch):
+    """paged_decode_mma.cu (one CTA per sequence and kv head, its warps taking 16-key tiles in
+    turn): contexts of 1 key to 4,097, on both sides of a tile, a block and a round of the warps'
+    tiles; every geometry our kernels serve in bf16/fp16 (GQA 1 to 16, head_dim 8 to 256)."""
+    one_cta_per_kv_head(monkeypatch)
+    lengths = list(LENGTHS) + [31, 32, 33, 63, 64, 65, 129]
+    s, launched = _decode_case(geometry, lengths, max_model_len=4200, seed=12)
+    assert (launched == [DECODE_MMA]) == serves_on_tensor_cores(s), launched
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 64])
+def test_decode_attend_tensor_cores_every_block_size(block_size, monkeypatch):
+    one_cta_per_kv_head(monkeypatch)
+    s, launched = _decode_case("llama1b", [1, 7, 8, 9, 100, 1000], max_model_len=2048, seed=13, block_size=block_size)
+    assert s.cache.geometry.block_size == block_size and launched == [DECODE_MMA]
 
 
 # --- (b2) prefill attention ------------------------------------------------------------------------
@@ -511,8 +555,11 @@ def test_decode_step_in_cuda_graph_replays_with_new_contents():
 # --- (e) padding rows --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("width", ["vectors", "elements"])
-def test_padding_rows_write_nothing_and_stay_finite(width, monkeypatch):
+@pytest.mark.parametrize("attention", ["split-kv", "tensor cores"])
+def test_padding_rows_write_nothing_and_stay_finite(width, attention, monkeypatch):
     use_rope_width(monkeypatch, width)
+    if attention == "tensor cores":
+        one_cta_per_kv_head(monkeypatch)
     layer = 0
     lengths = [100, 17, 4097, 33]
     s = Setup("llama1b", lengths, seed=9)
@@ -530,6 +577,7 @@ def test_padding_rows_write_nothing_and_stay_finite(width, monkeypatch):
     q_rot = s.cuda.rope_write_kv(layer, q, k, v, padded)
     assert launched == [rope_kernel(s, width)]
     out = s.cuda.attend(layer, q_rot, padded)
+    assert (launched[-1] == DECODE_MMA) == (attention == "tensor cores")
     torch.cuda.synchronize()
     assert torch.isfinite(q_rot).all() and torch.isfinite(out).all()
     assert not q_rot[pad].any() and not out[pad].any()  # zeros

@@ -47,12 +47,18 @@ def test_stories260k_on_cuda_matches_transformers(stories, eager, batch):
     assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
 
 
-@pytest.mark.parametrize("batch", [4, 1])  # decode through cuBLAS, and gemv.cu's bucket 1
-def test_llama_1b_shapes_bf16_match_transformers_or_diverge_at_a_near_tie(batch):
+# decode through cuBLAS, and gemv.cu's bucket 1; then batch 4 with one decode CTA per (sequence, kv
+# head), as large batches run: attention on tensor cores (paged_decode_mma.cu)
+@pytest.mark.parametrize("batch, one_cta", [(4, False), (1, False), (4, True)],
+                         ids=["4", "1", "4-decode-on-tensor-cores"])
+def test_llama_1b_shapes_bf16_match_transformers_or_diverge_at_a_near_tie(batch, one_cta, monkeypatch):
     """Random weights of the real Llama-3.2-1B shapes in bf16: greedy tokens identical for 32 steps,
     or the first divergence is a near-tie in transformers' own logits (bf16 rounds differently in
     different but equally valid orders of summation)."""
     from pagedcli.bench.hf import hf_model as hf_from_ours
+
+    if one_cta:
+        monkeypatch.setattr("pagedcli.backends.cuda_launch.SPLIT_CTAS_PER_SM", 0)
 
     opts = EngineOptions(model="random:llama-3.2-1b", device="cuda", dtype="bfloat16", batch=batch, shuffle_blocks=3,
                          cache_size="1GiB")
@@ -60,6 +66,8 @@ def test_llama_1b_shapes_bf16_match_transformers_or_diverge_at_a_near_tie(batch)
     # N(0, 0.02) weights give near-uniform logits; scale the output head so the argmax is meaningful
     model.weights.lm_head.mul_(8)
     engine = build_engine(model, opts)
+    backend = engine.runner.model.backend
+    assert (backend.shapes.num_splits(batch) == 1 and backend.decode_mma_shared > 0) == one_cta
     rng = random.Random(0)
     prompts = [[rng.randrange(128000) for _ in range(n)] for n in (5, 16, 17, 100)]
     seqs = [engine.add_request(p, SamplingParams(max_tokens=32, ignore_eos=True)) for p in prompts]

@@ -153,7 +153,8 @@ def test_kernels_compile_without_clusters_for_older_gpus(dtype):
         assert plan.files["paged_attention.cu"][1] == ("paged_attention_decode",)
         what = f"llama-3.2-1b {str(dtype).removeprefix('torch.')}" + (" fp8 pool" if pool else "")
         builds += [Build(what, file, plan.files[file][0], arch="sm_80")
-                   for file in ("paged_attention.cu", "paged_prefill.cu", "gemv.cu", "kv_write.cu")]
+                   for file in ("paged_attention.cu", "paged_prefill.cu", "paged_decode_mma.cu", "gemv.cu", "kv_write.cu")
+                   if file in plan.files]
     results = compile_all(builds)
     assert all(ok for ok, _ in results), failures(builds, results)
 
@@ -179,6 +180,26 @@ def test_plan_sends_to_torch_only_what_the_kernel_cannot_serve():
     plan = plan_kernels(wide, geometry(wide, torch.float32), clusters=True)
     assert not plan.attention_decode and "head_dim 256 in float32" in plan.fallbacks["decode attention"]
     assert plan_kernels(wide, geometry(wide, torch.bfloat16), clusters=True).attention_decode
+
+
+def test_decode_on_tensor_cores_where_the_pool_holds_bf16_or_fp16():
+    """paged_decode_mma.cu (decode attention where one CTA per sequence and kv head fills the GPU)
+    is built for every preset in bf16 and fp16 with a pool in the model dtype, head_dim 100's
+    8-byte rows included, always beside paged_attention.cu (which serves the smaller batches); not
+    for float32, an fp8 pool, a GPU before sm_80, or more query heads a kv head than one 16-row mma
+    tile holds."""
+    for name, config in preset_configs().items():
+        for dtype in DTYPES:
+            for pool in (None, FP8_DTYPE):
+                plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True)
+                built = "paged_decode_mma.cu" in plan.files
+                assert built == (dtype != torch.float32 and pool is None), (name, dtype, pool)
+                assert (plan.decode_mma_shared > 0) == built and (plan.attention_decode or not built)
+        plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=False, tensor_cores=False)
+        assert "paged_decode_mma.cu" not in plan.files and not plan.decode_mma_shared
+    for heads, kv_heads, built in ((32, 2, True), (32, 1, False)):  # GQA 16: one full tile; 32: over it
+        config = synthetic_config(heads, kv_heads, 64)
+        assert ("paged_decode_mma.cu" in plan_kernels(config, geometry(config, torch.bfloat16), clusters=True).files) == built
 
 
 def test_an_fp8_pool_has_its_kernels_where_the_model_dtype_has_them():

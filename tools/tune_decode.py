@@ -46,6 +46,14 @@ VARIANTS = {
     # more decode CTAs resident an SM (shared memory allows 5 by default): a smaller ring or scores
     "attention: 3 ring stages, 6 CTAs an SM": {"ATTN_STAGES": 3, "MIN_CTAS_SMALL_Q": 6},
     "attention: 256-token chunks, 6 CTAs an SM": {"PARTITION_SIZE": 256, "MIN_CTAS_SMALL_Q": 6},
+    # decode attention where one CTA per (sequence, kv head) fills the GPU: paged_decode_mma.cu's tiles
+    "attention: no tensor cores": {"DECODE_MMA_KERNEL": False},
+    "attention mma: 32 keys a tile": {"DECODE_MMA_KEYS": 32},
+    "attention mma: 3 stages": {"DECODE_MMA_STAGES": 3},
+    "attention mma: 8 warps": {"DECODE_MMA_WARPS": 8},
+    "attention mma: 2 warps": {"DECODE_MMA_WARPS": 2},
+    "attention mma: 2 warps, 3 stages": {"DECODE_MMA_WARPS": 2, "DECODE_MMA_STAGES": 3},
+    "attention mma: 1 warp, 4 stages": {"DECODE_MMA_WARPS": 1, "DECODE_MMA_STAGES": 4},
     # rope_write_kv past gemv.cu's rows: CTAs a token (its items over the threads of a CTA)
     "rope: 64 threads a CTA": {"KV_WRITE_THREADS": 64},
     "rope: 32 threads a CTA": {"KV_WRITE_THREADS": 32},

@@ -10,7 +10,9 @@ What runs where:
 - `rope_write_kv`  -> kv_write.cu: RoPE on q and k fused with the K/V write into the paged pool;
 - `attend`         -> paged_attention.cu at decode (one split-KV kernel that also merges; at small
                       batches on sm_90+ its splits run in thread-block clusters and merge in shared
-                      memory); paged_prefill.cu for a step's prompts (tensor-core tiles, every
+                      memory); where one CTA per (sequence, kv head) fills the GPU (no split),
+                      paged_decode_mma.cu, the GQA group's heads as the rows of mma tiles;
+                      paged_prefill.cu for a step's prompts (tensor-core tiles, every
                       sequence's rows in one launch, K/V read through the block table);
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs; with
                       `logits_greedy` past gemv.cu's rows, the same pass widens the LM head's
@@ -40,9 +42,9 @@ import numpy as np
 import torch
 
 from pagedcli.backends import composed
-from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, DTYPE_DEFINES,
-                                          GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS, ROPE_VEC_MIN_CTAS_PER_SM,
-                                          SILU_THREADS, VEC_BYTES,
+from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, DECODE_MMA_WARPS,
+                                          DTYPE_DEFINES, GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS,
+                                          ROPE_VEC_MIN_CTAS_PER_SM, SILU_THREADS, VEC_BYTES,
                                           fp8_fallback_note, gemv_kernel_names, plan_kernels)
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
 from pagedcli.backends.cuda_fp8_gemm import fp8_gemm, scaled_mm_missing
@@ -105,6 +107,7 @@ class CudaBackend:
         self.attention_kernel = plan.attention_decode
         self.prefill_kernel, self.prefill_shared, self.prefill_rows = (plan.attention_prefill, plan.prefill_shared,
                                                                        plan.prefill_rows)
+        self.decode_mma_shared = plan.decode_mma_shared  # 0: paged_decode_mma.cu is not built
         self._prefill_tiles: tuple | None = None  # this prefill step's work (cuda_launch.prefill_tiles, decode rows)
         # a prefill step can be replayed from a CUDA graph (engine/prefill_graphs.py) when nothing in
         # it is decided from the step's host lists: our prefill kernel with the tiles the caller
@@ -120,6 +123,8 @@ class CudaBackend:
             self.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED
         if self.prefill_kernel:
             self.kernels["paged_prefill_attention"].max_dynamic_shared_size_bytes = self.prefill_shared
+        if self.decode_mma_shared:
+            self.kernels["paged_attention_decode_mma"].max_dynamic_shared_size_bytes = self.decode_mma_shared
         self.decode_ctas_per_sm = (  # for reports
             resident_ctas(self.kernels["paged_attention_decode"], ATTN_THREADS, d, plan.attn_min_ctas)
             if self.attention_kernel else 0)
@@ -225,13 +230,21 @@ class CudaBackend:
 
     def _decode_attend(self, layer: int, q: torch.Tensor, out: torch.Tensor, slots: torch.Tensor,
                        context_lens: torch.Tensor) -> None:
-        """paged_attention.cu for the first B rows of q, into those of out: row b is the newest token
-        of the sequence in slots[b], which sees its context_lens[b] keys (0: a padding row, zeros)."""
+        """Decode attention for the first B rows of q, into those of out: row b is the newest token
+        of the sequence in slots[b], which sees its context_lens[b] keys (0: a padding row, zeros).
+        paged_attention.cu, or where it would take one split (B alone fills the GPU with a CTA per
+        sequence and head group), paged_decode_mma.cu on tensor cores, where built (bf16/fp16 pools)."""
         B = slots.shape[0]
         if B == 0:
             return
         splits, part_out, part_max, part_sum, counters = self.shapes.scratch_for(B)
         table, slot_stride, _ = self._layer_table(layer)
+        if splits == 1 and self.decode_mma_shared:  # one CTA per (sequence, kv head)
+            self.launch("paged_attention_decode_mma", (self.cache.geometry.num_kv_heads, B), (DECODE_MMA_WARPS * 32,), (
+                ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(slots), ptr(context_lens),
+                np.int32(self.max_context), self.scale_log2,
+            ), shared_mem=self.decode_mma_shared)
+            return
         kernel = "paged_attention_decode_cluster" if self.shapes.uses_clusters(B) else "paged_attention_decode"
         self.launch(kernel, (self.num_heads // self.heads_per_cta, B, splits), (ATTN_THREADS,), (
             ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(slots), ptr(context_lens),

@@ -50,6 +50,14 @@ PREFILL_WARPS = 4
 PREFILL_M_TILES_SMALL_D = 2  # head_dim <= 64
 PREFILL_BLOCK_N = 64
 PREFILL_MAX_HEAD_DIM = 256
+# Decode attention on tensor cores (paged_decode_mma.cu), for batches whose (sequence, kv head)s
+# fill the GPU with one CTA each (no split): warps per CTA, keys per warp tile, tiles in each warp's
+# cp.async ring.
+DECODE_MMA_KERNEL = True  # off: paged_attention.cu at every batch (tools/tune_decode.py's A/B variant)
+DECODE_MMA_WARPS = 4
+DECODE_MMA_KEYS = 16
+DECODE_MMA_STAGES = 2
+DECODE_MMA_MAX_GQA = 16  # the group's query heads are the rows of one 16-row mma tile
 H100_MAX_SHARED = 227 * 1024  # shared memory a CTA may opt in to on sm_90 (the plan's default GPU)
 KV_WRITE_THREADS = 128
 # rope_write_kv reads and writes 16-byte vectors where its grid then has at least this many CTAs an
@@ -198,6 +206,31 @@ def prefill_unsupported(geometry: CacheGeometry, tensor_cores: bool, max_shared:
     return None
 
 
+def decode_mma_shared_bytes(head_dim: int, itemsize: int) -> int:
+    """paged_decode_mma.cu's dynamic shared memory (its SMEM_BYTES): each warp's ring of K and V
+    tiles, rows of the head dim padded to the mma's 16 plus 8 elements."""
+    row = (-(-head_dim // 16) * 16 + 8) * itemsize
+    return DECODE_MMA_WARPS * DECODE_MMA_STAGES * 2 * DECODE_MMA_KEYS * row
+
+
+def decode_mma_unsupported(config: ModelConfig, geometry: CacheGeometry, tensor_cores: bool,
+                           max_shared: int) -> str | None:
+    """Why paged_decode_mma.cu cannot serve this geometry (paged_attention.cu then serves every
+    batch), or None."""
+    if geometry.dtype == torch.float32 or geometry.kv_fp8:
+        return "the tensor-core decode kernel reads bf16/fp16 pools"
+    if not tensor_cores:
+        return "the GPU is older than sm_80"
+    gqa = config.num_heads // config.num_kv_heads
+    if gqa > DECODE_MMA_MAX_GQA:
+        return f"{gqa} query heads a kv head, over one mma tile's {DECODE_MMA_MAX_GQA} rows"
+    if not row_vec_bytes(geometry.head_dim * geometry.itemsize) or geometry.head_dim > PREFILL_MAX_HEAD_DIM:
+        return f"head_dim {geometry.head_dim}: rows of whole 8-byte loads, at most {PREFILL_MAX_HEAD_DIM}"
+    if decode_mma_shared_bytes(geometry.head_dim, geometry.itemsize) > max_shared:
+        return f"head_dim {geometry.head_dim}: over this GPU's {max_shared} bytes of shared memory a CTA"
+    return None
+
+
 @dataclass
 class KernelPlan:
     """Per .cu file: the -D defines and the kernels to load. `fallbacks`: op -> why it runs as torch
@@ -209,6 +242,7 @@ class KernelPlan:
     attn_min_ctas: int = MIN_CTAS_SMALL_Q
     prefill_shared: int = 0  # dynamic shared memory of a prefill CTA
     prefill_rows: int = 0  # query rows a prefill CTA takes
+    decode_mma_shared: int = 0  # dynamic shared memory of a paged_decode_mma.cu CTA (0: not built)
     fp8_gemm: bool = False  # fp8 weights over W8A16_MAX_ROWS rows on fp8 tensor cores (cuda_fp8_gemm.py)
     rope_vec: int = 1  # elements a thread of rope_write_kv_vec takes (kv_write.cu's ROPE_VEC)
 
@@ -317,6 +351,13 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
     )
     names = ("paged_attention_decode",) + (("paged_attention_decode_cluster",) if clusters else ())
     plan.files["paged_attention.cu"] = (attention, names)
+    if DECODE_MMA_KERNEL and decode_mma_unsupported(config, geometry, tensor_cores, max_shared) is None:
+        plan.decode_mma_shared = decode_mma_shared_bytes(geometry.head_dim, geometry.itemsize)
+        decode_mma = model + (("DECODE_MMA_WARPS", DECODE_MMA_WARPS), ("DECODE_MMA_KEYS", DECODE_MMA_KEYS),
+                              ("DECODE_MMA_STAGES", DECODE_MMA_STAGES),
+                              ("DECODE_MMA_VEC_BYTES", row_vec_bytes(geometry.head_dim * geometry.itemsize)),
+                              ("DECODE_MMA_SHARED_BYTES", plan.decode_mma_shared))
+        plan.files["paged_decode_mma.cu"] = (decode_mma, ("paged_attention_decode_mma",))
     return plan
 
 

@@ -1,0 +1,65 @@
+// mma.cuh: the tensor-core PTX (sm_80+) the attention kernels share: ldmatrix, mma.sync
+// m16n8k16 in bf16/fp16 with fp32 accumulators, packing floats into 16-bit pairs, and MUFU's exp2.
+//
+// Fragment layout of m16n8k16 (lane = 4 g + t): A holds rows g and g + 8, columns 2t, 2t + 1
+// (a0, a1) and those + 8 (a2, a3); B holds column g, rows 2t, 2t + 1 and + 8 (b0, b1); C holds
+// rows g (c0, c1) and g + 8 (c2, c3), columns 2t, 2t + 1.
+#pragma once
+
+#include "common.cuh"
+#include "async_copy.cuh"
+
+#if defined(DTYPE_BF16)
+#define MMA_TYPES "bf16.bf16"
+#else
+#define MMA_TYPES "f16.f16"
+#endif
+
+// Four 8x8 matrices of 16-bit elements; lane l names row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(unsigned int (&r)[4], const scalar_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int (&r)[4], const scalar_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+}
+
+// c += a (16x16, row-major) * b (16x8, column-major), fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPES ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// mma_16816 where rows 8 to 15 of a are zeros (a1 = a3 = 0): only rows 0 to 7 of c are kept, so
+// a caller with at most 8 rows holds half the accumulators (the other half are scratch outputs).
+__device__ __forceinline__ void mma_16816_rows8(float (&c)[2], unsigned int a0, unsigned int a2, unsigned int b0,
+                                                unsigned int b1) {
+    float unused0, unused1;
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPES ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %10, %10};"
+                 : "+f"(c[0]), "+f"(c[1]), "=f"(unused0), "=f"(unused1)
+                 : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f));
+    (void)unused0, (void)unused1;
+}
+
+// Two floats as two packed 16-bit elements (lo in the low half), rounded to nearest even.
+__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+    unsigned int r;
+#if defined(DTYPE_BF16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+// 2^x, flushing results below float's normal range to zero (a probability under 2^-126 of the
+// row's largest, which is 1): MUFU.EX2 alone, without exp2f's handling of subnormal results.
+__device__ __forceinline__ float exp2_flush(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
