@@ -196,3 +196,19 @@ def test_only_really_close_options_are_suggested():
     assert close_options("--max-token", ctx) == ["--max-tokens"]
     assert close_options("--max", ctx) == ["--max-tokens", "--max-model-len"]
     assert close_options("--seeds", ctx) == ["--seed"]
+
+
+def test_no_folder_of_the_checkout_shadows_an_installed_package():
+    """`python -m pytest` (and `python -m pagedcli`) run from the checkout put it first on sys.path,
+    so each top-level folder with an __init__.py imports by its name ahead of site-packages. The
+    CUDA source once lived in `kernels/`, and transformers then imported it for Hugging Face's
+    `kernels` package. No installed distribution may provide a name one of our folders takes."""
+    import importlib.metadata
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    ours = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()} - {"pagedcli"}
+    installed = importlib.metadata.packages_distributions()
+    clashes = {name: installed[name] for name in ours if name in installed}
+    assert not clashes, f"top-level folders named like installed packages: {clashes}"
+    assert "kernels" not in ours

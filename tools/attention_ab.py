@@ -18,7 +18,7 @@ from tune_decode import replay_ms  # (tools/ is the script's folder, so on sys.p
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("base", type=Path, help="the other revision's kernels/ folder")
+    ap.add_argument("base", type=Path, help="the other revision's csrc/ folder")
     args = ap.parse_args()
     folders = {"base": args.base.resolve(), "tree": cuda_compile.kernel_folder()}
     opts = EngineOptions(model="random:llama-3.2-1b", device="cuda", batch=1)

@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="then the kernels of one pagedcli prefill of each length")
     ap.add_argument("--torch-prefill", action="store_true",
                     help="also time pagedcli with its prefill attention as torch ops (gather + SDPA), the path before "
-                         "kernels/paged_prefill.cu")
+                         "csrc/paged_prefill.cu")
     ap.add_argument("--m-tiles", type=int, nargs="*", default=[cuda_build.PREFILL_M_TILES_SMALL_D],
                     help="16-row tiles a prefill warp computes at head_dim <= 64 (each value: an engine of its own)")
     ap.add_argument("--block-n", type=int, nargs="*", default=[cuda_build.PREFILL_BLOCK_N],

@@ -1,4 +1,4 @@
-"""The CUDA backend: our own kernels (kernels/*.cu), compiled at run time by CuPy.
+"""The CUDA backend: our own kernels (csrc/*.cu), compiled at run time by CuPy.
 
 What runs where:
 - `attention_inputs`, `norm_linear_silu`, `linear_add_norm`, `logits_greedy` (and `norm_linear`)

@@ -20,17 +20,17 @@ Defines = tuple[tuple[str, object], ...]
 
 def kernel_folder():
     """The .cu/.cuh files. Installed, they are the package pagedcli.kernels (pyproject's package-dir
-    maps it to the top-level kernels/). Run from a checkout without installing it (PYTHONPATH), that
+    maps it to the top-level csrc/). Run from a checkout without installing it (PYTHONPATH), that
     mapping does not exist, and another install's pagedcli.kernels may answer instead: the
-    checkout's own kernels/, beside pagedcli/, comes first."""
-    checkout = Path(__file__).resolve().parents[2] / "kernels"
+    checkout's own csrc/, beside pagedcli/, comes first."""
+    checkout = Path(__file__).resolve().parents[2] / "csrc"
     if (checkout / "__init__.py").is_file() and (checkout / "geometry.cuh").is_file():
         return checkout
     return resources.files("pagedcli.kernels")
 
 
 def kernel_source(name: str) -> str:
-    """The text of kernels/<name>, with each `#include "x.cuh"` replaced by that file: NVRTC then
+    """The text of csrc/<name>, with each `#include "x.cuh"` replaced by that file: NVRTC then
     needs no include path, and CuPy's disk cache (keyed by the source text) sees header edits."""
     folder = kernel_folder()
     seen: set[str] = set()
@@ -69,7 +69,7 @@ def cuda_available() -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def compile_kernels(name: str, defines: tuple[tuple[str, object], ...], kernels: tuple[str, ...], device: int) -> dict:
-    """Compile kernels/<name> with `defines` (NVRTC through CuPy), load it on `device`, and return
+    """Compile csrc/<name> with `defines` (NVRTC through CuPy), load it on `device`, and return
     {kernel name: cupy.RawKernel}. Cached: one build per file, geometry, dtype and device."""
     import cupy
 

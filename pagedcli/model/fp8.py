@@ -117,7 +117,7 @@ def scale_of(amax: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [..., K] (in the model dtype) per row: e4m3 values [..., K] and float32 scales
-    [..., 1], scale = amax(|row|) / 448 (kernels/fp8_quant.cu computes the same bytes; for a row
+    [..., 1], scale = amax(|row|) / 448 (csrc/fp8_quant.cu computes the same bytes; for a row
     holding a NaN, whose product is NaN either way, its scale comes from the row's other values,
     this one's is 1)."""
     scale = scale_of(x.float().abs().amax(dim=-1, keepdim=True))

@@ -131,8 +131,7 @@ __device__ __forceinline__ void attend_tile(float (&o)[O_TILES][C_REGS], float (
         }
     }
     // The online softmax is paged_prefill.cu's softmax_rows with the context's mask in place of the
-    // causal one. As one shared function (a mask callback) it changed both kernels' code, the
-    // prefill kernel's registers 242 -> 254 at head_dim 64, unmeasured on a GPU: two copies stay.
+    // causal one, written twice on purpose (docs/performance.md, "Decode attention on tensor cores").
     const bool partial = key0 + KEYS > context;  // the last tile: mask the keys past the context
 #pragma unroll
     for (int half = 0; half < C_REGS / 2; ++half) {
