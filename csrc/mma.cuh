@@ -63,3 +63,48 @@ __device__ __forceinline__ float exp2_flush(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+
+// One step of FlashAttention-2's online softmax over the rows of `half` of a score tile in
+// accumulator layout (row g = lane / 4, or g + 8 for half 1; this lane's columns 2 (lane % 4) + e,
+// e = 0, 1, of each of the N n-tiles of 8 keys from key0). With `mask`, the scores of keys past
+// `last_key` become -inf first; the row's max must be finite (its tile holds a key it sees). The
+// running max is kept in log2 units (scores times scale_log2; the scale is positive, so the max of
+// the raw scores scaled is the max of the scaled scores), and each probability is one FMA and an
+// exp2: 2^(s scale - max). The running sum (this lane's columns only: summed over the row's 4
+// lanes at the end) and the row's output accumulators (O_N n-tiles) are rescaled to the new max.
+template <int N, int C, int O_N>
+__device__ __forceinline__ void online_softmax_rows(float (&s)[N][C], float (&o)[O_N][C], float& run_max,
+                                                    float& run_sum, int half, bool mask, int key0, int last_key,
+                                                    float scale_log2, int lane) {
+    float raw_max = neg_infinity();
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float& x = s[j][2 * half + e];
+            if (mask && key0 + j * 8 + 2 * (lane % 4) + e > last_key) x = neg_infinity();
+            raw_max = fmaxf(raw_max, x);
+        }
+    }
+    raw_max = fmaxf(raw_max, __shfl_xor_sync(FULL_MASK, raw_max, 1));  // the 4 lanes of a row
+    raw_max = fmaxf(raw_max, __shfl_xor_sync(FULL_MASK, raw_max, 2));
+    const float m = fmaxf(run_max, raw_max * scale_log2);
+    const float correction = exp2_flush(run_max - m);
+    run_max = m;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float& x = s[j][2 * half + e];
+            x = exp2_flush(fmaf(x, scale_log2, -m));
+            sum += x;
+        }
+    }
+    run_sum = run_sum * correction + sum;
+#pragma unroll
+    for (int d = 0; d < O_N; ++d) {
+        o[d][2 * half] *= correction;
+        o[d][2 * half + 1] *= correction;
+    }
+}

@@ -130,43 +130,10 @@ __device__ __forceinline__ void attend_tile(float (&o)[O_TILES][C_REGS], float (
             mma_rows(s[j + 1], qa[ks], b[2], b[3]);
         }
     }
-    // The online softmax is paged_prefill.cu's softmax_rows with the context's mask in place of the
-    // causal one, written twice on purpose (docs/performance.md, "Decode attention on tensor cores").
     const bool partial = key0 + KEYS > context;  // the last tile: mask the keys past the context
 #pragma unroll
-    for (int half = 0; half < C_REGS / 2; ++half) {
-        float raw_max = neg_infinity();
-#pragma unroll
-        for (int j = 0; j < S_TILES; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float& x = s[j][2 * half + e];
-                if (partial && key0 + j * 8 + 2 * (lane % 4) + e >= context) x = neg_infinity();
-                raw_max = fmaxf(raw_max, x);
-            }
-        }
-        raw_max = fmaxf(raw_max, __shfl_xor_sync(FULL_MASK, raw_max, 1));  // the 4 lanes of a row
-        raw_max = fmaxf(raw_max, __shfl_xor_sync(FULL_MASK, raw_max, 2));
-        // Finite: a warp's tile always holds key key0 < context.
-        const float m = fmaxf(run_max[half], raw_max * scale_log2);
-        const float correction = exp2_flush(run_max[half] - m);
-        run_max[half] = m;
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < S_TILES; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float& x = s[j][2 * half + e];
-                x = exp2_flush(fmaf(x, scale_log2, -m));
-                sum += x;
-            }
-        }
-        run_sum[half] = run_sum[half] * correction + sum;  // this lane's own columns; summed at the end
-#pragma unroll
-        for (int d = 0; d < O_TILES; ++d) {
-            o[d][2 * half] *= correction;
-            o[d][2 * half + 1] *= correction;
-        }
+    for (int half = 0; half < C_REGS / 2; ++half) {  // a row's max is finite: the tile holds key key0 < context
+        online_softmax_rows(s, o, run_max[half], run_sum[half], half, partial, key0, context - 1, scale_log2, lane);
     }
 #pragma unroll
     for (int kk = 0; kk < KEYS / 16; ++kk) {  // 16 keys: n-tiles 2 kk and 2 kk + 1 of S

@@ -215,48 +215,15 @@ __device__ __forceinline__ void score_tile(float (&s)[M_TILES][S_TILES][4], cons
     }
 }
 
-// Online softmax over one row tile: mask, new running max, rescale of the sums so far, P in place
-// of S. A thread holds rows g = lane / 4 and g + 8 of the tile, at positions q_pos[0] and q_pos[1];
-// key column 2 (lane % 4) + {0, 1} of each n-tile j. The running max is kept in log2 units
-// (scores times scale_log2); the scale is positive, so the max of the raw scores scaled is the
-// max of the scaled scores, and each probability is one FMA and an exp2: 2^(s scale - max).
+// Online softmax over one row tile (mma.cuh), the causal mask in the tiles that cross the
+// diagonal. A thread holds rows g = lane / 4 and g + 8 of the tile, at positions q_pos[0] and
+// q_pos[1]; key 0 is in every row's first tile, so a row's max is finite from then on.
 __device__ __forceinline__ void softmax_rows(float (&s)[S_TILES][4], float (&o)[O_TILES][4], float (&run_max)[2],
                                              float (&run_sum)[2], const int (&q_pos)[2], int key0, bool diagonal,
                                              float scale_log2, int lane) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        float raw_max = neg_infinity();
-#pragma unroll
-        for (int j = 0; j < S_TILES; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float& x = s[j][2 * half + e];
-                if (diagonal && key0 + j * 8 + 2 * (lane % 4) + e > q_pos[half]) x = neg_infinity();
-                raw_max = fmaxf(raw_max, x);
-            }
-        }
-        raw_max = fmaxf(raw_max, __shfl_xor_sync(FULL_MASK, raw_max, 1));  // the 4 lanes of a row
-        raw_max = fmaxf(raw_max, __shfl_xor_sync(FULL_MASK, raw_max, 2));
-        // Finite: key 0 is in every row's first tile, so a row's max is finite from then on.
-        const float m = fmaxf(run_max[half], raw_max * scale_log2);
-        const float correction = exp2_flush(run_max[half] - m);
-        run_max[half] = m;
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < S_TILES; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float& x = s[j][2 * half + e];
-                x = exp2_flush(fmaf(x, scale_log2, -m));
-                sum += x;
-            }
-        }
-        run_sum[half] = run_sum[half] * correction + sum;  // each lane's own columns; summed at the end
-#pragma unroll
-        for (int d = 0; d < O_TILES; ++d) {
-            o[d][2 * half] *= correction;
-            o[d][2 * half + 1] *= correction;
-        }
+        online_softmax_rows(s, o, run_max[half], run_sum[half], half, diagonal, key0, q_pos[half], scale_log2, lane);
     }
 }
 

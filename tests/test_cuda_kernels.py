@@ -74,6 +74,9 @@ GEOMETRIES = {
     "gqa16-d80-fp16": (32, 2, 80, 16, torch.float16),
     "gqa2-d256": (8, 4, 256, 16, torch.bfloat16),
 }
+# GQA 9 to 15: the upper half of the tensor-core decode kernel's 16-row tile holds heads, but not
+# all 8 of its rows (only the decode tests on tensor cores take it)
+PARTIAL_TILE_GEOMETRIES = {"gqa12-d64": (24, 2, 64, 16, torch.bfloat16)}
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}
 ACCUMULATION_FP8 = 2.0**-12  # fp8 tensor cores' sums, relative to the terms' magnitudes (test_fp8_gemm_...)
 
@@ -96,7 +99,7 @@ class Setup:
     and both backends over it."""
 
     def __init__(self, geometry: str, lengths, max_model_len=8192, seed=0, spare_slots=0, block_size=None):
-        num_heads, num_kv_heads, head_dim, own_block_size, dtype = GEOMETRIES[geometry]
+        num_heads, num_kv_heads, head_dim, own_block_size, dtype = {**GEOMETRIES, **PARTIAL_TILE_GEOMETRIES}[geometry]
         block_size = block_size or own_block_size
         self.dtype = dtype
         self.config = make_config(num_heads, num_kv_heads, head_dim, dtype, max_len=max_model_len)
@@ -275,8 +278,13 @@ def one_cta_per_kv_head(monkeypatch) -> None:
 
 
 def serves_on_tensor_cores(s) -> bool:
-    """Whether paged_decode_mma.cu serves this setup's geometry (bf16/fp16 pools, sm_80+)."""
-    return s.cuda.attention_kernel and s.dtype != torch.float32 and torch.cuda.get_device_capability() >= (8, 0)
+    """Whether paged_decode_mma.cu serves this setup: built by the plan (bf16/fp16 pools, sm_80+,
+    within the GPU's shared memory a CTA), beside the split-KV kernel. On sm_90 (227 KiB a CTA)
+    every test geometry in bf16 or fp16 has it."""
+    built = s.cuda.decode_mma_shared > 0 and s.cuda.attention_kernel
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert built == (s.dtype != torch.float32), s.cuda.fallbacks
+    return built
 
 
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
@@ -319,11 +327,12 @@ def test_decode_attend_one_split_merges_all_chunks(monkeypatch):
     assert s.cuda.shapes.num_splits(4) == 1 and launched == ["paged_attention_decode"]
 
 
-@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@pytest.mark.parametrize("geometry", list(GEOMETRIES) + list(PARTIAL_TILE_GEOMETRIES))
 def test_decode_attend_tensor_cores_matches_fp64_reference(geometry, monkeypatch):
     """paged_decode_mma.cu (one CTA per sequence and kv head, its warps taking 16-key tiles in
     turn): contexts of 1 key to 4,097, on both sides of a tile, a block and a round of the warps'
-    tiles; every geometry our kernels serve in bf16/fp16 (GQA 1 to 16, head_dim 8 to 256)."""
+    tiles; every geometry our kernels serve in bf16/fp16 (GQA 1 to 16, a partly filled upper half
+    of the tile among them, head_dim 8 to 256)."""
     one_cta_per_kv_head(monkeypatch)
     lengths = list(LENGTHS) + [31, 32, 33, 63, 64, 65, 129]
     s, launched = _decode_case(geometry, lengths, max_model_len=4200, seed=12)
@@ -576,6 +585,7 @@ def test_padding_rows_write_nothing_and_stay_finite(width, attention, monkeypatc
     launched = spy_launches(s.cuda)
     q_rot = s.cuda.rope_write_kv(layer, q, k, v, padded)
     assert launched == [rope_kernel(s, width)]
+    poison_allocator(q_rot.shape, dtype=s.dtype)  # the zeros must be written, not found
     out = s.cuda.attend(layer, q_rot, padded)
     assert (launched[-1] == DECODE_MMA) == (attention == "tensor cores")
     torch.cuda.synchronize()

@@ -125,9 +125,13 @@ class CudaBackend:
             self.kernels["paged_prefill_attention"].max_dynamic_shared_size_bytes = self.prefill_shared
         if self.decode_mma_shared:
             self.kernels["paged_attention_decode_mma"].max_dynamic_shared_size_bytes = self.decode_mma_shared
-        self.decode_ctas_per_sm = (  # for reports
-            resident_ctas(self.kernels["paged_attention_decode"], ATTN_THREADS, d, plan.attn_min_ctas)
-            if self.attention_kernel else 0)
+        self.decode_ctas_per_sm = {}  # decode kernel -> CTAs an SM holds (for reports)
+        if self.attention_kernel:
+            split_kv = resident_ctas(self.kernels["paged_attention_decode"], ATTN_THREADS, d, plan.attn_min_ctas)
+            self.decode_ctas_per_sm = {"paged_attention_decode": split_kv, "paged_attention_decode_cluster": split_kv}
+        if self.decode_mma_shared:
+            self.decode_ctas_per_sm["paged_attention_decode_mma"] = resident_ctas(
+                self.kernels["paged_attention_decode_mma"], DECODE_MMA_WARPS * 32, d, 1, self.decode_mma_shared)
         self.launch = Launcher(self.kernels, d)
 
     def _layer_table(self, layer: int) -> tuple[np.uint64, np.int64, np.int32]:
@@ -228,24 +232,34 @@ class CudaBackend:
         self._decode_attend(layer, q, out, batch.slots, batch.context_lens)
         return out
 
+    def decode_kernel(self, batch_size: int) -> str:
+        """The decode attention kernel a batch of this size runs (where `attention_kernel`; else torch
+        ops serve every batch). It depends on nothing else, so one CUDA graph per batch size holds
+        it: paged_decode_mma.cu, where built (bf16/fp16 pools), when the split-KV kernel would take
+        one split (the batch alone fills the GPU with a CTA per sequence and head group, or without
+        clusters every context fits one chunk); else paged_attention.cu, in clusters at small
+        batches on sm_90+."""
+        if self.shapes.num_splits(batch_size) == 1 and self.decode_mma_shared:
+            return "paged_attention_decode_mma"
+        return "paged_attention_decode_cluster" if self.shapes.uses_clusters(batch_size) else "paged_attention_decode"
+
     def _decode_attend(self, layer: int, q: torch.Tensor, out: torch.Tensor, slots: torch.Tensor,
                        context_lens: torch.Tensor) -> None:
         """Decode attention for the first B rows of q, into those of out: row b is the newest token
-        of the sequence in slots[b], which sees its context_lens[b] keys (0: a padding row, zeros).
-        paged_attention.cu, or where it would take one split (B alone fills the GPU with a CTA per
-        sequence and head group), paged_decode_mma.cu on tensor cores, where built (bf16/fp16 pools)."""
+        of the sequence in slots[b], which sees its context_lens[b] keys (0: a padding row, zeros),
+        through decode_kernel(B)."""
         B = slots.shape[0]
         if B == 0:
             return
         splits, part_out, part_max, part_sum, counters = self.shapes.scratch_for(B)
         table, slot_stride, _ = self._layer_table(layer)
-        if splits == 1 and self.decode_mma_shared:  # one CTA per (sequence, kv head)
-            self.launch("paged_attention_decode_mma", (self.cache.geometry.num_kv_heads, B), (DECODE_MMA_WARPS * 32,), (
+        kernel = self.decode_kernel(B)
+        if kernel == "paged_attention_decode_mma":  # one CTA per (sequence, kv head)
+            self.launch(kernel, (self.cache.geometry.num_kv_heads, B), (DECODE_MMA_WARPS * 32,), (
                 ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(slots), ptr(context_lens),
                 np.int32(self.max_context), self.scale_log2,
             ), shared_mem=self.decode_mma_shared)
             return
-        kernel = "paged_attention_decode_cluster" if self.shapes.uses_clusters(B) else "paged_attention_decode"
         self.launch(kernel, (self.num_heads // self.heads_per_cta, B, splits), (ATTN_THREADS,), (
             ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(slots), ptr(context_lens),
             np.int32(self.max_context), ptr(part_out), ptr(part_max), ptr(part_sum), ptr(counters),

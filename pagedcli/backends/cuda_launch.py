@@ -107,16 +107,18 @@ def prefill_tiles(num_new: list[int], context_lens: list[int], rows: int, device
     return t["seq"], t["row"], t["start"], t["num_new"]
 
 
-def resident_ctas(kernel, threads: int, device_index: int, fallback: int) -> int:
+def resident_ctas(kernel, threads: int, device_index: int, fallback: int, dynamic_shared: int = 0) -> int:
     """CTAs of a compiled kernel (a cupy.RawKernel) one SM holds at once (registers, shared memory,
-    threads); `fallback` (what the launch bounds promise) where this CuPy lacks the attributes."""
+    static and the launch's `dynamic_shared` bytes, threads); `fallback` (what the launch bounds
+    promise) where this CuPy lacks the attributes."""
     import cupy
 
     try:
         props = cupy.cuda.runtime.getDeviceProperties(device_index)
         regs_per_warp = -(-kernel.num_regs * 32 // 256) * 256  # allocated per warp, 256 at a time
         by_regs = props["regsPerMultiprocessor"] // (regs_per_warp * (threads // 32))
-        by_smem = props["sharedMemPerMultiprocessor"] // (kernel.shared_size_bytes + 1024)  # 1 KiB reserved a CTA
+        shared = kernel.shared_size_bytes + dynamic_shared + 1024  # 1 KiB reserved a CTA
+        by_smem = props["sharedMemPerMultiprocessor"] // shared
         by_threads = props["maxThreadsPerMultiProcessor"] // threads
         return max(1, min(by_regs, by_smem, by_threads))
     except Exception:  # attributes missing in this CuPy: what the launch bounds promise

@@ -89,8 +89,8 @@ def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads
                         block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
                         max_model_len: int | None = None, cache_dtype: torch.dtype | None = None) -> list[dict]:
     """One row per (batch, context): batch, context, paged_ms, paged_gb_per_s, sdpa_ms, sdpa_gb_per_s,
-    max_abs_diff (paged vs SDPA outputs), and the paged kernel's splits, registers per thread and
-    resident CTAs per SM.
+    max_abs_diff (paged vs SDPA outputs), and the paged kernel's name (CudaBackend.decode_kernel:
+    it depends on the batch and max_model_len), splits, registers per thread and resident CTAs per SM.
 
     `max_model_len` (default: the context) is the cache's limit, which sets the paged kernel's
     grid: a larger one shows what a short context costs in an engine sized for long ones.
@@ -120,6 +120,7 @@ def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads
                 cache.grow(slot, context)
             cache.sync_device_table()
             backend = CudaBackend(cache, config)
+            kernel = backend.decode_kernel(batch) if backend.attention_kernel else None  # None: torch ops
 
             steps, sdpa_inputs = [], []
             for c in range(copies):
@@ -149,8 +150,8 @@ def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads
                 paged_ms=paged_ms, paged_gb_per_s=moved / paged_ms / 1e6,
                 sdpa_ms=sdpa_ms, sdpa_gb_per_s=sdpa_moved / sdpa_ms / 1e6,
                 max_abs_diff=diff, splits=backend.shapes.num_splits(batch),
-                registers=backend.kernels["paged_attention_decode"].num_regs,
-                ctas_per_sm=backend.decode_ctas_per_sm,
+                kernel=kernel, registers=backend.kernels[kernel].num_regs if kernel else None,
+                ctas_per_sm=backend.decode_ctas_per_sm.get(kernel),
             ))
             del backend, cache, steps, sdpa_inputs, paged_calls, sdpa_calls
             torch.cuda.empty_cache()

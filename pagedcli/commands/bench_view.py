@@ -169,15 +169,21 @@ def results_table(results: list[dict]) -> Group:
     return Group(*tables)
 
 
+# `bench --kernel`'s rows name the decode kernel that ran (CudaBackend.decode_kernel); the table says which
+DECODE_KERNEL_NAMES = {"paged_attention_decode": "split-KV", "paged_attention_decode_cluster": "clusters",
+                       "paged_attention_decode_mma": "tensor cores"}
+
+
 def kernel_table(rows: list[dict], bandwidth_gbps: float) -> Table:
     pool = f", {rows[0]['kv_dtype']} pool" if rows and rows[0].get("kv_dtype", "").startswith("float8") else ""
     t = Table(title=f"decode attention alone{pool}; bandwidth {bandwidth_gbps:,.0f} GB/s", title_justify="left",
               box=box.SIMPLE_HEAD)
-    for col in ("batch", "context", "paged\nms", "paged\nGB/s", "of band-\nwidth", "SDPA on a\ncontiguous\ncopy, ms",
-                "SDPA\nGB/s", "max |diff|"):
+    for col in ("batch", "context", "paged\nkernel", "paged\nms", "paged\nGB/s", "of band-\nwidth",
+                "SDPA on a\ncontiguous\ncopy, ms", "SDPA\nGB/s", "max |diff|"):
         t.add_column(col, justify="right", min_width=_widest(col))
     for r in rows:
-        t.add_row(str(r["batch"]), str(r["context"]), _f(r["paged_ms"], "{:.4f}"), _f(r["paged_gb_per_s"], "{:,.0f}"),
+        t.add_row(str(r["batch"]), str(r["context"]), DECODE_KERNEL_NAMES.get(r.get("kernel"), "torch ops"),
+                  _f(r["paged_ms"], "{:.4f}"), _f(r["paged_gb_per_s"], "{:,.0f}"),
                   f"{100 * r['paged_gb_per_s'] / bandwidth_gbps:.0f}%", _f(r["sdpa_ms"], "{:.4f}"),
                   _f(r["sdpa_gb_per_s"], "{:,.0f}"), _f(r["max_abs_diff"], "{:.2e}"))
     return t
