@@ -44,3 +44,12 @@ static_assert(KV_DIM == NUM_KV_HEADS * HEAD_DIM, "KV_DIM must be NUM_KV_HEADS * 
 static_assert(V_OFFSET == BLOCK_SIZE * KV_DIM * (int)sizeof(kv_t), "V_OFFSET does not match the pool's dtype");
 static_assert(BLOCK_BYTES == 2 * V_OFFSET, "BLOCK_BYTES must be K + V");
 static_assert(NUM_HEADS % NUM_KV_HEADS == 0, "query heads must be a multiple of kv heads");
+
+// Where token `pos` of a sequence sits in the pool, in bytes from the start of a kv head's K row of
+// block 0: row pos % BLOCK_SIZE of physical block seq_table[pos / BLOCK_SIZE] (the sequence's row
+// of this layer's block table; a -1 there would be a bug, and block 0 keeps the read in bounds).
+// Its V row is V_OFFSET bytes further.
+__device__ __forceinline__ size_t token_offset(const int* __restrict__ seq_table, int pos) {
+    const int block = max(seq_table[pos / BLOCK_SIZE], 0);
+    return (size_t)block * BLOCK_BYTES + (size_t)(pos % BLOCK_SIZE) * ((size_t)KV_DIM * sizeof(kv_t));
+}

@@ -63,7 +63,6 @@ constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(scalar_t);
 static_assert(HEAD_DIM % 2 == 0, "q's elements are read in pairs");
 static_assert(ROW_BYTES % COPY_BYTES == 0, "a head's row must be a whole number of copies");
 constexpr int COPIES_PER_ROW = ROW_BYTES / COPY_BYTES;
-constexpr size_t TOKEN_STRIDE = (size_t)KV_DIM * sizeof(scalar_t);  // bytes from one row of a block to the next
 
 // Shared memory (dynamic): each warp's ring of STAGES (K, V) tiles; at the end the warps' outputs
 // (GQA x HEAD_DIM floats each) reuse it. The launch asks for the size backends/cuda_build.py
@@ -81,11 +80,7 @@ __device__ __forceinline__ void copy_stage(scalar_t* stage, const unsigned char*
         const int r = i / COPIES_PER_ROW, c = i % COPIES_PER_ROW;
         const int pos = key0 + r;
         const bool valid = pos < context;
-        size_t offset = 0;
-        if (valid) {
-            const int block = max(seq_table[pos / BLOCK_SIZE], 0);  // -1 would be a bug; stay in bounds
-            offset = (size_t)block * BLOCK_BYTES + (size_t)(pos % BLOCK_SIZE) * TOKEN_STRIDE + (size_t)c * COPY_BYTES;
-        }
+        const size_t offset = valid ? token_offset(seq_table, pos) + (size_t)c * COPY_BYTES : 0;
         unsigned char* dst = reinterpret_cast<unsigned char*>(stage) + r * ROW_STRIDE * (int)sizeof(scalar_t) +
                              c * COPY_BYTES;
         copy_async<COPY_BYTES>(dst, k_base + offset, valid);

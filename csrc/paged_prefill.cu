@@ -71,7 +71,6 @@ constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(scalar_t);  // a row of q
 constexpr int KV_ROW_BYTES = HEAD_DIM * (int)sizeof(kv_t);  // of K or V in the pool
 static_assert(ROW_BYTES % VEC_BYTES_COPY == 0, "a head's row must be a whole number of copies");
 constexpr int COPIES_PER_ROW = ROW_BYTES / VEC_BYTES_COPY;
-constexpr size_t TOKEN_STRIDE = (size_t)KV_DIM * sizeof(kv_t);  // bytes from one row of a block to the next
 
 #if defined(KV_FP8)
 #if !defined(PREFILL_KV_VEC_BYTES)
@@ -103,11 +102,7 @@ __device__ __forceinline__ void copy_kv_tiles(scalar_t* k_tile, scalar_t* v_tile
         const int r = i / COPIES_PER_ROW, c = i % COPIES_PER_ROW;
         const int pos = first + r;
         const bool valid = pos < limit;
-        size_t offset = 0;
-        if (valid) {
-            const int block = max(seq_table[pos / BLOCK_SIZE], 0);  // -1 would be a bug; stay in bounds
-            offset = (size_t)block * BLOCK_BYTES + (size_t)(pos % BLOCK_SIZE) * TOKEN_STRIDE + (size_t)c * VEC_BYTES_COPY;
-        }
+        const size_t offset = valid ? token_offset(seq_table, pos) + (size_t)c * VEC_BYTES_COPY : 0;
         const int at = r * ROW_STRIDE * (int)sizeof(scalar_t) + c * VEC_BYTES_COPY;  // bytes into a tile
         copy_async<VEC_BYTES_COPY>(reinterpret_cast<unsigned char*>(k_tile) + at, k_base + offset, valid);
         copy_async<VEC_BYTES_COPY>(reinterpret_cast<unsigned char*>(v_tile) + at, k_base + V_OFFSET + offset, valid);
@@ -122,11 +117,7 @@ __device__ __forceinline__ void copy_kv_stage(unsigned char* stage, const unsign
         const int r = i / KV_COPIES_PER_ROW, c = i % KV_COPIES_PER_ROW;
         const int pos = first + r;
         const bool valid = pos < limit;
-        size_t offset = 0;
-        if (valid) {
-            const int block = max(seq_table[pos / BLOCK_SIZE], 0);  // -1 would be a bug; stay in bounds
-            offset = (size_t)block * BLOCK_BYTES + (size_t)(pos % BLOCK_SIZE) * TOKEN_STRIDE + (size_t)c * KV_COPY_BYTES;
-        }
+        const size_t offset = valid ? token_offset(seq_table, pos) + (size_t)c * KV_COPY_BYTES : 0;
         const int at = r * HEAD_DIM + c * KV_COPY_BYTES;
         copy_async<KV_COPY_BYTES>(stage + at, k_base + offset, valid);
         copy_async<KV_COPY_BYTES>(stage + STAGE_BYTES + at, k_base + V_OFFSET + offset, valid);
