@@ -8,12 +8,21 @@
 
 #include "common.cuh"
 #include "async_copy.cuh"
+#include "geometry.cuh"
 
 #if defined(DTYPE_BF16)
 #define MMA_TYPES "bf16.bf16"
 #else
 #define MMA_TYPES "f16.f16"
 #endif
+
+// The head-dim side of the attention kernels' tiles (HEAD_DIM, geometry.cuh).
+constexpr int D_PAD = (HEAD_DIM + 15) / 16 * 16;  // head dim rounded up to the mma's k (pad columns are zeros)
+constexpr int K_STEPS = D_PAD / 16;               // k-steps of Q K^T
+constexpr int O_TILES = D_PAD / 8;                // n-tiles of O (8 head-dim columns each)
+// Shared-memory rows are padded by 16 bytes: the 8 rows one ldmatrix reads then start in
+// different banks (a row stride of 4 mod 8 words).
+constexpr int ROW_STRIDE = D_PAD + 8;  // elements
 
 // Four 8x8 matrices of 16-bit elements; lane l names row l % 8 of matrix l / 8.
 __device__ __forceinline__ void ldmatrix_x4(unsigned int (&r)[4], const scalar_t* p) {

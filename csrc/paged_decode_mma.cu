@@ -49,12 +49,7 @@ static_assert(GQA <= 16, "a kv head's query heads must fit one 16-row mma tile")
 constexpr bool UPPER_ROWS = GQA > 8;  // rows 8 to 15 of the tile hold heads
 constexpr int C_REGS = UPPER_ROWS ? 4 : 2;  // accumulators a lane keeps per n-tile
 
-constexpr int D_PAD = (HEAD_DIM + 15) / 16 * 16;  // head dim rounded up to the mma's k
-constexpr int K_STEPS = D_PAD / 16;               // k-steps of Q K^T
-constexpr int S_TILES = KEYS / 8;                 // n-tiles of S (8 keys each)
-constexpr int O_TILES = D_PAD / 8;                // n-tiles of O (8 head-dim columns each)
-// Shared-memory rows padded by 16 bytes: the 8 rows one ldmatrix reads start in different banks.
-constexpr int ROW_STRIDE = D_PAD + 8;  // elements
+constexpr int S_TILES = KEYS / 8;  // n-tiles of S (8 keys each); D_PAD, K_STEPS, O_TILES, ROW_STRIDE: mma.cuh
 constexpr int TILE_ELEMS = KEYS * ROW_STRIDE;
 constexpr int STAGE_ELEMS = 2 * TILE_ELEMS;  // a K tile, then its V tile
 

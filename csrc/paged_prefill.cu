@@ -56,13 +56,7 @@ static_assert(BLOCK_M == WARP_ROWS * WARPS, "the CTA's rows are its warps' rows"
 static_assert(BLOCK_N % 16 == 0, "a key tile is whole k-steps of the P V product");
 constexpr int GQA = NUM_HEADS / NUM_KV_HEADS;
 
-constexpr int D_PAD = (HEAD_DIM + 15) / 16 * 16;  // head dim rounded up to the mma's k
-constexpr int K_STEPS = D_PAD / 16;               // k-steps of Q K^T
-constexpr int S_TILES = BLOCK_N / 8;              // n-tiles of S (8 keys each)
-constexpr int O_TILES = D_PAD / 8;                // n-tiles of O (8 head-dim columns each)
-// Shared-memory rows are padded by 16 bytes: the 8 rows one ldmatrix reads then start in
-// different banks (a row stride of 4 mod 8 words).
-constexpr int ROW_STRIDE = D_PAD + 8;  // elements
+constexpr int S_TILES = BLOCK_N / 8;  // n-tiles of S (8 keys each); D_PAD, K_STEPS, O_TILES, ROW_STRIDE: mma.cuh
 constexpr int TILE_ELEMS_M = BLOCK_M * ROW_STRIDE;
 constexpr int TILE_ELEMS_N = BLOCK_N * ROW_STRIDE;
 
