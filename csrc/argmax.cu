@@ -72,6 +72,7 @@ __device__ __forceinline__ bool is_finite(float value) {
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(
     const float* __restrict__ logits, long long row_stride, int vocab, long long* __restrict__ tokens,
     unsigned long long* __restrict__ keys, unsigned int* __restrict__ counters) {
+    start_after_previous_kernels();
     const int row = blockIdx.y;
     const int chunk = (vocab + gridDim.x - 1) / gridDim.x;
     const int begin = blockIdx.x * chunk, end = min(vocab, begin + chunk);
@@ -96,6 +97,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows_widen(
     const scalar_t* __restrict__ product, long long product_stride, float* __restrict__ logits,
     long long logits_stride, int vocab, int vectors, long long* __restrict__ tokens,
     unsigned long long* __restrict__ keys, unsigned int* __restrict__ counters) {
+    start_after_previous_kernels();
     const int row = blockIdx.y;
     const int chunk = ((vocab + gridDim.x - 1) / gridDim.x + VEC - 1) / VEC * VEC;
     const int begin = blockIdx.x * chunk, end = min(vocab, begin + chunk);

@@ -164,3 +164,34 @@ __device__ __forceinline__ float rms_scale(float x, float weight, float inv_rms)
 __device__ __forceinline__ float silu_times(float gate, float up) {
     return __fmul_rn(round_to_dtype(__fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate)))), up);
 }
+
+// --- programmatic dependent launch (sm_90+) ----------------------------------------------------
+// On sm_90+ the launcher (pagedcli/backends/cuda_launch.py) lets each of our kernels start before
+// the kernel ahead of it in the stream has finished, so that a chain of short kernels (a decode step
+// at batch 1 is ~80 of them) does not pay each launch, and each first load, after the previous
+// kernel's last byte. Therefore every kernel of ours calls wait_for_previous_kernels() before its
+// first read of anything an earlier kernel wrote and before its first write: it returns once the
+// kernel ahead has completed and its writes are visible (and so, transitively, every kernel before
+// that one). Only what no kernel writes may be read before it: gemv.cu loads its first weight tile
+// there. A CPU test (tests/test_kernels_compile.py) checks every kernel's PTX for this order.
+// A kernel may be scheduled early once every CTA of the one ahead has called allow_next_kernel()
+// (or exited); ours call it at their start, so that the next kernel's CTAs take each SM as this
+// kernel's CTAs leave it, and gemv.cu's then have their first weights in flight. Launched without
+// the attribute (before sm_90, or PROGRAMMATIC_LAUNCH off) both are no-ops.
+__device__ __forceinline__ void allow_next_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_previous_kernels() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Both, for a kernel that has nothing to do before the wait.
+__device__ __forceinline__ void start_after_previous_kernels() {
+    allow_next_kernel();
+    wait_for_previous_kernels();
+}

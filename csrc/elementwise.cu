@@ -62,12 +62,14 @@ __device__ __forceinline__ void rms_norm_impl(scalar_t* __restrict__ x, const sc
 extern "C" __global__ void __launch_bounds__(1024) rms_norm_vec(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ weight, scalar_t* __restrict__ out, int hidden,
     float eps) {
+    start_after_previous_kernels();
     rms_norm_impl<VEC, false>(const_cast<scalar_t*>(x), nullptr, weight, out, hidden, eps);  // (not written)
 }
 
 extern "C" __global__ void __launch_bounds__(1024) rms_norm_scalar(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ weight, scalar_t* __restrict__ out, int hidden,
     float eps) {
+    start_after_previous_kernels();
     rms_norm_impl<1, false>(const_cast<scalar_t*>(x), nullptr, weight, out, hidden, eps);  // (not written)
 }
 
@@ -75,12 +77,14 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_scalar(
 extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_vec(
     scalar_t* __restrict__ residual, const scalar_t* __restrict__ product, const scalar_t* __restrict__ weight,
     scalar_t* __restrict__ out, int hidden, float eps) {
+    start_after_previous_kernels();
     rms_norm_impl<VEC, true>(residual, product, weight, out, hidden, eps);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_scalar(
     scalar_t* __restrict__ residual, const scalar_t* __restrict__ product, const scalar_t* __restrict__ weight,
     scalar_t* __restrict__ out, int hidden, float eps) {
+    start_after_previous_kernels();
     rms_norm_impl<1, true>(residual, product, weight, out, hidden, eps);
 }
 
@@ -104,10 +108,12 @@ __device__ __forceinline__ void silu_mul_impl(const scalar_t* __restrict__ gate_
 
 extern "C" __global__ void silu_mul_vec(const scalar_t* __restrict__ gate_up, scalar_t* __restrict__ out, int inter,
                                         long long total) {
+    start_after_previous_kernels();
     silu_mul_impl<VEC>(gate_up, out, inter, total);
 }
 
 extern "C" __global__ void silu_mul_scalar(const scalar_t* __restrict__ gate_up, scalar_t* __restrict__ out,
                                            int inter, long long total) {
+    start_after_previous_kernels();
     silu_mul_impl<1>(gate_up, out, inter, total);
 }

@@ -108,11 +108,13 @@ __device__ __forceinline__ void quantize_rows_impl(const scalar_t* __restrict__ 
     extern "C" __global__ void __launch_bounds__(1024) quantize_rows_##SUFFIX(                                   \
         const scalar_t* __restrict__ x, long long x_stride, unsigned char* __restrict__ values,                \
         float* __restrict__ scales, int hidden) {                                                               \
+        start_after_previous_kernels();                                                                         \
         quantize_rows_impl<V, false>(x, x_stride, nullptr, 0.0f, values, scales, hidden);                       \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(1024) rms_norm_quantize_rows_##SUFFIX(                          \
         const scalar_t* __restrict__ x, long long x_stride, const scalar_t* __restrict__ weight, float eps,    \
         unsigned char* __restrict__ values, float* __restrict__ scales, int hidden) {                           \
+        start_after_previous_kernels();                                                                         \
         quantize_rows_impl<V, true>(x, x_stride, weight, eps, values, scales, hidden);                          \
     }
 

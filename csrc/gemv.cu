@@ -15,7 +15,8 @@
 //     (after gate/up: one warp computes gate row i and up row i one after the other, so only the
 //     activation is written and down reads half as much), or RoPE and the K/V write (after qkv: a
 //     warp computes the two rows of a rotary pair, rotates them and writes q, or k and v into their
-//     cache block, as kv_write.cu does); the first weight tile is loaded before the input is staged.
+//     cache block, as kv_write.cu does); the first weight tile is loaded before the input is staged,
+//     and on sm_90+ before the previous kernel has finished (common.cuh's programmatic launch).
 //
 // L2: a weight byte is read once a step, and the weights (2.5 GB at Llama-3.2-1B) stream through
 // an L2 of 50 MB. With GEMV_EVICT_FIRST=1 the weight loads mark their lines first to go, so what is
@@ -295,6 +296,14 @@ __device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __re
     };
     int unit = blockIdx.x * groups + warp / split;
 
+    // The first tile's loads go out before anything else: no kernel writes the weights, so they may
+    // be read before the previous kernel has finished (common.cuh's programmatic launch), and they
+    // are in flight while the input is staged.
+    allow_next_kernel();
+    uint4 w[GEMV_UNROLL];
+    if (unit < units) load_tile(W, weight_row(unit, 0), tile_begin, K, lane, w);
+    wait_for_previous_kernels();
+
     // What lane m needs to write row m besides the sums, read early, so that the end of a unit waits
     // on fewer reads: its token's position and sequence (OUT_ROPE_KV), and the residual it adds to
     // (OUT_ADD), read for each unit with the unit's first weights (no other warp writes it).
@@ -309,9 +318,6 @@ __device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __re
     };
     float residual = residual_of(unit), next_residual = 0.0f;
 
-    // The first tile's loads go out before the input is staged: they are in flight meanwhile.
-    uint4 w[GEMV_UNROLL];
-    if (unit < units) load_tile(W, weight_row(unit, 0), tile_begin, K, lane, w);
     stage_input<M, IN>(xs, rows, in, in_stride, norm_weight, eps, K);
     __syncthreads();
 

@@ -129,6 +129,12 @@ __device__ __forceinline__ void rope_write_kv_impl(ROPE_WRITE_KV_PARAMS) {
     }
 }
 
-extern "C" __global__ void rope_write_kv_vec(ROPE_WRITE_KV_PARAMS) { rope_write_kv_impl<ROPE_VEC>(ROPE_WRITE_KV_ARGS); }
+extern "C" __global__ void rope_write_kv_vec(ROPE_WRITE_KV_PARAMS) {
+    start_after_previous_kernels();
+    rope_write_kv_impl<ROPE_VEC>(ROPE_WRITE_KV_ARGS);
+}
 
-extern "C" __global__ void rope_write_kv_scalar(ROPE_WRITE_KV_PARAMS) { rope_write_kv_impl<1>(ROPE_WRITE_KV_ARGS); }
+extern "C" __global__ void rope_write_kv_scalar(ROPE_WRITE_KV_PARAMS) {
+    start_after_previous_kernels();
+    rope_write_kv_impl<1>(ROPE_WRITE_KV_ARGS);
+}

@@ -750,6 +750,7 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
 // ATTN_MIN_CTAS resident CTAs per SM bound the registers (the compiler would otherwise take more,
 // and fewer CTAs would keep fewer loads in flight).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) paged_attention_decode(ATTENTION_PARAMS) {
+    start_after_previous_kernels();
     attention<1>(ATTENTION_ARGS);
 }
 
@@ -760,6 +761,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) paged_
 #if __CUDA_ARCH__ >= 900
 extern "C" __global__ void __cluster_dims__(1, 1, ATTN_CLUSTER) __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS)
     paged_attention_decode_cluster(ATTENTION_PARAMS) {
+    start_after_previous_kernels();
     attention<ATTN_CLUSTER>(ATTENTION_ARGS);
 }
 #endif

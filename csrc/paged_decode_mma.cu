@@ -155,6 +155,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_decode_mma
     scalar_t* __restrict__ out, const scalar_t* __restrict__ q, const unsigned char* __restrict__ pool,
     const int* __restrict__ table, long long table_slot_stride, const int* __restrict__ slots,
     const int* __restrict__ context_lens, int max_context, float scale_log2) {
+    start_after_previous_kernels();
 #if __CUDA_ARCH__ >= 800
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ float warp_max[WARPS][GQA], warp_sum[WARPS][GQA];

@@ -251,6 +251,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
     const int* __restrict__ table, long long table_slot_stride, const int* __restrict__ tile_seq,
     const int* __restrict__ tile_row, const int* __restrict__ seq_start, const int* __restrict__ num_new,
     const int* __restrict__ context_lens, const int* __restrict__ slots, float scale_log2 KV_SCALE_PARAMS) {
+    start_after_previous_kernels();
 #if __CUDA_ARCH__ >= 800
     extern __shared__ __align__(16) unsigned char smem_raw[];
     scalar_t* const q_tile = reinterpret_cast<scalar_t*>(smem_raw);

@@ -93,6 +93,35 @@ def test_llama_1b_shapes_bf16_match_transformers_or_diverge_at_a_near_tie(batch,
     print(report)
 
 
+@pytest.mark.parametrize("batch", [1, 2, 5, 64])  # gemv.cu's buckets 1 and 2; cuBLAS, split-KV; tensor cores
+def test_programmatic_launch_changes_no_logit(batch, monkeypatch):
+    """On sm_90+ each kernel of ours may start before the previous one has finished, and waits for
+    it inside (cuda_launch.Launcher, csrc/common.cuh). The Llama-3.2-1B shapes in bf16, prompts of
+    1 to 300 tokens (the prefill kernel too), 40 steps through CUDA graphs: the tokens and the
+    log-probabilities of the top 5 are those of the same engine whose launches all wait, to the
+    bit. A kernel that read its input before the wait would race and, sooner or later, differ."""
+    from pagedcli.backends import cuda as cuda_backend
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    opts = EngineOptions(model="random:llama-3.2-1b", device="cuda", dtype="bfloat16", batch=batch, shuffle_blocks=3,
+                         cache_size="1GiB")
+    model = load_model(opts)
+    model.weights.lm_head.mul_(8)
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(128000) for _ in range(rng.choice([1, 17, 64, 300]))] for _ in range(batch)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=5)
+    runs = []
+    for programmatic in (True, False):
+        monkeypatch.setattr(cuda_backend, "PROGRAMMATIC_LAUNCH", programmatic)
+        engine = build_engine(model, opts)
+        assert engine.runner.model.backend.launch.programmatic == programmatic
+        seqs = engine.run_to_completion(prompts, params)
+        runs.append([(s.output_token_ids, [(t.logprob, t.top) for t in s.logprobs]) for s in seqs])
+        del engine
+    assert runs[0] == runs[1]
+
+
 def test_cuda_backend_equals_torch_backend_on_gpu(stories):
     """Same engine, same GPU, only the backend differs (torch reference vs our kernels)."""
     from pagedcli.backends import TorchBackend

@@ -298,3 +298,60 @@ def test_shared_memory_mirror_matches_the_kernel():
                                                       Build("ATTN_STAGES 8", "paged_attention.cu", bigger)])
     assert ok, err
     assert not ok_bigger and "shared memory over 48 KiB" in err_bigger
+
+
+def ptx_of(build: Build) -> str:
+    """The PTX nvcc makes of a build, with the full optimizer (the order of its memory operations is
+    what the backend's NVRTC build has)."""
+    folder = kernel_folder()
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [NVCC, *COMPILE_OPTIONS, f"-arch={build.arch}", "-ptx", "-o", f"{tmp}/out.ptx", f"-I{folder}",
+               *define_flags(build.defines), str(folder / build.file)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-600:]
+        return Path(f"{tmp}/out.ptx").read_text()
+
+
+# A PTX instruction that reads or writes global memory (or memory of unknown space): ld, st, atom,
+# red, cp.async and prefetch, unless of the kernel's parameters, shared or local memory.
+GLOBAL_ACCESS = re.compile(r"^\s*(?:@%p\d+\s+)?(ldu?|st|atom|red|cp\.async|prefetch)(?!\.(?:param|shared|local|const)\b)"
+                           r"(?:\.[\w:]+)*\s", re.M)
+# gemv.cu's weight loads (load_weight: past L1 with an L2 eviction hint, or plain read-only loads),
+# the only global access a kernel of ours makes before wait_for_previous_kernels.
+WEIGHT_LOAD = re.compile(r"ld\.global\.nc(?:\.L1::no_allocate\.L2::cache_hint)?\.v4\.u32")
+
+
+def test_every_kernel_waits_for_the_previous_kernel_before_touching_memory():
+    """On sm_90+ our kernels are launched to start before the previous kernel in the stream has
+    finished (cuda_launch.Launcher, csrc/common.cuh): each must execute griddepcontrol.wait before
+    any access to global memory, but gemv.cu's loads of its first weight tile (which no kernel
+    writes), and lets the next kernel be scheduled before its own end. Checked in the PTX of every
+    file of the Llama-3.2-1B plan, bf16 and fp8 pools, fp8 weights, and float32; a kernel that read
+    its input or wrote its output before the wait would race with the kernel before it."""
+    config = preset_configs()["llama-3.2-1b"]
+    builds = {}
+    for dtype, pool in ((torch.bfloat16, None), (torch.bfloat16, FP8_DTYPE), (torch.float32, None)):
+        plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True, fp8_weights=True)
+        for file, (defines, names) in plan.files.items():
+            builds.setdefault((file, defines), Build(f"{dtype} {pool}", file, defines, cubin=False, names=names))
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        ptxs = list(pool.map(ptx_of, builds.values()))
+    checked, problems = 0, []
+    for build, ptx in zip(builds.values(), ptxs):
+        for name, body in re.findall(r"\.entry\s+(\w+)\s*\((.*?)(?=\.entry\s|\Z)", ptx, re.S):
+            if name not in build.names:
+                continue
+            checked += 1
+            wait = body.find("griddepcontrol.wait;")
+            if wait < 0 or "griddepcontrol.launch_dependents;" not in body:
+                problems.append(f"{build.file} {name}: no griddepcontrol.wait, or no launch_dependents")
+                continue
+            early = [m.group(0).strip() for m in GLOBAL_ACCESS.finditer(body[:wait])]
+            allowed = name.startswith(("gemv_", "gemv8_"))
+            bad = [line for line in early if not (allowed and WEIGHT_LOAD.search(line))]
+            if bad:
+                problems.append(f"{build.file} {name}: before the wait: {bad[:3]}")
+            if allowed and not early:
+                problems.append(f"{build.file} {name}: no weight load before the wait (the overlap is lost)")
+    assert not problems, "\n".join(problems)
+    assert checked >= 40, f"only {checked} kernels checked"

@@ -33,6 +33,7 @@ VARIANTS = {
     "gemv (default)": {},
     "no overlap": {"overlap": False},  # an EngineOptions field: the engine waits for each step's tokens
     "no evict_first": {"GEMV_EVICT_FIRST": 0},
+    "no programmatic launch": {"PROGRAMMATIC_LAUNCH": False},  # every kernel waits for the previous one's end
     "gemv: no split-K": {"GEMV_SPLITS": (1,)},  # one warp per row, whatever the row count
     "attention: no clusters": {"ATTN_CLUSTER": 1},
     "attention: cluster min span 32": {"CLUSTER_MIN_SPAN": 32},

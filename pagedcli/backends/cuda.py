@@ -44,7 +44,7 @@ import torch
 from pagedcli.backends import composed
 from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, DECODE_MMA_WARPS,
                                           DTYPE_DEFINES, GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS,
-                                          ROPE_VEC_MIN_CTAS_PER_SM, SILU_THREADS, VEC_BYTES,
+                                          PROGRAMMATIC_LAUNCH, ROPE_VEC_MIN_CTAS_PER_SM, SILU_THREADS, VEC_BYTES,
                                           fp8_fallback_note, gemv_kernel_names, plan_kernels)
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
 from pagedcli.backends.cuda_fp8_gemm import fp8_gemm, scaled_mm_missing
@@ -132,7 +132,7 @@ class CudaBackend:
         if self.decode_mma_shared:
             self.decode_ctas_per_sm["paged_attention_decode_mma"] = resident_ctas(
                 self.kernels["paged_attention_decode_mma"], DECODE_MMA_WARPS * 32, d, 1, self.decode_mma_shared)
-        self.launch = Launcher(self.kernels, d)
+        self.launch = Launcher(self.kernels, d, programmatic=PROGRAMMATIC_LAUNCH and capability >= (9, 0))
 
     def _layer_table(self, layer: int) -> tuple[np.uint64, np.int64, np.int32]:
         """This layer's block table as the kernels index it: table[slot * slot_stride + block]."""

@@ -9,7 +9,11 @@ reused by every layer and step. Prefill steps are not captured: their tiles foll
 
 from __future__ import annotations
 
+import ctypes
 import math
+import struct
+import sys
+import threading
 import warnings
 
 import numpy as np
@@ -37,16 +41,80 @@ def aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % VEC_BYTES == 0 for t in tensors)
 
 
+class _LaunchAttribute(ctypes.Structure):  # cuda.h's CUlaunchAttribute: an id, then a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # cuda.h's CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h's CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def _driver_launch_ex():
+    """The CUDA driver's cuLaunchKernelEx (CUDA 12.0+), or None where the driver lacks it."""
+    try:
+        driver = ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
+        launch = driver.cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    launch.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    launch.restype = ctypes.c_int
+    return launch
+
+
+# struct formats of a kernel argument, each value in an 8-byte slot of its own (cuLaunchKernelEx
+# reads each through its own pointer, as many bytes as its parameter's type)
+_SLOT_FORMATS = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.uint32): "I4x",
+                 np.dtype(np.int32): "i4x", np.dtype(np.float32): "f4x"}
+MAX_KERNEL_ARGS = 32
+
+
+class KernelArguments:
+    """The buffer a launch's arguments are packed into for cuLaunchKernelEx, and the array of
+    pointers to its slots that the call takes; reused by every launch (the driver has read the values
+    when the call returns), under a lock in case two threads launch at once."""
+
+    def __init__(self):
+        self.values = ctypes.create_string_buffer(8 * MAX_KERNEL_ARGS)
+        base = ctypes.addressof(self.values)
+        self.pointers = (ctypes.c_void_p * MAX_KERNEL_ARGS)(*range(base, base + 8 * MAX_KERNEL_ARGS, 8))
+        self.lock = threading.Lock()
+
+    def pack(self, args: tuple) -> None:
+        """Each argument (a numpy scalar of its parameter's type: ptr() for pointers) into its slot."""
+        try:
+            fmt = "<" + "".join(_SLOT_FORMATS[a.dtype] for a in args)
+        except (AttributeError, KeyError):
+            raise TypeError(f"kernel arguments must be numpy scalars of the parameters' types, not {args}") from None
+        if len(args) > MAX_KERNEL_ARGS:
+            raise ValueError(f"{len(args)} kernel arguments: at most {MAX_KERNEL_ARGS}")
+        struct.pack_into(fmt, self.values, 0, *args)
+
+
 class Launcher:
     """Launches compiled kernels (cupy.RawKernel) on torch's current stream: the capture stream
-    while a CUDA graph is captured, so our kernels land in the graph beside torch's."""
+    while a CUDA graph is captured, so our kernels land in the graph beside torch's.
 
-    def __init__(self, kernels: dict, device_index: int):
+    With `programmatic` (sm_90+, cuda_build.PROGRAMMATIC_LAUNCH) each launch goes through the
+    driver's cuLaunchKernelEx with programmatic stream serialization: the kernel may start before
+    the previous kernel in the stream has finished, and waits for it where common.cuh says
+    (`wait_for_previous_kernels`, which every kernel of ours calls). CUDA graphs keep the edge."""
+
+    def __init__(self, kernels: dict, device_index: int, programmatic: bool = False):
         import cupy
 
         self.kernels, self.device_index = kernels, device_index
         self._device = cupy.cuda.Device(device_index)
         self._streams: dict[int, object] = {}  # torch stream handle -> cupy.cuda.ExternalStream
+        self._launch_ex = _driver_launch_ex() if programmatic else None
+        self.programmatic = self._launch_ex is not None
+        self._functions: dict[str, int] = {}  # kernel name -> its CUfunction on this device
+        self._arguments = KernelArguments()
+        self._attribute = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION, b"", (1).to_bytes(4, "little"))
+        self._config = _LaunchConfig(attrs=ctypes.pointer(self._attribute), num_attrs=1)
 
     def __call__(self, kernel: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
         import cupy
@@ -54,6 +122,9 @@ class Launcher:
         # the raw handle: torch.cuda.current_stream() builds a Stream object, ~10 us a launch, which
         # an eager prefill step's ~80 launches felt (docs/performance.md, "Under arrivals")
         handle = torch._C._cuda_getCurrentRawStream(self.device_index)
+        if self.programmatic:
+            self._launch_programmatic(kernel, grid, block, args, shared_mem, handle)
+            return
         stream = self._streams.get(handle)
         if stream is None:
             with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; older ones lack the successor
@@ -61,6 +132,21 @@ class Launcher:
                 stream = self._streams[handle] = cupy.cuda.ExternalStream(handle, self.device_index)
         with self._device, stream:
             self.kernels[kernel](grid, block, args, shared_mem=shared_mem)
+
+    def _launch_programmatic(self, kernel: str, grid: tuple, block: tuple, args: tuple, shared_mem: int,
+                             stream: int) -> None:
+        with self._device, self._arguments.lock:
+            function = self._functions.get(kernel)
+            if function is None:
+                function = self._functions[kernel] = self.kernels[kernel].kernel.ptr
+            self._arguments.pack(args)
+            config = self._config
+            config.grid[:] = (*grid, *(1,) * (3 - len(grid)))
+            config.block[:] = (*block, *(1,) * (3 - len(block)))
+            config.shared_mem, config.stream = shared_mem, stream
+            status = self._launch_ex(ctypes.byref(config), function, self._arguments.pointers, None)
+        if status != 0:  # a CUresult: what cupy's launch would have raised, with the kernel's name
+            raise RuntimeError(f"cuLaunchKernelEx of {kernel} (grid {grid}, block {block}) failed: CUresult {status}")
 
 
 def leading_single_rows(num_new: list[int]) -> int:
