@@ -53,10 +53,17 @@ class _LaunchConfig(ctypes.Structure):  # cuda.h's CUlaunchConfig
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h's CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+PROGRAMMATIC_MIN_DRIVER = 12030  # CUDA 12.3: CUDA graphs capture programmatic launches from 12.3 on
+
+
 def _driver_launch_ex():
-    """The CUDA driver's cuLaunchKernelEx (CUDA 12.0+), or None where the driver lacks it."""
+    """The CUDA driver's cuLaunchKernelEx, or None where the driver is older than
+    PROGRAMMATIC_MIN_DRIVER (or lacks it)."""
     try:
         driver = ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if driver.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value < PROGRAMMATIC_MIN_DRIVER:
+            return None
         launch = driver.cuLaunchKernelEx
     except (OSError, AttributeError):
         return None
