@@ -173,11 +173,13 @@ __device__ __forceinline__ float silu_times(float gate, float up) {
 // first read of anything an earlier kernel wrote and before its first write: it returns once the
 // kernel ahead has completed and its writes are visible (and so, transitively, every kernel before
 // that one). Only what no kernel writes may be read before it: gemv.cu loads its first weight tile
-// there. A CPU test (tests/test_kernels_compile.py) checks every kernel's PTX for this order.
+// there. A CPU test (tests/test_kernels_compile.py) checks this order in the PTX of every kernel
+// the Llama-3.2-1B plan builds (bf16 and fp8 pools, fp8 weights, float32).
 // A kernel may be scheduled early once every CTA of the one ahead has called allow_next_kernel()
 // (or exited); ours call it at their start, so that the next kernel's CTAs take each SM as this
 // kernel's CTAs leave it, and gemv.cu's then have their first weights in flight. Launched without
-// the attribute (before sm_90, or PROGRAMMATIC_LAUNCH off) both are no-ops.
+// the attribute (before sm_90, a driver before CUDA 12.3, or PROGRAMMATIC_LAUNCH off) both are
+// no-ops.
 __device__ __forceinline__ void allow_next_kernel() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

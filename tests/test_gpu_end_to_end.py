@@ -102,8 +102,12 @@ def test_programmatic_launch_changes_no_logit(batch, monkeypatch):
     bit. A kernel that read its input before the wait would race and, sooner or later, differ."""
     from pagedcli.backends import cuda as cuda_backend
 
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    import cupy
+
+    from pagedcli.backends.cuda_launch import PROGRAMMATIC_MIN_DRIVER
+
+    if torch.cuda.get_device_capability() < (9, 0) or cupy.cuda.runtime.driverGetVersion() < PROGRAMMATIC_MIN_DRIVER:
+        pytest.skip("programmatic dependent launch needs sm_90 and a CUDA 12.3 driver or newer")
     opts = EngineOptions(model="random:llama-3.2-1b", device="cuda", dtype="bfloat16", batch=batch, shuffle_blocks=3,
                          cache_size="1GiB")
     model = load_model(opts)

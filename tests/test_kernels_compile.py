@@ -313,12 +313,14 @@ def ptx_of(build: Build) -> str:
 
 
 # A PTX instruction that reads or writes global memory (or memory of unknown space): ld, st, atom,
-# red, cp.async and prefetch, unless of the kernel's parameters, shared or local memory.
-GLOBAL_ACCESS = re.compile(r"^\s*(?:@%p\d+\s+)?(ldu?|st|atom|red|cp\.async|prefetch)(?!\.(?:param|shared|local|const)\b)"
-                           r"(?:\.[\w:]+)*\s", re.M)
-# gemv.cu's weight loads (load_weight: past L1 with an L2 eviction hint, or plain read-only loads),
-# the only global access a kernel of ours makes before wait_for_previous_kernels.
-WEIGHT_LOAD = re.compile(r"ld\.global\.nc(?:\.L1::no_allocate\.L2::cache_hint)?\.v4\.u32")
+# red, cp.async and prefetch, unless of the kernel's parameters, shared or local memory; and a call
+# (whatever it does is out of sight here).
+GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:(?:ldu?|st|atom|red|cp\.async|prefetch|tex|multimem)"
+                           r"(?!\.(?:param|shared|local|const)\b)(?:\.[\w:]+)*\s|call\b)", re.M)
+# gemv.cu's weight loads (load_weight with GEMV_EVICT_FIRST, the plan's: past L1 with an L2
+# eviction hint, which no other load of gemv.cu has), the only global access a kernel of ours
+# makes before wait_for_previous_kernels.
+WEIGHT_LOAD = re.compile(r"ld\.global\.nc\.L1::no_allocate\.L2::cache_hint\.v4\.u32")
 
 
 def test_every_kernel_waits_for_the_previous_kernel_before_touching_memory():

@@ -58,9 +58,10 @@ DECODE_MMA_WARPS = 4
 DECODE_MMA_KEYS = 16
 DECODE_MMA_STAGES = 2
 DECODE_MMA_MAX_GQA = 16  # the group's query heads are the rows of one 16-row mma tile
-# sm_90+: each of our kernels may start while the one before it still runs (programmatic dependent
-# launch, csrc/common.cuh), so that a chain of short kernels overlaps each launch and first load
-# with the previous kernel's end; off: every launch waits for the previous kernel to finish.
+# sm_90+ with a CUDA 12.3+ driver: each of our kernels may start while the one before it still runs
+# (programmatic dependent launch, csrc/common.cuh), so that a chain of short kernels overlaps each
+# launch and first load with the previous kernel's end; off: every launch waits for the previous
+# kernel to finish.
 PROGRAMMATIC_LAUNCH = True
 H100_MAX_SHARED = 227 * 1024  # shared memory a CTA may opt in to on sm_90 (the plan's default GPU)
 KV_WRITE_THREADS = 128

@@ -105,8 +105,9 @@ class Launcher:
     """Launches compiled kernels (cupy.RawKernel) on torch's current stream: the capture stream
     while a CUDA graph is captured, so our kernels land in the graph beside torch's.
 
-    With `programmatic` (sm_90+, cuda_build.PROGRAMMATIC_LAUNCH) each launch goes through the
-    driver's cuLaunchKernelEx with programmatic stream serialization: the kernel may start before
+    With `programmatic` (sm_90+, cuda_build.PROGRAMMATIC_LAUNCH) and a driver of CUDA 12.3 or newer
+    (`self.programmatic` says whether) each launch goes through the driver's cuLaunchKernelEx
+    with programmatic stream serialization: the kernel may start before
     the previous kernel in the stream has finished, and waits for it where common.cuh says
     (`wait_for_previous_kernels`, which every kernel of ours calls). CUDA graphs keep the edge."""
 
