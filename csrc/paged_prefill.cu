@@ -87,35 +87,38 @@ static_assert(SMEM_BYTES == PREFILL_SHARED_BYTES, "cuda_build.prefill_shared_byt
 
 // --- the phases -----------------------------------------------------------------------------
 
-// Copy the key and value rows of `rows` positions starting at `first` of the sequence into their
-// shared tiles (one block-table lookup serves both); rows at or past `limit` become zeros (so
-// 0 x garbage can never make a NaN).
-__device__ __forceinline__ void copy_kv_tiles(scalar_t* k_tile, scalar_t* v_tile, const unsigned char* __restrict__ k_base,
-                                              const int* __restrict__ seq_table, int first, int limit, int tid) {
-    for (int i = tid; i < BLOCK_N * COPIES_PER_ROW; i += THREADS) {
-        const int r = i / COPIES_PER_ROW, c = i % COPIES_PER_ROW;
+// Copy the key and value rows of BLOCK_N positions starting at `first` of the sequence, COPY pool
+// bytes at a time, into k_dst and v_dst (rows DST_ROW bytes apart; one block-table lookup serves
+// both); rows at or past `limit` become zeros (so 0 x garbage can never make a NaN).
+template <int COPY, int DST_ROW>
+__device__ __forceinline__ void copy_kv_rows(unsigned char* k_dst, unsigned char* v_dst,
+                                             const unsigned char* __restrict__ k_base,
+                                             const int* __restrict__ seq_table, int first, int limit, int tid) {
+    constexpr int COPIES = KV_ROW_BYTES / COPY;  // whole: the file's static_asserts above
+    for (int i = tid; i < BLOCK_N * COPIES; i += THREADS) {
+        const int r = i / COPIES, c = i % COPIES;
         const int pos = first + r;
         const bool valid = pos < limit;
-        const size_t offset = valid ? token_offset(seq_table, pos) + (size_t)c * VEC_BYTES_COPY : 0;
-        const int at = r * ROW_STRIDE * (int)sizeof(scalar_t) + c * VEC_BYTES_COPY;  // bytes into a tile
-        copy_async<VEC_BYTES_COPY>(reinterpret_cast<unsigned char*>(k_tile) + at, k_base + offset, valid);
-        copy_async<VEC_BYTES_COPY>(reinterpret_cast<unsigned char*>(v_tile) + at, k_base + V_OFFSET + offset, valid);
+        const size_t offset = valid ? token_offset(seq_table, pos) + (size_t)c * COPY : 0;
+        const int at = r * DST_ROW + c * COPY;  // bytes into a tile
+        copy_async<COPY>(k_dst + at, k_base + offset, valid);
+        copy_async<COPY>(v_dst + at, k_base + V_OFFSET + offset, valid);
     }
 }
 
+// A pool in the model dtype: straight into the K and V tiles the mma reads.
+__device__ __forceinline__ void copy_kv_tiles(scalar_t* k_tile, scalar_t* v_tile, const unsigned char* __restrict__ k_base,
+                                              const int* __restrict__ seq_table, int first, int limit, int tid) {
+    copy_kv_rows<VEC_BYTES_COPY, ROW_STRIDE * (int)sizeof(scalar_t)>(
+        reinterpret_cast<unsigned char*>(k_tile), reinterpret_cast<unsigned char*>(v_tile), k_base, seq_table, first,
+        limit, tid);
+}
+
 #if defined(KV_FP8)
-// copy_kv_tiles for an fp8 pool: the e4m3 rows into a staging buffer (K, then V at STAGE_BYTES).
+// An fp8 pool: the e4m3 rows into a staging buffer (K, then V at STAGE_BYTES).
 __device__ __forceinline__ void copy_kv_stage(unsigned char* stage, const unsigned char* __restrict__ k_base,
                                               const int* __restrict__ seq_table, int first, int limit, int tid) {
-    for (int i = tid; i < BLOCK_N * KV_COPIES_PER_ROW; i += THREADS) {
-        const int r = i / KV_COPIES_PER_ROW, c = i % KV_COPIES_PER_ROW;
-        const int pos = first + r;
-        const bool valid = pos < limit;
-        const size_t offset = valid ? token_offset(seq_table, pos) + (size_t)c * KV_COPY_BYTES : 0;
-        const int at = r * HEAD_DIM + c * KV_COPY_BYTES;
-        copy_async<KV_COPY_BYTES>(stage + at, k_base + offset, valid);
-        copy_async<KV_COPY_BYTES>(stage + STAGE_BYTES + at, k_base + V_OFFSET + offset, valid);
-    }
+    copy_kv_rows<KV_COPY_BYTES, HEAD_DIM>(stage, stage + STAGE_BYTES, k_base, seq_table, first, limit, tid);
 }
 
 // KV_COPY_BYTES e4m3 values as as many elements of the model dtype (times E4M3_UNPACK_FACTOR).
