@@ -8,6 +8,7 @@
 
 #include "common.cuh"
 #include "async_copy.cuh"
+#include "fp8.cuh"
 #include "geometry.cuh"
 
 #if defined(DTYPE_BF16)
@@ -117,3 +118,35 @@ __device__ __forceinline__ void online_softmax_rows(float (&s)[N][C], float (&o)
         o[d][2 * half + 1] *= correction;
     }
 }
+
+#if defined(KV_FP8)
+// BYTES e4m3 values of an fp8 pool (8 or 16) as as many elements of the model dtype, times
+// E4M3_UNPACK_FACTOR (fp8.cuh): exact, every e4m3 value is a bf16 and an fp16 number. The tiles
+// the mma reads are then the model dtype's, and the kernels fold the factor out with the scales.
+template <int BYTES>
+__device__ __forceinline__ void e4m3_to_elements(const unsigned char* src, scalar_t* dst) {
+    constexpr int WORDS = BYTES / 4;
+    unsigned int in[WORDS], out[2 * WORDS];
+    if constexpr (WORDS == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(src);
+        in[0] = v.x, in[1] = v.y, in[2] = v.z, in[3] = v.w;
+    } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(src);
+        in[0] = v.x, in[1] = v.y;
+    }
+#pragma unroll
+    for (int w = 0; w < WORDS; ++w) {
+#if defined(DTYPE_F16)
+        e4m3x4_halves(in[w], out[2 * w], out[2 * w + 1]);
+#else
+        float a, b, c, d;
+        e4m3x4_scaled(in[w], a, b, c, d);
+        out[2 * w] = pack2(a, b), out[2 * w + 1] = pack2(c, d);
+#endif
+    }
+#pragma unroll
+    for (int w = 0; w < 2 * WORDS; w += 4) {
+        *reinterpret_cast<uint4*>(dst + 2 * w) = make_uint4(out[w], out[w + 1], out[w + 2], out[w + 3]);
+    }
+}
+#endif

@@ -23,8 +23,14 @@
 //
 // Every K/V access goes through the block table: token i of a sequence is row i % BLOCK_SIZE of
 // physical block table[slot][layer][i / BLOCK_SIZE]. A sequence with context length 0 (a padding
-// row) gets zeros. Pools in the model dtype only (bf16, fp16); an fp8 pool and float32 take
-// paged_attention.cu.
+// row) gets zeros. Pools in the model dtype (bf16, fp16) or fp8; float32 takes paged_attention.cu.
+//
+// An fp8 pool (-DKV_FP8, geometry.cuh): a warp's ring holds e4m3 tiles (a byte an element, rows
+// unpadded); once tile i has landed each lane converts the bytes it copied itself into the warp's
+// one K and one V tile in the model dtype (mma.cuh's e4m3_to_elements: exact, times
+// E4M3_UNPACK_FACTOR), which the mma reads, while the ring's next tiles fly. A CTA is one kv head,
+// so its K scale (and 1 / that factor) is one factor of the softmax's scale and its V scale one of
+// the normalisation: the loops are the model dtype's, as in paged_prefill.cu.
 
 #include "async_copy.cuh"
 #include "geometry.cuh"
@@ -34,8 +40,8 @@
     !defined(DECODE_MMA_VEC_BYTES) || !defined(DECODE_MMA_SHARED_BYTES)
 #error "paged_decode_mma.cu needs -DDECODE_MMA_WARPS -DDECODE_MMA_KEYS -DDECODE_MMA_STAGES -DDECODE_MMA_VEC_BYTES -DDECODE_MMA_SHARED_BYTES (backends/cuda_build.py)"
 #endif
-#if defined(DTYPE_F32) || defined(KV_FP8)
-#error "paged_decode_mma.cu reads bf16/fp16 pools; float32 and fp8 pools take paged_attention.cu (backends/cuda_build.py)"
+#if defined(DTYPE_F32)
+#error "paged_decode_mma.cu runs on bf16/fp16 tensor cores; float32 takes paged_attention.cu (backends/cuda_build.py)"
 #endif
 
 constexpr int WARPS = DECODE_MMA_WARPS;
@@ -53,22 +59,33 @@ constexpr int S_TILES = KEYS / 8;  // n-tiles of S (8 keys each); D_PAD, K_STEPS
 constexpr int TILE_ELEMS = KEYS * ROW_STRIDE;
 constexpr int STAGE_ELEMS = 2 * TILE_ELEMS;  // a K tile, then its V tile
 
-constexpr int COPY_BYTES = DECODE_MMA_VEC_BYTES;
-constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(scalar_t);
+constexpr int COPY_BYTES = DECODE_MMA_VEC_BYTES;  // pool bytes of one copy
+constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(kv_t);  // a head's K (or V) row in the pool
 static_assert(HEAD_DIM % 2 == 0, "q's elements are read in pairs");
 static_assert(ROW_BYTES % COPY_BYTES == 0, "a head's row must be a whole number of copies");
 constexpr int COPIES_PER_ROW = ROW_BYTES / COPY_BYTES;
 
-// Shared memory (dynamic): each warp's ring of STAGES (K, V) tiles; at the end the warps' outputs
-// (GQA x HEAD_DIM floats each) reuse it. The launch asks for the size backends/cuda_build.py
-// computed, which must be this one.
-constexpr int SMEM_BYTES = WARPS * STAGES * STAGE_ELEMS * (int)sizeof(scalar_t);
+// Shared memory (dynamic): each warp's ring of STAGES (K, V) tiles; with an fp8 pool the ring's
+// tiles are e4m3 (RAW_TILE_BYTES each) and the warp's one K and V tile in the model dtype follow
+// it. At the end the warps' outputs (GQA x HEAD_DIM floats each) reuse it. The launch asks for the
+// size backends/cuda_build.py computed, which must be this one.
+#if defined(KV_FP8)
+constexpr int RAW_TILE_BYTES = KEYS * HEAD_DIM;  // an e4m3 K or V tile, rows unpadded
+constexpr int RAW_STAGE_BYTES = 2 * RAW_TILE_BYTES;
+constexpr int WARP_BYTES = STAGES * RAW_STAGE_BYTES + STAGE_ELEMS * (int)sizeof(scalar_t);
+static_assert(RAW_STAGE_BYTES % 16 == 0, "the warp's tiles in the model dtype start on a 16-byte boundary");
+#else
+constexpr int WARP_BYTES = STAGES * STAGE_ELEMS * (int)sizeof(scalar_t);
+#endif
+constexpr int SMEM_BYTES = WARPS * WARP_BYTES;
 static_assert(SMEM_BYTES == DECODE_MMA_SHARED_BYTES, "cuda_build.decode_mma_shared_bytes disagrees with the kernel");
 static_assert(WARPS * GQA * HEAD_DIM * 4 <= SMEM_BYTES, "the warps' outputs must fit where their tiles were");
 
 // Copy keys key0 .. key0 + KEYS - 1 of the sequence (K and V, one block-table lookup for both)
-// into a stage; keys at or past `context` become zeros (so 0 x garbage can never make a NaN).
-__device__ __forceinline__ void copy_stage(scalar_t* stage, const unsigned char* __restrict__ k_base,
+// into a stage (rows DST_ROW bytes apart, the V tile DST_TILE bytes after the K tile); keys at or
+// past `context` become zeros (so 0 x garbage can never make a NaN).
+template <int DST_ROW, int DST_TILE>
+__device__ __forceinline__ void copy_stage(unsigned char* stage, const unsigned char* __restrict__ k_base,
                                            const int* __restrict__ seq_table, int key0, int context, int lane) {
 #pragma unroll 4
     for (int i = lane; i < KEYS * COPIES_PER_ROW; i += WARP_SIZE) {
@@ -76,12 +93,38 @@ __device__ __forceinline__ void copy_stage(scalar_t* stage, const unsigned char*
         const int pos = key0 + r;
         const bool valid = pos < context;
         const size_t offset = valid ? token_offset(seq_table, pos) + (size_t)c * COPY_BYTES : 0;
-        unsigned char* dst = reinterpret_cast<unsigned char*>(stage) + r * ROW_STRIDE * (int)sizeof(scalar_t) +
-                             c * COPY_BYTES;
+        unsigned char* dst = stage + r * DST_ROW + c * COPY_BYTES;
         copy_async<COPY_BYTES>(dst, k_base + offset, valid);
-        copy_async<COPY_BYTES>(dst + TILE_ELEMS * (int)sizeof(scalar_t), k_base + V_OFFSET + offset, valid);
+        copy_async<COPY_BYTES>(dst + DST_TILE, k_base + V_OFFSET + offset, valid);
     }
 }
+
+#if defined(KV_FP8)
+// The keys of a ring stage: e4m3 rows, unpadded.
+__device__ __forceinline__ void copy_stage(unsigned char* stage, const unsigned char* __restrict__ k_base,
+                                           const int* __restrict__ seq_table, int key0, int context, int lane) {
+    copy_stage<HEAD_DIM, RAW_TILE_BYTES>(stage, k_base, seq_table, key0, context, lane);
+}
+
+// The e4m3 stage this lane copied (copy_stage's loop: its own copies, which its wait has completed)
+// into the warp's K and V tiles in the model dtype.
+__device__ __forceinline__ void convert_stage(scalar_t* kv_tiles, const unsigned char* stage, int lane) {
+#pragma unroll 4
+    for (int i = lane; i < KEYS * COPIES_PER_ROW; i += WARP_SIZE) {
+        const int r = i / COPIES_PER_ROW, c = i % COPIES_PER_ROW;
+        const int at = r * HEAD_DIM + c * COPY_BYTES;
+        e4m3_to_elements<COPY_BYTES>(stage + at, kv_tiles + r * ROW_STRIDE + c * COPY_BYTES);
+        e4m3_to_elements<COPY_BYTES>(stage + RAW_TILE_BYTES + at, kv_tiles + TILE_ELEMS + r * ROW_STRIDE + c * COPY_BYTES);
+    }
+}
+#else
+// The keys of a ring stage: the mma's tiles themselves.
+__device__ __forceinline__ void copy_stage(scalar_t* stage, const unsigned char* __restrict__ k_base,
+                                           const int* __restrict__ seq_table, int key0, int context, int lane) {
+    copy_stage<ROW_STRIDE * (int)sizeof(scalar_t), TILE_ELEMS * (int)sizeof(scalar_t)>(
+        reinterpret_cast<unsigned char*>(stage), k_base, seq_table, key0, context, lane);
+}
+#endif
 
 // Two consecutive elements of q as one packed word (0 past the group's heads or the head dim).
 __device__ __forceinline__ unsigned int q_pair(const scalar_t* __restrict__ q_group, int row, int col) {
@@ -154,7 +197,7 @@ __device__ __forceinline__ void attend_tile(float (&o)[O_TILES][C_REGS], float (
 extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_decode_mma(
     scalar_t* __restrict__ out, const scalar_t* __restrict__ q, const unsigned char* __restrict__ pool,
     const int* __restrict__ table, long long table_slot_stride, const int* __restrict__ slots,
-    const int* __restrict__ context_lens, int max_context, float scale_log2) {
+    const int* __restrict__ context_lens, int max_context, float scale_log2 KV_SCALE_PARAMS) {
     start_after_previous_kernels();
 #if __CUDA_ARCH__ >= 800
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -169,7 +212,23 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_decode_mma
     }
     const int* __restrict__ seq_table = table + (size_t)slots[seq] * table_slot_stride;
     const unsigned char* __restrict__ k_base = pool + (size_t)kv_head * ROW_BYTES;  // V: V_OFFSET further
+#if defined(KV_FP8)
+    unsigned char* const ring = smem_raw + warp * WARP_BYTES;
+    scalar_t* const kv_tiles = reinterpret_cast<scalar_t*>(ring + STAGES * RAW_STAGE_BYTES);  // after the ring
+    // the head's scales, and 1 / the unpacking's factor: K's into the softmax's scale, V's into the
+    // normalisation
+    scale_log2 *= k_scale[kv_head] * (1.0f / E4M3_UNPACK_FACTOR);
+    const float out_factor = v_scale[kv_head] * (1.0f / E4M3_UNPACK_FACTOR);
+    constexpr int RAW_STAGE = RAW_STAGE_BYTES;  // ring elements (bytes) a stage
+    // Zero the pad columns (D_PAD - HEAD_DIM) of the warp's K and V tiles once: no conversion writes them.
+    if constexpr (D_PAD != HEAD_DIM) {
+        for (int r = lane; r < 2 * KEYS; r += WARP_SIZE) {
+            for (int c = HEAD_DIM; c < D_PAD; ++c) kv_tiles[r * ROW_STRIDE + c] = 0;
+        }
+    }
+#else
     scalar_t* const ring = reinterpret_cast<scalar_t*>(smem_raw) + warp * STAGES * STAGE_ELEMS;
+    constexpr int RAW_STAGE = STAGE_ELEMS;  // ring elements a stage
 
     // Zero the pad columns (D_PAD - HEAD_DIM) of this warp's ring once: no copy writes them.
     if constexpr (D_PAD != HEAD_DIM) {
@@ -177,13 +236,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_decode_mma
             for (int c = HEAD_DIM; c < D_PAD; ++c) ring[r * ROW_STRIDE + c] = 0;
         }
     }
+#endif
 
     // This warp's tiles: w, w + WARPS, ... of the context's num_tiles; the first STAGES - 1 start now.
     const int num_tiles = (context + KEYS - 1) / KEYS;
     const int my_tiles = warp < num_tiles ? (num_tiles - warp + WARPS - 1) / WARPS : 0;
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
-        if (i < my_tiles) copy_stage(ring + i * STAGE_ELEMS, k_base, seq_table, (warp + i * WARPS) * KEYS, context, lane);
+        if (i < my_tiles) copy_stage(ring + i * RAW_STAGE, k_base, seq_table, (warp + i * WARPS) * KEYS, context, lane);
         copy_async_commit();  // one group a tile, empty or not, so that the waits count alike
     }
 
@@ -208,13 +268,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_decode_mma
     for (int i = 0; i < my_tiles; ++i) {
         const int next = i + STAGES - 1;  // into the stage tile i - 1 used (the warp is done with it)
         if (next < my_tiles) {
-            copy_stage(ring + (next % STAGES) * STAGE_ELEMS, k_base, seq_table, (warp + next * WARPS) * KEYS, context,
+            copy_stage(ring + (next % STAGES) * RAW_STAGE, k_base, seq_table, (warp + next * WARPS) * KEYS, context,
                        lane);
         }
         copy_async_commit();
         copy_async_wait<STAGES - 1>();  // tile i's group has landed (this lane's copies)
+#if defined(KV_FP8)
+        convert_stage(kv_tiles, ring + (i % STAGES) * RAW_STAGE, lane);  // this lane's copies, as the model dtype
+        __syncwarp();                                                     // and every lane's
+        const scalar_t* stage = kv_tiles;
+#else
         __syncwarp();                   // and every lane's
-        const scalar_t* stage = ring + (i % STAGES) * STAGE_ELEMS;
+        const scalar_t* stage = ring + (i % STAGES) * RAW_STAGE;
+#endif
         attend_tile(o, run_max, run_sum, qa, stage, stage + TILE_ELEMS, (warp + i * WARPS) * KEYS, context,
                     scale_log2, lane);
         __syncwarp();  // every lane is done with the stage before it is copied into again
@@ -256,7 +322,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_decode_mma
             denom = fmaf(warp_sum[w][row], c, denom);
             acc = fmaf(warp_out[(w * GQA) * HEAD_DIM + i], c, acc);
         }
+#if defined(KV_FP8)
+        out_rows[i] = from_float(acc * (out_factor / denom));  // denom >= 1: the max term is 2^0
+#else
         out_rows[i] = from_float(acc / denom);  // denom >= 1: the max term is 2^0
+#endif
     }
 #endif
 }

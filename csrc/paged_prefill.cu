@@ -121,33 +121,6 @@ __device__ __forceinline__ void copy_kv_stage(unsigned char* stage, const unsign
     copy_kv_rows<KV_COPY_BYTES, HEAD_DIM>(stage, stage + STAGE_BYTES, k_base, seq_table, first, limit, tid);
 }
 
-// KV_COPY_BYTES e4m3 values as as many elements of the model dtype (times E4M3_UNPACK_FACTOR).
-__device__ __forceinline__ void e4m3_to_tile(const unsigned char* src, scalar_t* dst) {
-    constexpr int WORDS = KV_COPY_BYTES / 4;
-    unsigned int in[WORDS], out[2 * WORDS];
-    if constexpr (WORDS == 4) {
-        const uint4 v = *reinterpret_cast<const uint4*>(src);
-        in[0] = v.x, in[1] = v.y, in[2] = v.z, in[3] = v.w;
-    } else {
-        const uint2 v = *reinterpret_cast<const uint2*>(src);
-        in[0] = v.x, in[1] = v.y;
-    }
-#pragma unroll
-    for (int w = 0; w < WORDS; ++w) {
-#if defined(DTYPE_F16)
-        e4m3x4_halves(in[w], out[2 * w], out[2 * w + 1]);
-#else
-        float a, b, c, d;
-        e4m3x4_scaled(in[w], a, b, c, d);
-        out[2 * w] = pack2(a, b), out[2 * w + 1] = pack2(c, d);
-#endif
-    }
-#pragma unroll
-    for (int w = 0; w < 2 * WORDS; w += 4) {
-        *reinterpret_cast<uint4*>(dst + 2 * w) = make_uint4(out[w], out[w + 1], out[w + 2], out[w + 3]);
-    }
-}
-
 // The staged e4m3 tiles -> the K and V tiles of the mma. Each thread converts the copies it made
 // in copy_kv_stage (the same loop), which its own wait has completed.
 __device__ __forceinline__ void convert_kv_tiles(scalar_t* k_tile, scalar_t* v_tile, const unsigned char* stage,
@@ -155,8 +128,8 @@ __device__ __forceinline__ void convert_kv_tiles(scalar_t* k_tile, scalar_t* v_t
     for (int i = tid; i < BLOCK_N * KV_COPIES_PER_ROW; i += THREADS) {
         const int r = i / KV_COPIES_PER_ROW, c = i % KV_COPIES_PER_ROW;
         const int at = r * HEAD_DIM + c * KV_COPY_BYTES;
-        e4m3_to_tile(stage + at, k_tile + r * ROW_STRIDE + c * KV_COPY_BYTES);
-        e4m3_to_tile(stage + STAGE_BYTES + at, v_tile + r * ROW_STRIDE + c * KV_COPY_BYTES);
+        e4m3_to_elements<KV_COPY_BYTES>(stage + at, k_tile + r * ROW_STRIDE + c * KV_COPY_BYTES);
+        e4m3_to_elements<KV_COPY_BYTES>(stage + STAGE_BYTES + at, v_tile + r * ROW_STRIDE + c * KV_COPY_BYTES);
     }
 }
 #endif

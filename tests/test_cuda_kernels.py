@@ -278,7 +278,7 @@ def one_cta_per_kv_head(monkeypatch) -> None:
 
 
 def serves_on_tensor_cores(s) -> bool:
-    """Whether paged_decode_mma.cu serves this setup: built by the plan (bf16/fp16 pools, sm_80+,
+    """Whether paged_decode_mma.cu serves this setup: built by the plan (bf16/fp16 models, sm_80+,
     within the GPU's shared memory a CTA), beside the split-KV kernel. On sm_90 (227 KiB a CTA)
     every test geometry in bf16 or fp16 has it."""
     built = s.cuda.decode_mma_shared > 0 and s.cuda.attention_kernel

@@ -34,7 +34,8 @@ def test_tensor_cores_from_the_batch_whose_ctas_fill_the_gpu():
 
 
 def test_split_kv_where_the_tensor_core_kernel_is_not_built():
-    """An fp8 pool, float32 or a GPU before sm_80 (cuda_build.decode_mma_unsupported)."""
+    """float32, a GPU before sm_80, more query heads a kv head than a tile holds
+    (cuda_build.decode_mma_unsupported)."""
     assert kernels_at([1, 16, 64, 256], mma_built=False) == {1: CLUSTER, 16: SPLIT_KV, 64: SPLIT_KV, 256: SPLIT_KV}
 
 

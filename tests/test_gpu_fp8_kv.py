@@ -30,6 +30,7 @@ _OK, _WHY = cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"needs CUDA and CuPy: {_WHY}")]
 
 if _OK:  # these import cupy lazily, but keep CPU-only collection free of GPU work
+    import pagedcli.backends.cuda_build as cuda_build
     import pagedcli.backends.cuda_launch as cuda_launch
     from pagedcli.backends.cuda import CudaBackend
     from pagedcli.backends.torch import TorchBackend
@@ -272,6 +273,7 @@ def decode_case(geometry, lengths, max_model_len, seed, monkeypatch, layer=1):
     s.cuda.prepare(batch)
     poison_scratch(s.cuda)
     poison_allocator(q.shape, dtype=s.dtype)
+    s.launched = spy_launches(s.cuda)
     out = s.cuda.attend(layer, q, batch)
     torch.cuda.synchronize()
     assert_attention_close(out, reference_decode64(s, layer, q, lengths, s.slots), ref_torch)
@@ -286,12 +288,32 @@ def test_decode_attention_over_an_fp8_pool(geometry, monkeypatch):
 @pytest.mark.parametrize("geometry", ["gqa4-d64", "gqa3-d128-b32"])
 def test_decode_attention_fp8_batch_64_and_one_split(geometry, monkeypatch):
     """Many sequences (few splits, spans of several chunks merged online), then one CTA per
-    (sequence, head group) walking every chunk: the V scale is applied once, after the merges."""
+    (sequence, head group) walking every chunk: the V scale is applied once, after the merges.
+    The split-KV kernel's (paged_attention.cu): the tensor-core kernel is not built."""
+    monkeypatch.setattr(cuda_build, "DECODE_MMA_KERNEL", False)
     decode_case(geometry, random.Random(3).choices(LENGTHS, k=64), max_model_len=8192, seed=3, monkeypatch=monkeypatch)
     monkeypatch.undo()  # the first case forbade the torch reference, which the second one's reference is
+    monkeypatch.setattr(cuda_build, "DECODE_MMA_KERNEL", False)
     monkeypatch.setattr(cuda_launch, "SPLIT_CTAS_PER_SM", 0)
     s = decode_case(geometry, [4097, 1000, 1, 513], max_model_len=8192, seed=5, monkeypatch=monkeypatch)
-    assert s.cuda.shapes.num_splits(4) == 1
+    assert s.cuda.shapes.num_splits(4) == 1 and s.launched == ["paged_attention_decode"]
+
+
+@pytest.mark.parametrize("geometry", TENSOR_CORE)
+def test_decode_attention_fp8_on_tensor_cores(geometry, monkeypatch):
+    """paged_decode_mma.cu over an fp8 pool (one CTA per sequence and kv head: its warps' e4m3 rings
+    converted to the model dtype tile by tile, the head's K scale in the softmax's, its V scale in
+    the normalisation): contexts of 1 key to 4,097, on both sides of a tile, a block and a round
+    of the warps' tiles, every geometry of this file in bf16 and fp16 (head_dim 8's single 8-byte
+    rows among them); then batch 64 as the engine runs it on an H200."""
+    monkeypatch.setattr(cuda_launch, "SPLIT_CTAS_PER_SM", 0)
+    lengths = list(LENGTHS) + [31, 32, 33, 63, 64, 65, 129]
+    s = decode_case(geometry, lengths, max_model_len=4200, seed=12, monkeypatch=monkeypatch)
+    assert s.launched == ["paged_attention_decode_mma"], s.launched
+    monkeypatch.undo()
+    s = decode_case(geometry, random.Random(3).choices(LENGTHS, k=64), max_model_len=8192, seed=3,
+                    monkeypatch=monkeypatch)
+    assert s.launched == [s.cuda.decode_kernel(64)]
 
 
 # --- prefill attention --------------------------------------------------------------------------

@@ -182,18 +182,19 @@ def test_plan_sends_to_torch_only_what_the_kernel_cannot_serve():
     assert plan_kernels(wide, geometry(wide, torch.bfloat16), clusters=True).attention_decode
 
 
-def test_decode_on_tensor_cores_where_the_pool_holds_bf16_or_fp16():
+def test_decode_on_tensor_cores_where_the_model_is_bf16_or_fp16():
     """paged_decode_mma.cu (decode attention where one CTA per sequence and kv head fills the GPU)
-    is built for every preset in bf16 and fp16 with a pool in the model dtype, head_dim 100's
-    8-byte rows included, always beside paged_attention.cu (which serves the smaller batches); not
-    for float32, an fp8 pool, a GPU before sm_80, or more query heads a kv head than one 16-row mma
-    tile holds."""
+    is built for every preset in bf16 and fp16, with a pool in the model dtype (head_dim 100's
+    8-byte rows included) or an fp8 pool (rows of whole 8-byte e4m3 loads: not head_dim 100's),
+    always beside paged_attention.cu (which serves the smaller batches); not for float32, a GPU
+    before sm_80, or more query heads a kv head than one 16-row mma tile holds."""
     for name, config in preset_configs().items():
         for dtype in DTYPES:
             for pool in (None, FP8_DTYPE):
                 plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True)
                 built = "paged_decode_mma.cu" in plan.files
-                assert built == (dtype != torch.float32 and pool is None), (name, dtype, pool)
+                expected = dtype != torch.float32 and (pool is None or config.head_dim % 8 == 0)
+                assert built == expected, (name, dtype, pool)
                 assert (plan.decode_mma_shared > 0) == built and (plan.attention_decode or not built)
         plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=False, tensor_cores=False)
         assert "paged_decode_mma.cu" not in plan.files and not plan.decode_mma_shared
@@ -215,7 +216,7 @@ def test_an_fp8_pool_has_its_kernels_where_the_model_dtype_has_them():
             assert set(plan.fallbacks) == expected, (name, dtype, plan.fallbacks)
             assert {"kv_write.cu", "gemv.cu"} <= set(plan.files)
             assert plan.attention_decode == (config.head_dim != 100)
-            for file in ("kv_write.cu", "gemv.cu", "paged_attention.cu", "paged_prefill.cu"):
+            for file in ("kv_write.cu", "gemv.cu", "paged_attention.cu", "paged_prefill.cu", "paged_decode_mma.cu"):
                 if file in plan.files:
                     defines = dict(plan.files[file][0])
                     assert "KV_FP8" in defines and defines["V_OFFSET"] == 16 * config.num_kv_heads * config.head_dim

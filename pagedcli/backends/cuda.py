@@ -235,7 +235,7 @@ class CudaBackend:
     def decode_kernel(self, batch_size: int) -> str:
         """The decode attention kernel a batch of this size runs (where `attention_kernel`; else torch
         ops serve every batch). It depends on nothing else, so one CUDA graph per batch size holds
-        it: paged_decode_mma.cu, where built (bf16/fp16 pools), when the split-KV kernel would take
+        it: paged_decode_mma.cu, where built (bf16/fp16 models), when the split-KV kernel would take
         one split (the batch alone fills the GPU with a CTA per sequence and head group, or without
         clusters every context fits one chunk); else paged_attention.cu, in clusters at small
         batches on sm_90+."""
@@ -258,7 +258,7 @@ class CudaBackend:
             self.launch(kernel, (self.cache.geometry.num_kv_heads, B), (DECODE_MMA_WARPS * 32,), (
                 ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(slots), ptr(context_lens),
                 np.int32(self.max_context), self.scale_log2,
-            ), shared_mem=self.decode_mma_shared)
+            ) + self._kv_scale_args(layer), shared_mem=self.decode_mma_shared)
             return
         self.launch(kernel, (self.num_heads // self.heads_per_cta, B, splits), (ATTN_THREADS,), (
             ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(slots), ptr(context_lens),

@@ -211,19 +211,24 @@ def prefill_unsupported(geometry: CacheGeometry, tensor_cores: bool, max_shared:
     return None
 
 
-def decode_mma_shared_bytes(head_dim: int, itemsize: int) -> int:
+def decode_mma_shared_bytes(head_dim: int, itemsize: int, kv_fp8: bool = False) -> int:
     """paged_decode_mma.cu's dynamic shared memory (its SMEM_BYTES): each warp's ring of K and V
-    tiles, rows of the head dim padded to the mma's 16 plus 8 elements."""
+    tiles in the model dtype (`itemsize`), rows of the head dim padded to the mma's 16 plus 8
+    elements; with an fp8 pool the ring's tiles are e4m3 rows (head_dim bytes), and each warp has
+    one K and one V tile in the model dtype besides."""
     row = (-(-head_dim // 16) * 16 + 8) * itemsize
-    return DECODE_MMA_WARPS * DECODE_MMA_STAGES * 2 * DECODE_MMA_KEYS * row
+    tiles = 2 * DECODE_MMA_KEYS * row  # a K and a V tile the mma reads
+    if kv_fp8:
+        return DECODE_MMA_WARPS * (DECODE_MMA_STAGES * 2 * DECODE_MMA_KEYS * head_dim + tiles)
+    return DECODE_MMA_WARPS * DECODE_MMA_STAGES * tiles
 
 
 def decode_mma_unsupported(config: ModelConfig, geometry: CacheGeometry, tensor_cores: bool,
                            max_shared: int) -> str | None:
     """Why paged_decode_mma.cu cannot serve this geometry (paged_attention.cu then serves every
     batch), or None."""
-    if geometry.dtype == torch.float32 or geometry.kv_fp8:
-        return "the tensor-core decode kernel reads bf16/fp16 pools"
+    if geometry.dtype == torch.float32:
+        return "the tensor-core decode kernel runs on bf16/fp16 tensor cores"
     if not tensor_cores:
         return "the GPU is older than sm_80"
     gqa = config.num_heads // config.num_kv_heads
@@ -231,7 +236,7 @@ def decode_mma_unsupported(config: ModelConfig, geometry: CacheGeometry, tensor_
         return f"{gqa} query heads a kv head, over one mma tile's {DECODE_MMA_MAX_GQA} rows"
     if not row_vec_bytes(geometry.head_dim * geometry.itemsize) or geometry.head_dim > PREFILL_MAX_HEAD_DIM:
         return f"head_dim {geometry.head_dim}: rows of whole 8-byte loads, at most {PREFILL_MAX_HEAD_DIM}"
-    if decode_mma_shared_bytes(geometry.head_dim, geometry.itemsize) > max_shared:
+    if decode_mma_shared_bytes(geometry.head_dim, geometry.dtype.itemsize, geometry.kv_fp8) > max_shared:
         return f"head_dim {geometry.head_dim}: over this GPU's {max_shared} bytes of shared memory a CTA"
     return None
 
@@ -357,7 +362,7 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
     names = ("paged_attention_decode",) + (("paged_attention_decode_cluster",) if clusters else ())
     plan.files["paged_attention.cu"] = (attention, names)
     if DECODE_MMA_KERNEL and decode_mma_unsupported(config, geometry, tensor_cores, max_shared) is None:
-        plan.decode_mma_shared = decode_mma_shared_bytes(geometry.head_dim, geometry.itemsize)
+        plan.decode_mma_shared = decode_mma_shared_bytes(geometry.head_dim, geometry.dtype.itemsize, geometry.kv_fp8)
         decode_mma = model + (("DECODE_MMA_WARPS", DECODE_MMA_WARPS), ("DECODE_MMA_KEYS", DECODE_MMA_KEYS),
                               ("DECODE_MMA_STAGES", DECODE_MMA_STAGES),
                               ("DECODE_MMA_VEC_BYTES", row_vec_bytes(geometry.head_dim * geometry.itemsize)),
