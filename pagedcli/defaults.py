@@ -6,6 +6,10 @@ before a command runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -28,8 +32,33 @@ DEFAULTS = Defaults()
 
 # The pool's size by device: 2 GiB on a GPU, as tiny-vllm.
 DEFAULT_CACHE = {"cuda": "2GiB", "cpu": "256MiB"}
-# New tokens a chunked step feeds at most (docs/architecture.md, "A step with chunks"): on a GPU vLLM's
-# choice for one GPU, where a 1B model's step is GEMM-bound well before 8192 tokens, so larger
-# chunks gain little and lengthen the decode stall; on a CPU a chunk short enough that a decoding
-# stream waits a fraction of a second for it.
-DEFAULT_MAX_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}
+# New tokens a chunked step feeds at most (docs/architecture.md, "A step with chunks"), by device
+# and use: vLLM's (EngineArgs.get_batch_defaults), offline (its LLM class: generate, bench, chat,
+# inspect-cache) and for the server (its OpenAI API server: serve, where a shorter step is a
+# shorter stall of every stream being decoded). A GPU of 70 GiB or more gets the larger budgets, but
+# not an A100, where vLLM measured them slower (its PR #17885); on an H200 a 16,000-token prompt
+# then prefills in one step, its attention over the whole causal prompt at once. On a CPU, a chunk
+# short enough that a decoding stream waits a fraction of a second for it.
+LARGE_GPU_BYTES = 70 << 30
+LARGE_GPU_MAX_BATCHED_TOKENS = 16384  # H100, H200, MI300X class
+LARGE_GPU_SERVING_MAX_BATCHED_TOKENS = 8192
+GPU_MAX_BATCHED_TOKENS = 8192  # any other GPU
+GPU_SERVING_MAX_BATCHED_TOKENS = 2048
+CPU_MAX_BATCHED_TOKENS = 256  # offline and serving
+
+
+def default_max_batched_tokens(device: torch.device, serving: bool) -> int:
+    """The step budget when none is given: on CUDA it asks the GPU for its memory and name."""
+    if device.type != "cuda":
+        return CPU_MAX_BATCHED_TOKENS
+    if is_large_gpu(device):
+        return LARGE_GPU_SERVING_MAX_BATCHED_TOKENS if serving else LARGE_GPU_MAX_BATCHED_TOKENS
+    return GPU_SERVING_MAX_BATCHED_TOKENS if serving else GPU_MAX_BATCHED_TOKENS
+
+
+def is_large_gpu(device: torch.device) -> bool:
+    """vLLM's test for its larger budgets: 70 GiB or more, and not an A100."""
+    import torch  # here, not above: the command line imports this module before torch
+
+    props = torch.cuda.get_device_properties(device)
+    return props.total_memory >= LARGE_GPU_BYTES and "a100" not in props.name.lower()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import types
 from collections import Counter
 
 import numpy as np
@@ -25,6 +26,13 @@ def invoke(*args) -> tuple[int, str, str]:
     if result.exit_code == 1 and result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.stdout, result.stderr
+
+
+def fake_gpu(monkeypatch, name: str, memory: int) -> None:
+    """torch.cuda.get_device_properties answers for this GPU (the default step budget asks it;
+    no GPU needed)."""
+    props = types.SimpleNamespace(name=name, total_memory=memory)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
 
 
 def hf_model(folder, dtype=torch.float32, device="cpu"):

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from helpers import check_block_accounting, invoke
+from helpers import check_block_accounting, fake_gpu, invoke
 from pagedcli.engine.sequence import SamplingParams
 from pagedcli.errors import UsageError
 from test_oracle import assert_matches_hf
@@ -164,6 +164,84 @@ def test_the_budget_must_hold_a_token_per_slot(tiny, make_engine):
     with pytest.raises(UsageError, match="below `batch` 4"):
         make_engine(tiny, batch=4, max_num_batched_tokens=3)
     make_engine(tiny, batch=4, max_num_batched_tokens=3, chunked_prefill=False)  # unchunked: any budget
+
+
+GiB = 1 << 30
+# (name, memory, default budget offline, serving): vLLM's get_batch_defaults
+GPUS = [("NVIDIA H200", 141 * GiB, 16384, 8192),  # 70 GiB or more: the larger budgets
+        ("NVIDIA H100 80GB HBM3", 79 * GiB, 16384, 8192),  # "80GB", a little under 80 GiB to torch
+        ("NVIDIA A100-SXM4-80GB", 80 * GiB, 8192, 2048),  # as large, but an A100: the smaller ones
+        ("NVIDIA L4", 24 * GiB, 8192, 2048)]  # under 70 GiB
+
+
+@pytest.mark.parametrize("name, memory, offline, serving", GPUS)
+def test_the_default_budget_follows_the_gpu_and_the_use(monkeypatch, name, memory, offline, serving):
+    import torch
+
+    from pagedcli.defaults import default_max_batched_tokens
+
+    fake_gpu(monkeypatch, name, memory)
+    cuda = torch.device("cuda")
+    assert default_max_batched_tokens(cuda, serving=False) == offline
+    assert default_max_batched_tokens(cuda, serving=True) == serving
+
+
+def test_the_cpus_default_budget_asks_no_gpu(monkeypatch):
+    import torch
+
+    from pagedcli.defaults import default_max_batched_tokens
+
+    def no_gpu(device=None):
+        raise AssertionError("a CPU's budget read a GPU's properties")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_gpu)
+    cpu = torch.device("cpu")
+    assert default_max_batched_tokens(cpu, serving=False) == default_max_batched_tokens(cpu, serving=True) == 256
+
+
+def test_an_explicit_budget_wins_and_the_default_holds_a_token_a_slot(monkeypatch):
+    import torch
+
+    from pagedcli.engine.scheduler import UNCHUNKED_MAX_BATCHED_TOKENS
+    from pagedcli.model.loader import EngineOptions
+
+    fake_gpu(monkeypatch, "NVIDIA H200", 141 * GiB)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert EngineOptions().batched_tokens(cuda) == 16384
+    assert EngineOptions(serving=True).batched_tokens(cuda) == 8192
+    for serving in (False, True):
+        assert EngineOptions(max_num_batched_tokens=300, serving=serving).batched_tokens(cuda) == 300
+        assert EngineOptions(max_num_batched_tokens=100, serving=serving).batched_tokens(cpu) == 100
+    assert EngineOptions(batch=9000).batched_tokens(cuda) == 16384, "the default, above the slots"
+    assert EngineOptions(batch=9000, serving=True).batched_tokens(cuda) == 9000, "a token a slot, above the server's 8192"
+    assert EngineOptions(batch=300).batched_tokens(cpu) == 300, "a token a slot, above the CPU's 256"
+    fake_gpu(monkeypatch, "NVIDIA L4", 24 * GiB)
+    assert EngineOptions(batch=3000, serving=True).batched_tokens(cuda) == 3000
+    assert EngineOptions(batch=3, chunked_prefill=False).batched_tokens(cuda) == UNCHUNKED_MAX_BATCHED_TOKENS
+    assert EngineOptions(chunked_prefill=False, serving=True).batched_tokens(cpu) == UNCHUNKED_MAX_BATCHED_TOKENS
+
+
+@pytest.mark.parametrize("model", ["random:llama-3.2-1b", "demo"])
+def test_serve_loads_with_the_servers_budget_and_generate_without(monkeypatch, model):
+    from pagedcli.commands.generate import load_for_text
+    from pagedcli.commands.options import EngineFlags, RequestFlags
+    from pagedcli.commands.serve import load_model
+
+    asked = []
+
+    class Loaded(Exception):  # stops each load once its options are seen
+        pass
+
+    def load(opts, *_):
+        asked.append(opts)
+        raise Loaded
+
+    monkeypatch.setattr("pagedcli.model.loader.load", load)
+    with pytest.raises(Loaded):
+        load_model(EngineFlags(model=model), RequestFlags())
+    with pytest.raises(Loaded):
+        load_for_text(EngineFlags(model=model), RequestFlags(), "generate", None)
+    assert [opts.serving for opts in asked] == [True, False]
 
 
 def test_cli_views_a_prompt_part_way(stories):

@@ -37,6 +37,7 @@ import torch
 from helpers import rope_kernel, spy_launches, use_rope_width
 from pagedcli.backends import composed
 from pagedcli.backends.cuda import cuda_available
+from pagedcli.model.config import ModelConfig
 
 _OK, _WHY = cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"needs CUDA and CuPy: {_WHY}")]
@@ -50,7 +51,7 @@ if _OK:  # these import cupy lazily, but keep CPU-only collection free of GPU wo
     from pagedcli.backends.torch import TorchBackend
     from pagedcli.engine.batch import StepBatch
     from pagedcli.engine.cache import KVCache
-    from pagedcli.model.config import CacheGeometry, ModelConfig
+    from pagedcli.model.config import CacheGeometry
 
 DEVICE = "cuda"
 LENGTHS = (1, 15, 16, 17, 1000, 4097)
@@ -81,7 +82,7 @@ ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23
 ACCUMULATION_FP8 = 2.0**-12  # fp8 tensor cores' sums, relative to the terms' magnitudes (test_fp8_gemm_...)
 
 
-def make_config(num_heads, num_kv_heads, head_dim, dtype, num_layers=2, max_len=8192) -> "ModelConfig":
+def make_config(num_heads, num_kv_heads, head_dim, dtype, num_layers=2, max_len=8192) -> ModelConfig:
     return ModelConfig.from_dict({
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": num_heads * head_dim, "intermediate_size": 3 * num_heads * head_dim,
@@ -258,18 +259,23 @@ def _decode_case(geometry, lengths, max_model_len, seed, layer=1, block_size=Non
     launched = spy_launches(s.cuda)
     out = s.cuda.attend(layer, q, batch)
     torch.cuda.synchronize()
-    ref64 = reference_attention_fp64(s, layer, q, lengths, s.slots)
-    if launched == [DECODE_MMA]:
-        assert torch.isfinite(out).all()
-        assert_prefill_close(out, ref64)
-        loose = (out.float() - ref_torch.float()).abs().max().item()
-        assert loose <= 2e-2 * ref_torch.float().abs().max().item(), f"off the torch reference by {loose}"
-    else:
-        assert_attention_close(out, ref64, ref_torch)
+    assert_decode_close(out, reference_attention_fp64(s, layer, q, lengths, s.slots), ref_torch, launched)
     return s, launched
 
 
 DECODE_MMA = "paged_attention_decode_mma"
+
+
+def assert_decode_close(out, ref64, ref_torch, launched):
+    """A decode step's output against float64 and the torch reference, to the bound of the kernel
+    that `launched`: paged_decode_mma.cu rounds P to the element type before P V, so the prefill
+    kernel's."""
+    if launched != [DECODE_MMA]:
+        return assert_attention_close(out, ref64, ref_torch)
+    assert torch.isfinite(out).all()
+    assert_prefill_close(out, ref64)
+    loose = (out.float() - ref_torch.float()).abs().max().item()
+    assert loose <= 2e-2 * ref_torch.float().abs().max().item(), f"off the torch reference by {loose}"
 
 
 def one_cta_per_kv_head(monkeypatch) -> None:
@@ -379,9 +385,12 @@ def reference_prefill_fp64(setup, layer, q, seqs, slots, rows=None):
     return torch.cat(out)
 
 
-def _prefill_case(geometry, seqs, monkeypatch, block_size=None, seed=7, layer=1):
+def _prefill_case(geometry, seqs, monkeypatch, block_size=None, seed=7, layer=1, cudnn=False):
+    """One prefill step's attention against the torch reference; our kernels only, unless `cudnn`
+    (whole long prompts may then take cudnn_prefill.py's path)."""
     lengths = [n + c for n, c in seqs]
     s = Setup(geometry, lengths, max_model_len=max(lengths) + 16, seed=seed, block_size=block_size)
+    s.cuda.cudnn_prefill = s.cuda.cudnn_prefill and cudnn
     batch = StepBatch.build(True, s.slots, [[1] * n for n, _ in seqs], [c for _, c in seqs], torch.device(DEVICE))
     q = s.randn(sum(n for n, _ in seqs), s.config.num_heads, s.config.head_dim, scale=2.0)
     s.ref.prepare(batch)
@@ -404,6 +413,26 @@ def assert_prefill_close(out, ref64):
     bound = (2e-6 if out.dtype == torch.float32 else 8 * ULP[out.dtype]) * ref64.abs().max().item()
     worst = (out.double() - ref64).abs().max().item()
     assert worst <= bound, f"off the fp64 reference by {worst} (bound {bound})"
+
+
+@pytest.mark.parametrize("geometry", [g for g, spec in GEOMETRIES.items() if spec[4] != torch.float32])
+def test_whole_prompts_through_cudnn_beside_our_kernels_match_fp64(geometry, monkeypatch):
+    """sm_90+: in one step, the whole prompts of CUDNN_MIN_TOKENS tokens or more take cuDNN's
+    attention (cudnn_prefill.py, K/V gathered through the shuffled block table), and the rest our
+    kernels: the decoding rows, chunks after cached prefixes (one as long), a short prompt. Every
+    row against float64."""
+    from pagedcli.backends.cudnn_prefill import CUDNN_MIN_TOKENS
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN's prefill path is taken on sm_90+")
+    n = CUDNN_MIN_TOKENS
+    seqs = [(1, 64), (1, 300), (n, 0), (200, 37), (n + 333, 0), (n, 5), (n - 1, 0), (17, 0)]
+    s, q, out = _prefill_case(geometry, seqs, monkeypatch, cudnn=True)
+    if not s.cuda.cudnn_prefill:
+        assert s.cuda.head_dim % 8 or s.cuda.head_dim < 64, s.cuda.cudnn_prefill_missing  # (cuDNN's head_dims)
+        pytest.skip(f"head_dim {s.cuda.head_dim}: {s.cuda.cudnn_prefill_missing}")
+    assert [(b, rows) for b, _, rows in s.cuda._whole_prompts] == [(2, n), (4, n + 333)]
+    assert_prefill_close(out, reference_prefill_fp64(s, 1, q, seqs, s.slots))
 
 
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))

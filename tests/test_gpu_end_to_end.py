@@ -55,8 +55,6 @@ def test_llama_1b_shapes_bf16_match_transformers_or_diverge_at_a_near_tie(batch,
     """Random weights of the real Llama-3.2-1B shapes in bf16: greedy tokens identical for 32 steps,
     or the first divergence is a near-tie in transformers' own logits (bf16 rounds differently in
     different but equally valid orders of summation)."""
-    from pagedcli.bench.hf import hf_model as hf_from_ours
-
     if one_cta:
         monkeypatch.setattr("pagedcli.backends.cuda_launch.SPLIT_CTAS_PER_SM", 0)
 
@@ -73,11 +71,20 @@ def test_llama_1b_shapes_bf16_match_transformers_or_diverge_at_a_near_tie(batch,
     seqs = [engine.add_request(p, SamplingParams(max_tokens=32, ignore_eos=True)) for p in prompts]
     while engine.has_unfinished:
         engine.step()
+    print(same_as_transformers_until_a_near_tie(model, seqs, prompts, 32))
+
+
+def same_as_transformers_until_a_near_tie(model, seqs, prompts, steps: int) -> list:
+    """Each sequence's greedy tokens against transformers' generate on the same weights: identical,
+    or the first divergence is a near-tie in transformers' own logits (bf16 rounds differently in
+    different but equally valid orders of summation). Returns what happened to each."""
+    from pagedcli.bench.hf import hf_model as hf_from_ours
+
     hf = hf_from_ours(model)
     report = []
     for seq, prompt in zip(seqs, prompts):
         ids = torch.tensor([prompt], device="cuda")
-        out = hf.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, output_logits=True,
+        out = hf.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
                           return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
         ref = out.sequences[0, len(prompt):].tolist()
         ours = seq.output_token_ids
@@ -90,7 +97,45 @@ def test_llama_1b_shapes_bf16_match_transformers_or_diverge_at_a_near_tie(batch,
         scale = logits.abs().max().item()
         report.append((len(prompt), f"diverges at step {i}: gap {gap:.4f} of max |logit| {scale:.2f}"))
         assert gap <= 0.02 * scale, f"step {i}: not a near-tie ({report})"
-    print(report)
+    return report
+
+
+def test_llama_1b_long_prompts_through_cudnn_match_transformers(monkeypatch):
+    """On sm_90+ a whole prompt of CUDNN_MIN_TOKENS or more takes cuDNN's attention
+    (cudnn_prefill.py), beside paged_prefill.cu for the rest of its step: a prompt of
+    CUDNN_MIN_TOKENS (cuDNN) and prompts of 300 and 3,000 (ours, the second just under the
+    floor) in one step, then a prompt of CUDNN_MIN_TOKENS + 500 in two chunks (its first through
+    cuDNN, the second through ours over the first's blocks). Greedy tokens as transformers', up to
+    a near-tie, and cuDNN took exactly the whole prompts it should."""
+    from pagedcli.backends import cuda as cuda_backend
+    from pagedcli.backends.cudnn_prefill import CUDNN_MIN_TOKENS
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN's prefill path is taken on sm_90+")
+    served = []
+    attend = cuda_backend.attend_whole_prompt
+    monkeypatch.setattr(cuda_backend, "attend_whole_prompt",
+                        lambda cache, layer, q, slot: served.append(q.shape[0]) or attend(cache, layer, q, slot))
+    first_chunk = CUDNN_MIN_TOKENS + 100
+    model = None
+    for budget, lengths in ((8192, (CUDNN_MIN_TOKENS, 300, 3000)), (first_chunk, (CUDNN_MIN_TOKENS + 500,))):
+        opts = EngineOptions(model="random:llama-3.2-1b", device="cuda", dtype="bfloat16", batch=len(lengths),
+                             shuffle_blocks=3, cache_size="1GiB", max_num_batched_tokens=budget, prefix_caching=False)
+        if model is None:
+            model = load_model(opts)
+            model.weights.lm_head.mul_(8)  # (as above: a meaningful argmax)
+        engine = build_engine(model, opts)
+        assert engine.runner.model.backend.cudnn_prefill, engine.runner.model.backend.cudnn_prefill_missing
+        rng = random.Random(budget)
+        prompts = [[rng.randrange(128000) for _ in range(n)] for n in lengths]
+        served.clear()
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts]
+        while engine.has_unfinished:
+            engine.step()
+        whole = [n for n in lengths if n >= CUDNN_MIN_TOKENS] if budget == 8192 else [first_chunk]
+        assert sorted(served) == sorted(whole * model.source.config.num_layers)
+        print(budget, same_as_transformers_until_a_near_tie(model, seqs, prompts, 16))
+        check_block_accounting(engine)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 5, 64])  # gemv.cu's buckets 1 and 2; cuBLAS, split-KV; tensor cores

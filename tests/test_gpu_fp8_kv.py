@@ -40,7 +40,7 @@ if _OK:  # these import cupy lazily, but keep CPU-only collection free of GPU wo
     from pagedcli.model.config import CacheGeometry
     from pagedcli.model.fp8 import FP8_DTYPE, KVScales, quantize_kv, raw, to_fp8
     from pagedcli.model.loader import EngineOptions, build_engine, load_model
-    from test_cuda_kernels import (assert_attention_close, assert_prefill_close, assert_ulp_close,
+    from test_cuda_kernels import (assert_decode_close, assert_prefill_close, assert_ulp_close,
                                    forbid_torch_fallback, make_config, poison_allocator, poison_scratch,
                                    same_split_k_as_fused)
 
@@ -276,7 +276,7 @@ def decode_case(geometry, lengths, max_model_len, seed, monkeypatch, layer=1):
     s.launched = spy_launches(s.cuda)
     out = s.cuda.attend(layer, q, batch)
     torch.cuda.synchronize()
-    assert_attention_close(out, reference_decode64(s, layer, q, lengths, s.slots), ref_torch)
+    assert_decode_close(out, reference_decode64(s, layer, q, lengths, s.slots), ref_torch, s.launched)
     return s
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import invoke
+from helpers import fake_gpu, invoke
 from pagedcli.errors import UsageError
 from pagedcli.model.loader import EngineOptions, largest_step
 from pagedcli.model.memory import GIB, MemoryProfile, pool_bytes_for
@@ -35,9 +35,11 @@ def test_no_room_left_for_a_pool():
             pool_bytes_for(bad, m)
 
 
-def test_the_profiled_step_is_the_largest_the_engine_runs():
+def test_the_profiled_step_is_the_largest_the_engine_runs(monkeypatch):
+    fake_gpu(monkeypatch, "NVIDIA H200", 141 * GIB)
     cuda = torch.device("cuda")
-    assert largest_step(EngineOptions(batch=4), cuda, 131072) == [1, 1, 1, 8189]  # the 8192-token budget
+    assert largest_step(EngineOptions(batch=4), cuda, 131072) == [1, 1, 1, 16381]  # an H200's 16384-token budget
+    assert largest_step(EngineOptions(batch=4, serving=True), cuda, 131072) == [1, 1, 1, 8189]  # serve's 8192
     assert largest_step(EngineOptions(batch=4, max_num_batched_tokens=100), cuda, 131072) == [1, 1, 1, 97]
     # unchunked, one whole prompt may be as long as the model allows
     assert largest_step(EngineOptions(batch=2, chunked_prefill=False, max_model_len=20000), cuda, 131072) == [1, 19999]

@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--torch-prefill", action="store_true",
                     help="also time pagedcli with its prefill attention as torch ops (gather + SDPA), the path before "
                          "csrc/paged_prefill.cu")
+    ap.add_argument("--no-cudnn", action="store_true",
+                    help="also time pagedcli with every prompt in csrc/paged_prefill.cu (no whole prompts through cuDNN)")
     ap.add_argument("--m-tiles", type=int, nargs="*", default=[cuda_build.PREFILL_M_TILES_SMALL_D],
                     help="16-row tiles a prefill warp computes at head_dim <= 64 (each value: an engine of its own)")
     ap.add_argument("--block-n", type=int, nargs="*", default=[cuda_build.PREFILL_BLOCK_N],
@@ -92,6 +94,10 @@ def main() -> None:
             backend.prefill_kernel = False
             line += f"   torch prefill attention {best_ms(ours, args.repeats):7.1f} ms"
             backend.prefill_kernel = True
+        if args.no_cudnn and getattr(backend, "cudnn_prefill", False):
+            backend.cudnn_prefill = False
+            line += f"   all in paged_prefill.cu {best_ms(ours, args.repeats):7.1f} ms"
+            backend.cudnn_prefill = True
         if hf is not None:
             ids = torch.tensor(prompts, device=model.device)
 

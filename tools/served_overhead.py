@@ -185,7 +185,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--step-ms", type=float, default=1.7, help="a decode step's time (default 1.7: batch 64 on an H200)")
     p.add_argument("--prefill-us", type=float, default=4.0, help="a prefill step's time a token (default 4)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="a step's tokens (default 8192: a GPU's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="a step's tokens, the same in both runs (default 8192)")
     p.add_argument("--api-server-count", type=int, default=1, help="the server's API processes (default 1)")
     p.add_argument("--model", default="demo")
     p.add_argument("--batch", type=int, default=64)

@@ -14,6 +14,8 @@ What runs where:
                       paged_decode_mma.cu, the GQA group's heads as the rows of mma tiles;
                       paged_prefill.cu for a step's prompts (tensor-core tiles, every
                       sequence's rows in one launch, K/V read through the block table);
+                      on sm_90+ a whole prompt of 1,024 tokens or more through cuDNN's fused
+                      attention instead (cudnn_prefill.py: wgmma, twice paged_prefill.cu's rate);
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs; with
                       `logits_greedy` past gemv.cu's rows, the same pass widens the LM head's
                       product to the float32 logits.
@@ -42,8 +44,8 @@ import numpy as np
 import torch
 
 from pagedcli.backends import composed
-from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, DECODE_MMA_WARPS,
-                                          DTYPE_DEFINES, GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS,
+from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, CUDNN_PREFILL,
+                                          DECODE_MMA_WARPS, DTYPE_DEFINES, GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS,
                                           PROGRAMMATIC_LAUNCH, ROPE_VEC_MIN_CTAS_PER_SM, SILU_THREADS, VEC_BYTES,
                                           fp8_fallback_note, gemv_kernel_names, plan_kernels)
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
@@ -51,6 +53,7 @@ from pagedcli.backends.cuda_fp8_gemm import fp8_gemm, scaled_mm_missing
 from pagedcli.backends.cuda_gemv import gemv
 from pagedcli.backends.cuda_launch import (Launcher, LaunchShapes, aligned, leading_single_rows, prefill_tiles, ptr,
                                            resident_ctas, row_threads)
+from pagedcli.backends.cudnn_prefill import attend_whole_prompt, cudnn_prefill_missing, whole_prompt_rows
 from pagedcli.backends.torch import TorchBackend
 from pagedcli.backends.torch_decode import decode_attention_full_width
 from pagedcli.engine.batch import StepBatch
@@ -109,6 +112,11 @@ class CudaBackend:
                                                                        plan.prefill_rows)
         self.decode_mma_shared = plan.decode_mma_shared  # 0: paged_decode_mma.cu is not built
         self._prefill_tiles: tuple | None = None  # this prefill step's work (cuda_launch.prefill_tiles, decode rows)
+        # whole long prompts through cuDNN's attention (cudnn_prefill.py), where it runs: why not, or None
+        self.cudnn_prefill_missing = "switched off" if not (CUDNN_PREFILL and self.prefill_kernel) else \
+            cudnn_prefill_missing(cache.device, geo.dtype, config.num_heads, geo.num_kv_heads, geo.head_dim, geo.kv_fp8)
+        self.cudnn_prefill = self.cudnn_prefill_missing is None
+        self._whole_prompts: list[tuple[int, int, int]] = []  # this step's (sequence, first row, rows) for cuDNN
         # a prefill step can be replayed from a CUDA graph (engine/prefill_graphs.py) when nothing in
         # it is decided from the step's host lists: our prefill kernel with the tiles the caller
         # staged, RoPE from fixed tables (and the K/V write with them); not with fp8 weights, whose
@@ -148,12 +156,17 @@ class CudaBackend:
         torch_prefill = batch.is_prefill and not self.prefill_kernel
         self.reference.prepare_indices(batch, attention=torch_prefill, rope=not self.rope.static)
         if batch.is_prefill and self.prefill_kernel:
+            self._whole_prompts = []
             if batch.prefill_tiles is not None:  # staged by a prefill graph (engine/prefill_graphs.py)
                 self._prefill_tiles = batch.prefill_tiles
             else:
                 d = leading_single_rows(batch.num_new) if self.attention_kernel else 0
+                whole = whole_prompt_rows(batch.num_new, batch.context_lens_host, d) if self.cudnn_prefill else []
+                starts = np.cumsum([0] + batch.num_new[:-1]).tolist()
+                self._whole_prompts = [(b, starts[b], batch.num_new[b]) for b in whole]
                 self._prefill_tiles = prefill_tiles(batch.num_new, batch.context_lens_host, self.prefill_rows,
-                                                    self.cache.device, skip=d) + (batch.slots[:d], batch.context_lens[:d])
+                                                    self.cache.device, skip=d, elsewhere=whole) + (
+                    batch.slots[:d], batch.context_lens[:d])
             if self._prefill_tiles[4].shape[0]:
                 self.shapes.scratch_for(self._prefill_tiles[4].shape[0])
         elif not batch.is_prefill:
@@ -268,9 +281,10 @@ class CudaBackend:
 
     def _prefill_attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The step's first sequences that feed one token (their slots and contexts: the work list's
-        last two) through the decode kernel, then the prefill kernel's tiles for the rest. In this
-        order: a prefill graph runs the decode kernel over a fixed number of rows, and those past the
-        step's one-token sequences are padding that writes zeros over rows the tiles then write."""
+        last two) through the decode kernel, then the prefill kernel's tiles for the rest but the
+        whole long prompts, which take cuDNN's attention last. In this order: a prefill graph runs
+        the decode kernel over a fixed number of rows, and those past the step's one-token sequences
+        are padding that writes zeros over rows the tiles then write."""
         tile_seq, tile_row, seq_start, num_new, decode_slots, decode_context = self._prefill_tiles
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -283,6 +297,8 @@ class CudaBackend:
                 ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(tile_seq), ptr(tile_row),
                 ptr(seq_start), ptr(num_new), ptr(batch.context_lens), ptr(batch.slots), self.scale_log2,
             ) + self._kv_scale_args(layer), shared_mem=self.prefill_shared)
+        for b, first, n in self._whole_prompts:
+            out[first:first + n] = attend_whole_prompt(self.cache, layer, q[first:first + n], batch.slots[b:b + 1])
         return out
 
     def rms_norm(self, x, weight, eps):

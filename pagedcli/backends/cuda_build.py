@@ -50,6 +50,9 @@ PREFILL_WARPS = 4
 PREFILL_M_TILES_SMALL_D = 2  # head_dim <= 64
 PREFILL_BLOCK_N = 64
 PREFILL_MAX_HEAD_DIM = 256
+# sm_90+: a whole prompt of cudnn_prefill.CUDNN_MIN_TOKENS or more takes cuDNN's fused attention
+# (wgmma) instead of paged_prefill.cu; off: paged_prefill.cu serves every prompt (A/B runs)
+CUDNN_PREFILL = True
 # Decode attention on tensor cores (paged_decode_mma.cu), for batches whose (sequence, kv head)s
 # fill the GPU with one CTA each (no split): warps per CTA, keys per warp tile, tiles in each warp's
 # cp.async ring.

@@ -15,6 +15,7 @@ import struct
 import sys
 import threading
 import warnings
+from collections.abc import Collection
 
 import numpy as np
 import torch
@@ -169,14 +170,17 @@ def leading_single_rows(num_new: list[int]) -> int:
     return n
 
 
-def prefill_tile_lists(num_new: list[int], context_lens: list[int], rows: int,
-                       skip: int = 0) -> tuple[list[int], list[int], list[int]]:
+def prefill_tile_lists(num_new: list[int], context_lens: list[int], rows: int, skip: int = 0,
+                       elsewhere: Collection[int] = ()) -> tuple[list[int], list[int], list[int]]:
     """paged_prefill.cu's work list for a step: a tile per `rows` new tokens of each sequence past
-    the first `skip` (those the decode kernel serves), as its sequence and first row, the tiles that
-    read the most keys first (a causal tile's keys end at its last row: launched early, the long
-    ones do not trail the rest); and each sequence's first token in the step."""
+    the first `skip` (those the decode kernel serves) and not in `elsewhere` (those cudnn_prefill.py
+    serves), as its sequence and first row, the tiles that read the most keys first (a causal
+    tile's keys end at its last row: launched early, the long ones do not trail the rest); and each
+    sequence's first token in the step."""
+    elsewhere = set(elsewhere)
     tiles = [(ctx - n + r + min(rows, n - r), b, r)
-             for b, (n, ctx) in enumerate(zip(num_new, context_lens)) if b >= skip for r in range(0, n, rows)]
+             for b, (n, ctx) in enumerate(zip(num_new, context_lens)) if b >= skip and b not in elsewhere
+             for r in range(0, n, rows)]
     tiles.sort(key=lambda t: -t[0])
     starts = [0]
     for n in num_new[:-1]:
@@ -191,10 +195,10 @@ def max_prefill_tiles(num_tokens: int, num_seqs: int, rows: int) -> int:
 
 
 def prefill_tiles(num_new: list[int], context_lens: list[int], rows: int, device: torch.device,
-                  skip: int = 0) -> tuple[torch.Tensor, ...]:
+                  skip: int = 0, elsewhere: Collection[int] = ()) -> tuple[torch.Tensor, ...]:
     """prefill_tile_lists as (tile_seq, tile_row, seq_start, num_new) int32 tensors on `device`, in
     one host-to-device copy (batch.to_device)."""
-    seq, row, starts = prefill_tile_lists(num_new, context_lens, rows, skip)
+    seq, row, starts = prefill_tile_lists(num_new, context_lens, rows, skip, elsewhere)
     int32 = torch.int32
     t = to_device({"seq": (seq, int32), "row": (row, int32), "start": (starts, int32),
                    "num_new": (list(num_new), int32)}, device)

@@ -13,7 +13,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from pagedcli.defaults import DEFAULT_CACHE, DEFAULT_MAX_BATCHED_TOKENS, DEFAULTS
+from pagedcli.defaults import (CPU_MAX_BATCHED_TOKENS, DEFAULT_CACHE, DEFAULTS, GPU_MAX_BATCHED_TOKENS,
+                                GPU_SERVING_MAX_BATCHED_TOKENS, LARGE_GPU_MAX_BATCHED_TOKENS,
+                                LARGE_GPU_SERVING_MAX_BATCHED_TOKENS)
 from pagedcli.errors import UsageError, name_settings
 from pagedcli.model.presets import RANDOM_PRESETS
 
@@ -43,7 +45,9 @@ class EngineFlags:
         "--max-num-batched-tokens, so decoding never waits for a long prompt's prefill.")] = DEFAULTS.chunked_prefill
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(
         help="New tokens one step feeds at most (the chunk budget). "
-        f"Default: {DEFAULT_MAX_BATCHED_TOKENS['cuda']} on CUDA, {DEFAULT_MAX_BATCHED_TOKENS['cpu']} on CPU.")] = None
+        f"Default (vLLM's): on a GPU of 70 GiB or more but an A100 {LARGE_GPU_MAX_BATCHED_TOKENS}, serve "
+        f"{LARGE_GPU_SERVING_MAX_BATCHED_TOKENS}; on another GPU {GPU_MAX_BATCHED_TOKENS}, serve "
+        f"{GPU_SERVING_MAX_BATCHED_TOKENS}; on CPU {CPU_MAX_BATCHED_TOKENS}.")] = None
     kv_cache_dtype: Annotated[str, typer.Option(
         help="auto (the model's dtype) or fp8: K and V stored as float8 e4m3, 1 byte an element, so the same "
         "pool holds twice the tokens of bf16; scaled per layer and KV head by the checkpoint's k_scale/v_scale, "

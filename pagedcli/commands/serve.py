@@ -222,9 +222,9 @@ def api_process(link, address: tuple, settings, started) -> None:
 
 
 def load_model(engine_flags: EngineFlags, requests: RequestFlags):
-    """The model as generate loads it, in the engine's process, with its CUDA graphs captured; but
-    one without a tokenizer (random weights, for a benchmark through the server) is served too, for
-    prompts of token ids."""
+    """The model as generate loads it, in the engine's process, with its CUDA graphs captured and the
+    server's default step budget; but one without a tokenizer (random weights, for a benchmark
+    through the server) is served too, for prompts of token ids."""
     from pagedcli.model.loader import load
 
     if engine_flags.model is not None and engine_flags.model.startswith("random:"):
@@ -232,9 +232,9 @@ def load_model(engine_flags: EngineFlags, requests: RequestFlags):
             raise UsageError("--chat-template: random weights have no tokenizer to render it with")
         notice(f"--model {engine_flags.model} has no tokenizer: prompts as token ids, answers without text "
                "(count them by usage)")
-        loaded = load(engine_flags.options(), notice)
+        loaded = load(engine_flags.options(serving=True), notice)
     else:
-        loaded = load_for_text(engine_flags, requests, "serve", None)
+        loaded = load_for_text(engine_flags, requests, "serve", None, serving=True)
     capture_graphs(loaded.engine.runner)
     return loaded
 

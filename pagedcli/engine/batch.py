@@ -51,7 +51,7 @@ class StepBatch:
 def pack(token_ids: list[list[int]], num_cached: list[int], samples: list[bool] | None = None):
     """The packed arrays of a step (int64): every new token, its position, its sequence, and the
     index of each sampling sequence's last token (StepBatch's fields of the same names). In numpy
-    calls, not a Python loop a token: a long prompt's chunk is 8,192 tokens, and the GPU idled
+    calls, not a Python loop a token: a long prompt's chunk is up to 16,384 tokens, and the GPU idled
     while the host packed them (docs/performance.md, "Prefill")."""
     lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
     total = int(lens.sum())

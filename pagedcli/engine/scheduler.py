@@ -53,7 +53,7 @@ class Schedule:
 
 # Prompt tokens one step prefills without chunked prefill (the first prompt admitted goes whole):
 # the scheduler's own cap, as before chunking, not the chunked budget's default by device
-# (defaults.DEFAULT_MAX_BATCHED_TOKENS), though both are 8192 on a GPU.
+# (defaults.default_max_batched_tokens).
 UNCHUNKED_MAX_BATCHED_TOKENS = 8192
 
 

@@ -10,7 +10,7 @@ import torch
 
 from pagedcli.backends import TorchBackend
 from pagedcli.engine.cache import MAX_ID, KVCache
-from pagedcli.defaults import DEFAULT_CACHE, DEFAULT_MAX_BATCHED_TOKENS, DEFAULTS
+from pagedcli.defaults import DEFAULT_CACHE, DEFAULTS, default_max_batched_tokens
 from pagedcli.model.config import CacheGeometry, parse_size
 from pagedcli.model.fp8 import FP8_DTYPE, KV_CACHE_DTYPES, QUANTIZATIONS
 from pagedcli.engine.engine import Engine
@@ -43,11 +43,12 @@ class EngineOptions:
     shuffle_blocks: int | None = None  # hand blocks out in a shuffled order (tests, demos)
     prefix_caching: bool = DEFAULTS.prefix_caching
     chunked_prefill: bool = DEFAULTS.chunked_prefill
-    max_num_batched_tokens: int | None = None  # new tokens a step feeds at most; default by device
+    max_num_batched_tokens: int | None = None  # new tokens a step feeds at most; default by device and `serving`
     gpu_memory_utilization: float | None = None  # size the pool to this share of the GPU (memory.py)
     kv_cache_dtype: str = DEFAULTS.kv_cache_dtype  # auto (the model dtype) or fp8 (model/fp8.py)
     quantization: str = DEFAULTS.quantization  # none or fp8: the linear layers' and LM head's weights (model/fp8.py)
     seed: int = 0  # random weights
+    serving: bool = False  # for `pagedcli serve`, whose default step budget is smaller on a GPU (defaults.py)
 
     def __post_init__(self):  # checked here, so before anything slow is loaded
         if self.kv_cache_dtype == "fp8_e4m3":  # vLLM's other name for it
@@ -75,13 +76,13 @@ class EngineOptions:
                              "for every running sequence", f"use `max_num_batched_tokens` {self.batch} or more")
 
     def batched_tokens(self, device: torch.device) -> int:
-        """The step's token budget: as given, or the device's default (with chunked prefill at
-        least a token per slot; without, the scheduler's own)."""
+        """The step's token budget: as given, or the default for the device and for serving or not
+        (with chunked prefill at least a token per slot; without, the scheduler's own)."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         if not self.chunked_prefill:
             return UNCHUNKED_MAX_BATCHED_TOKENS
-        return max(DEFAULT_MAX_BATCHED_TOKENS[device.type], self.batch)
+        return max(default_max_batched_tokens(device, self.serving), self.batch)
 
 
 def pick_device(requested: str) -> torch.device:

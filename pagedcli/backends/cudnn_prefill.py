@@ -1,0 +1,120 @@
+"""Whole long prompts through cuDNN's fused attention (torch SDPA's cuDNN backend), beside
+csrc/paged_prefill.cu.
+
+On an H200 cuDNN's causal attention over one 16,000-token prompt at Llama-3.2-1B's shapes ran at
+~460 TFLOP/s, where paged_prefill.cu (mma.sync tiles, FlashAttention-2's scheme) reaches ~230:
+cuDNN's Hopper kernels run on wgmma and TMA (docs/performance.md, "Prefill"). So on sm_90+ a
+sequence whose step holds every token it has (no cached prefix: a whole prompt, or the first chunk
+of one) and at least CUDNN_MIN_TOKENS of them takes this path; the rest of the step (cached
+prefixes, later chunks, short prompts, the decoding rows) stays with our kernels, which read K/V
+through the block table in place.
+
+Such a sequence's keys are its step's own tokens from position 0, so SDPA's causal mask (aligned to
+the top left) is the prompt's. Its K and V are gathered from the pool through its block table (the
+values the decode steps will read, after RoPE, in the pool's dtype): ~2 KB a token a layer at
+Llama-3.2-1B, a copy of a few percent of the attention's time. Pools in the model dtype only: an
+fp8 pool keeps paged_prefill.cu, which dequantizes as it reads.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+# The fewest new tokens a sequence takes through cuDNN: at 2,048 paged_prefill.cu measured as fast,
+# at 4,000 slower (docs/performance.md, "Prefill"). Steps
+# replayed from a prefill graph (up to prefill_graphs.MAX_GRAPH_TOKENS tokens) always run our
+# kernel: their work is staged, not decided.
+CUDNN_MIN_TOKENS = 3072
+# cuDNN builds an execution plan for each new shape (tens of ms, once a process), so a
+# prompt's rows are padded up to one of 2^PAD_OCTAVE_SPLITS_LOG2 lengths an octave: at most 1/8 more
+# rows, and few shapes. The padding is exact: with the causal mask a real row never sees a padded
+# key, and the padded rows' outputs are dropped.
+PAD_OCTAVE_SPLITS_LOG2 = 3
+
+
+def padded_length(n: int) -> int:
+    """n rounded up to a multiple of 2^(floor(log2 n) - PAD_OCTAVE_SPLITS_LOG2): 16,000 -> 16,384,
+    4,000 -> 4,096, 3,100 -> 3,328."""
+    step = 1 << max(0, n.bit_length() - 1 - PAD_OCTAVE_SPLITS_LOG2)
+    return -(-n // step) * step
+
+
+def _backends():
+    from torch.nn.attention import SDPBackend
+
+    # cuDNN first; should it refuse a shape, FlashAttention (torch's own) rather than an error
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+
+
+def cudnn_prefill_missing(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                          head_dim: int, kv_fp8: bool) -> str | None:
+    """Why whole prompts cannot take cuDNN's attention on this device, or None: it must be sm_90+
+    (where it was measured faster), the pool in the model's 16-bit dtype, and cuDNN's SDPA must run
+    a small causal GQA product of these shapes here (tried once, at start)."""
+    if kv_fp8:
+        return "an fp8 pool (paged_prefill.cu dequantizes it)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{str(dtype).removeprefix('torch.')} (cuDNN's fused attention takes bf16/fp16)"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return "a GPU older than sm_90"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    n = 64
+    q = torch.randn(n, num_heads, head_dim, device=device, dtype=dtype)
+    kv = torch.randn(n, num_kv_heads, head_dim, device=device, dtype=dtype)
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's why-not lines for each backend: the reason below says it
+            out = _causal(q, kv, kv)
+        want = _causal(q.float(), kv.float(), kv.float())
+    except RuntimeError as e:
+        return f"cuDNN's SDPA does not run here ({str(e).splitlines()[0][:120]})"
+    if not torch.allclose(out.float(), want, atol=2e-2, rtol=2e-2):
+        return "cuDNN's SDPA disagreed with float32 on a trial product"
+    return None
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's rows q [n, heads, d] over k, v [n, kv_heads, d] (the
+    query heads of a kv head consecutive, as Llama's), computed over `length` >= n rows, the ones
+    past n zeros: [n, heads, d]."""
+    n = q.shape[0]
+    length = length or n
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [1, heads, length, d], the padding zeros
+        out = x.new_empty(1, x.shape[1], length, x.shape[2])
+        out[0, :, :n] = x.transpose(0, 1)
+        out[0, :, n:] = 0
+        return out
+
+    out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), is_causal=True, enable_gqa=True)
+    return out[0, :, :n].transpose(0, 1)
+
+
+def whole_prompt_rows(num_new: list[int], context_lens: list[int], first: int) -> list[int]:
+    """The sequences of a prefill step, from index `first` on, that take cuDNN's attention: all of
+    their context is this step's (nothing cached before it) and it is at least CUDNN_MIN_TOKENS."""
+    return [b for b in range(first, len(num_new)) if num_new[b] == context_lens[b] >= CUDNN_MIN_TOKENS]
+
+
+def gather_kv(cache, layer: int, slot: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first n keys and values of the sequence in `slot` (a one-element device tensor), from its
+    blocks in this layer: [n, kv_heads, head_dim] each, contiguous. No host sync."""
+    block = cache.geometry.block_size
+    blocks = cache.device_table[slot.long(), layer, :-(-n // block)].view(-1).long()
+    kv = cache.pool.index_select(0, blocks)  # [blocks, 2, block_size, kv_heads, head_dim]
+    k, v = (kv[:, i].reshape(-1, *kv.shape[3:])[:n] for i in (0, 1))
+    return k, v
+
+
+def attend_whole_prompt(cache, layer: int, q: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """Causal attention of a sequence's every token so far, q [n, heads, d] (its rows of the step),
+    over its K/V in the pool (already written this step): [n, heads, d]."""
+    from torch.nn.attention import sdpa_kernel
+
+    k, v = gather_kv(cache, layer, slot, q.shape[0])
+    with sdpa_kernel(_backends(), set_priority=True):
+        return _causal(q, k, v, padded_length(q.shape[0]))
