@@ -421,10 +421,15 @@ def test_whole_prompts_through_cudnn_beside_our_kernels_match_fp64(geometry, mon
     attention (cudnn_prefill.py, K/V gathered through the shuffled block table), and the rest our
     kernels: the decoding rows, chunks after cached prefixes (one as long), a short prompt. Every
     row against float64."""
+    from torch.nn.attention import SDPBackend
+
+    from pagedcli.backends import cudnn_prefill
     from pagedcli.backends.cudnn_prefill import CUDNN_MIN_TOKENS
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("cuDNN's prefill path is taken on sm_90+")
+    # cuDNN alone, no FlashAttention behind it: a shape it refused would fail here, not pass slower
+    monkeypatch.setattr(cudnn_prefill, "_backends", lambda: [SDPBackend.CUDNN_ATTENTION])
     n = CUDNN_MIN_TOKENS
     seqs = [(1, 64), (1, 300), (n, 0), (200, 37), (n + 333, 0), (n, 5), (n - 1, 0), (17, 0)]
     s, q, out = _prefill_case(geometry, seqs, monkeypatch, cudnn=True)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from pagedcli.backends.cuda_launch import prefill_tile_lists
-from pagedcli.backends.cudnn_prefill import CUDNN_MIN_TOKENS, _causal, gather_kv, padded_length, whole_prompt_rows
+from pagedcli.backends.cudnn_prefill import (CUDNN_MIN_TOKENS, _causal, gather_kv, padded_length, planned_lengths,
+                                             whole_prompt_rows)
 from pagedcli.backends.torch import TorchBackend
 from pagedcli.engine.batch import StepBatch
 from pagedcli.engine.cache import KVCache
@@ -37,6 +38,31 @@ def test_padded_lengths_are_few_and_at_most_an_eighth_longer():
     for n in list(range(1, 5000)) + [16000, 100_000]:
         assert n <= padded_length(n) <= n + n // 8
     assert padded_length(16000) == 16384 and padded_length(4096) == 4096
+
+
+def test_the_planned_lengths_are_every_one_a_prompt_up_to_the_budget_takes():
+    lengths = planned_lengths(8192)
+    assert {padded_length(n) for n in range(CUDNN_MIN_TOKENS, 8193)} == set(lengths)
+    assert lengths[0] == CUDNN_MIN_TOKENS and lengths[-1] == 8192 and len(lengths) <= 16
+    assert planned_lengths(CUDNN_MIN_TOKENS - 1) == []
+
+
+def test_serve_plans_the_lengths_its_budget_and_model_allow_before_the_first_request(monkeypatch):
+    from types import SimpleNamespace
+
+    from pagedcli.commands import serve
+
+    asked, said = [], []
+    monkeypatch.setattr(serve, "notice", said.append)
+    for budget, max_model_len in ((8192, 131072), (16384, 4096)):
+        backend = SimpleNamespace(plan_whole_prompts=lambda n: asked.append(n) or 7)
+        engine = SimpleNamespace(runner=SimpleNamespace(model=SimpleNamespace(backend=backend)),
+                                 scheduler=SimpleNamespace(max_num_batched_tokens=budget),
+                                 cache=SimpleNamespace(max_model_len=max_model_len))
+        serve.plan_long_prompts(engine)
+    assert asked == [8192, 4096] and len(said) == 2 and "7 prompt lengths" in said[0]
+    serve.plan_long_prompts(SimpleNamespace(runner=SimpleNamespace(model=SimpleNamespace(backend=object()))))
+    assert len(said) == 2  # the torch backend: nothing to plan, nothing said
 
 
 def test_the_prefill_tiles_leave_out_the_sequences_cudnn_serves():

@@ -14,8 +14,9 @@ What runs where:
                       paged_decode_mma.cu, the GQA group's heads as the rows of mma tiles;
                       paged_prefill.cu for a step's prompts (tensor-core tiles, every
                       sequence's rows in one launch, K/V read through the block table);
-                      on sm_90+ a whole prompt of 1,024 tokens or more through cuDNN's fused
-                      attention instead (cudnn_prefill.py: wgmma, twice paged_prefill.cu's rate);
+                      on sm_90+ a whole prompt of cudnn_prefill.CUDNN_MIN_TOKENS (3,072) or more
+                      through cuDNN's fused attention instead (cudnn_prefill.py: wgmma, twice
+                      paged_prefill.cu's rate);
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs; with
                       `logits_greedy` past gemv.cu's rows, the same pass widens the LM head's
                       product to the float32 logits.
@@ -53,7 +54,7 @@ from pagedcli.backends.cuda_fp8_gemm import fp8_gemm, scaled_mm_missing
 from pagedcli.backends.cuda_gemv import gemv
 from pagedcli.backends.cuda_launch import (Launcher, LaunchShapes, aligned, leading_single_rows, prefill_tiles, ptr,
                                            resident_ctas, row_threads)
-from pagedcli.backends.cudnn_prefill import attend_whole_prompt, cudnn_prefill_missing, whole_prompt_rows
+from pagedcli.backends.cudnn_prefill import attend_whole_prompt, cudnn_prefill_missing, warm_up, whole_prompt_rows
 from pagedcli.backends.torch import TorchBackend
 from pagedcli.backends.torch_decode import decode_attention_full_width
 from pagedcli.engine.batch import StepBatch
@@ -113,8 +114,13 @@ class CudaBackend:
         self.decode_mma_shared = plan.decode_mma_shared  # 0: paged_decode_mma.cu is not built
         self._prefill_tiles: tuple | None = None  # this prefill step's work (cuda_launch.prefill_tiles, decode rows)
         # whole long prompts through cuDNN's attention (cudnn_prefill.py), where it runs: why not, or None
-        self.cudnn_prefill_missing = "switched off" if not (CUDNN_PREFILL and self.prefill_kernel) else \
-            cudnn_prefill_missing(cache.device, geo.dtype, config.num_heads, geo.num_kv_heads, geo.head_dim, geo.kv_fp8)
+        if not self.prefill_kernel:
+            self.cudnn_prefill_missing = "the prefill attention runs as torch ops here"
+        elif not CUDNN_PREFILL:
+            self.cudnn_prefill_missing = "switched off (cuda_build.CUDNN_PREFILL)"
+        else:
+            self.cudnn_prefill_missing = cudnn_prefill_missing(cache.device, geo.dtype, config.num_heads,
+                                                               geo.num_kv_heads, geo.head_dim, geo.kv_fp8)
         self.cudnn_prefill = self.cudnn_prefill_missing is None
         self._whole_prompts: list[tuple[int, int, int]] = []  # this step's (sequence, first row, rows) for cuDNN
         # a prefill step can be replayed from a CUDA graph (engine/prefill_graphs.py) when nothing in
@@ -300,6 +306,14 @@ class CudaBackend:
         for b, first, n in self._whole_prompts:
             out[first:first + n] = attend_whole_prompt(self.cache, layer, q[first:first + n], batch.slots[b:b + 1])
         return out
+
+    def plan_whole_prompts(self, max_tokens: int) -> int:
+        """cuDNN's plans for every shape whole prompts of up to `max_tokens` tokens take (none where
+        they do not take cuDNN): how many."""
+        if not self.cudnn_prefill:
+            return 0
+        geo = self.cache.geometry
+        return warm_up(self.cache.device, self.dtype, self.num_heads, geo.num_kv_heads, self.head_dim, max_tokens)
 
     def rms_norm(self, x, weight, eps):
         hidden = x.shape[-1]

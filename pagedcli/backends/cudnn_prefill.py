@@ -11,9 +11,12 @@ through the block table in place.
 
 Such a sequence's keys are its step's own tokens from position 0, so SDPA's causal mask (aligned to
 the top left) is the prompt's. Its K and V are gathered from the pool through its block table (the
-values the decode steps will read, after RoPE, in the pool's dtype): ~2 KB a token a layer at
-Llama-3.2-1B, a copy of a few percent of the attention's time. Pools in the model dtype only: an
-fp8 pool keeps paged_prefill.cu, which dequantizes as it reads.
+values the decode steps will read, after RoPE, in the pool's dtype; at Llama-3.2-1B ~2 KB a token
+a layer, copied a few times: gathered, then laid out and padded for SDPA, as q is). Pools in the
+model dtype only: an fp8 pool keeps paged_prefill.cu, which dequantizes as it reads.
+
+cuDNN plans each new shape the first time it meets it; `pagedcli serve` plans every padded length
+its step budget allows before the first request (`warm_up`), as it captures its CUDA graphs.
 """
 
 from __future__ import annotations
@@ -63,13 +66,16 @@ def cudnn_prefill_missing(device: torch.device, dtype: torch.dtype, num_heads: i
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     n = 64
-    q = torch.randn(n, num_heads, head_dim, device=device, dtype=dtype)
-    kv = torch.randn(n, num_kv_heads, head_dim, device=device, dtype=dtype)
-    try:
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), warnings.catch_warnings():
+    gen = torch.Generator(device).manual_seed(0)  # (the global generator's state is the user's)
+    q = torch.randn(n, num_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    kv = torch.randn(n, num_kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    try:  # cuDNN alone, with the priority order attend_whole_prompt asks for
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION], set_priority=True), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's why-not lines for each backend: the reason below says it
             out = _causal(q, kv, kv)
         want = _causal(q.float(), kv.float(), kv.float())
+    except TypeError:
+        return "this torch's sdpa_kernel takes no priority order (torch 2.6 and newer do)"
     except RuntimeError as e:
         return f"cuDNN's SDPA does not run here ({str(e).splitlines()[0][:120]})"
     if not torch.allclose(out.float(), want, atol=2e-2, rtol=2e-2):
@@ -118,3 +124,24 @@ def attend_whole_prompt(cache, layer: int, q: torch.Tensor, slot: torch.Tensor) 
     k, v = gather_kv(cache, layer, slot, q.shape[0])
     with sdpa_kernel(_backends(), set_priority=True):
         return _causal(q, k, v, padded_length(q.shape[0]))
+
+
+def planned_lengths(max_tokens: int) -> list[int]:
+    """Every padded length a whole prompt of CUDNN_MIN_TOKENS to `max_tokens` tokens is run at."""
+    return sorted({padded_length(n) for n in range(CUDNN_MIN_TOKENS, max_tokens + 1)})
+
+
+def warm_up(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+            max_tokens: int) -> int:
+    """Have cuDNN plan every shape whole prompts of up to `max_tokens` tokens take (zeros; a few
+    tens of ms a shape, once a process), so that none is planned while other requests decode.
+    Returns how many."""
+    from torch.nn.attention import sdpa_kernel
+
+    lengths = planned_lengths(max_tokens)
+    for n in lengths:
+        q = torch.zeros(n, num_heads, head_dim, device=device, dtype=dtype)
+        kv = torch.zeros(n, num_kv_heads, head_dim, device=device, dtype=dtype)
+        with sdpa_kernel(_backends(), set_priority=True):
+            _causal(q, kv, kv)
+    return len(lengths)

@@ -236,6 +236,7 @@ def load_model(engine_flags: EngineFlags, requests: RequestFlags):
     else:
         loaded = load_for_text(engine_flags, requests, "serve", None, serving=True)
     capture_graphs(loaded.engine.runner)
+    plan_long_prompts(loaded.engine)
     return loaded
 
 
@@ -251,6 +252,19 @@ def capture_graphs(runner) -> None:
     runner.capture_graphs()
     notice(f"captured {plural(sum(counts.values()), 'CUDA graph')} "
            f"({' and '.join(f'{n} {kind}' for kind, n in counts.items())}) in {time.perf_counter() - started:.1f} s")
+
+
+def plan_long_prompts(engine) -> None:
+    """cuDNN's plan for every padded length a whole long prompt can take (backends/cudnn_prefill.py)
+    before the first request, for the same reason as the graphs: each is made on first use, tens of
+    ms in which every running stream would wait."""
+    plan = getattr(engine.runner.model.backend, "plan_whole_prompts", None)
+    if plan is None:
+        return
+    started = time.perf_counter()
+    n = plan(min(engine.scheduler.max_num_batched_tokens, engine.cache.max_model_len))
+    if n:
+        notice(f"planned cuDNN's attention for {plural(n, 'prompt length')} in {time.perf_counter() - started:.1f} s")
 
 
 def say(text: str, shared) -> None:
