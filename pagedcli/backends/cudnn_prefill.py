@@ -52,6 +52,14 @@ def _backends():
     return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
 
 
+def _cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
+    """_causal through cuDNN, in the priority order the path runs (the product and the warm-up)."""
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(_backends(), set_priority=True):
+        return _causal(q, k, v, length)
+
+
 def cudnn_prefill_missing(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                           head_dim: int, kv_fp8: bool) -> str | None:
     """Why whole prompts cannot take cuDNN's attention on this device, or None: it must be sm_90+
@@ -119,11 +127,8 @@ def gather_kv(cache, layer: int, slot: torch.Tensor, n: int) -> tuple[torch.Tens
 def attend_whole_prompt(cache, layer: int, q: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """Causal attention of a sequence's every token so far, q [n, heads, d] (its rows of the step),
     over its K/V in the pool (already written this step): [n, heads, d]."""
-    from torch.nn.attention import sdpa_kernel
-
     k, v = gather_kv(cache, layer, slot, q.shape[0])
-    with sdpa_kernel(_backends(), set_priority=True):
-        return _causal(q, k, v, padded_length(q.shape[0]))
+    return _cudnn_causal(q, k, v, padded_length(q.shape[0]))
 
 
 def planned_lengths(max_tokens: int) -> list[int]:
@@ -136,12 +141,9 @@ def warm_up(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_hea
     """Have cuDNN plan every shape whole prompts of up to `max_tokens` tokens take (zeros; a few
     tens of ms a shape, once a process), so that none is planned while other requests decode.
     Returns how many."""
-    from torch.nn.attention import sdpa_kernel
-
     lengths = planned_lengths(max_tokens)
     for n in lengths:
         q = torch.zeros(n, num_heads, head_dim, device=device, dtype=dtype)
         kv = torch.zeros(n, num_kv_heads, head_dim, device=device, dtype=dtype)
-        with sdpa_kernel(_backends(), set_priority=True):
-            _causal(q, kv, kv)
+        _cudnn_causal(q, kv, kv, n)
     return len(lengths)
