@@ -172,9 +172,13 @@ __device__ __forceinline__ float silu_times(float gate, float up) {
 // kernel's last byte. Therefore every kernel of ours calls wait_for_previous_kernels() before its
 // first read of anything an earlier kernel wrote and before its first write: it returns once the
 // kernel ahead has completed and its writes are visible (and so, transitively, every kernel before
-// that one). Only what no kernel writes may be read before it: gemv.cu loads its first weight tile
-// there. A CPU test (tests/test_kernels_compile.py) checks this order in the PTX of every kernel
-// the Llama-3.2-1B plan builds (bf16 and fp8 pools, fp8 weights, float32).
+// that one). Only what no kernel of the step writes may be read before it: gemv.cu loads its first
+// weight tile there, and paged_attention.cu (with fp8 weights) the batch's lengths and slots and
+// its block table. Those are written before the step's host-to-device copy of its batch (the
+// table by torch's scatter in KVCache.sync_device_table, engine/runner.py), and a kernel that
+// follows a copy in the stream starts only once the copy is done. A CPU test
+// (tests/test_kernels_compile.py) checks this order in the PTX of every kernel the Llama-3.2-1B plan
+// builds (bf16 and fp8 pools, bf16 and fp8 weights, float32).
 // A kernel may be scheduled early once every CTA of the one ahead has called allow_next_kernel()
 // (or exited); ours call it at their start, so that the next kernel's CTAs take each SM as this
 // kernel's CTAs leave it, and gemv.cu's then have their first weights in flight. Launched without

@@ -58,8 +58,8 @@
 
 #if !defined(HEADS_PER_CTA) || !defined(PARTITION_SIZE) || !defined(ATTN_THREADS) || !defined(ATTN_UNROLL) || \
     !defined(ATTN_STAGES) || !defined(ATTN_MIN_CTAS) || !defined(ATTN_MIN_SPAN) || !defined(ATTN_CLUSTER) ||      \
-    !defined(ATTN_CLUSTER_MIN_SPAN) || !defined(ATTN_VEC_BYTES)
-#error "paged_attention.cu needs -DHEADS_PER_CTA -DPARTITION_SIZE -DATTN_THREADS -DATTN_UNROLL -DATTN_STAGES -DATTN_MIN_CTAS -DATTN_MIN_SPAN -DATTN_CLUSTER -DATTN_CLUSTER_MIN_SPAN -DATTN_VEC_BYTES (backends/cuda_build.py)"
+    !defined(ATTN_CLUSTER_MIN_SPAN) || !defined(ATTN_VEC_BYTES) || !defined(ATTN_READ_BATCH_EARLY)
+#error "paged_attention.cu needs -DHEADS_PER_CTA -DPARTITION_SIZE -DATTN_THREADS -DATTN_UNROLL -DATTN_STAGES -DATTN_MIN_CTAS -DATTN_MIN_SPAN -DATTN_CLUSTER -DATTN_CLUSTER_MIN_SPAN -DATTN_VEC_BYTES -DATTN_READ_BATCH_EARLY (backends/cuda_build.py)"
 #endif
 
 // The width of one K/V (and q) load: 16 bytes, or 8 where a head's row is not a whole number of
@@ -171,6 +171,25 @@ __device__ __forceinline__ float load_from_l2(const float* p) {
     float r;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
     return r;
+}
+
+// An int written before the step's copy of its batch to the device (a length or slot, copied in by
+// it; a block-table entry, scattered before it: common.cuh), read before wait_for_previous_kernels:
+// from L2, past this SM's L1, which may hold lines of an earlier step's kernels. The copy is done
+// by then: a kernel that follows a copy in the stream starts after it, and every kernel of ours
+// after that one.
+__device__ __forceinline__ int host_written(const int* p) {
+    int r;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// The physical blocks of a chunk's n tokens from `first` on, into shared memory (before or after
+// the wait: the table is host-written).
+__device__ __forceinline__ void load_chunk_blocks(int* chunk_blocks, const int* seq_table, int first, int n, int tid) {
+    for (int i = tid; i < (n + BLOCK_SIZE - 1) / BLOCK_SIZE; i += ATTN_THREADS) {
+        chunk_blocks[i] = max(host_written(seq_table + first / BLOCK_SIZE + i), 0);  // -1 would be a bug; stay in bounds
+    }
 }
 
 // Load step g of a chunk into ring slot g % STAGES: steps 0 .. iters-1 are K, iters .. 2 iters-1 are
@@ -658,32 +677,24 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
     const int tid = threadIdx.x;
     scalar_t* __restrict__ out_rows = out + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM;
 
-    // q's lines are requested into L1 first and the slot is read beside the length: these reads
-    // overlap instead of adding their latencies to the chain length -> block table -> K.
-    constexpr int Q_BYTES = HEADS_PER_CTA * HEAD_DIM * (int)sizeof(scalar_t);
-    for (int b = tid * 128; b < Q_BYTES; b += ATTN_THREADS * 128) {
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(reinterpret_cast<const unsigned char*>(
-                         q + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM) + b));
-    }
-    const int context = min(max(context_lens[seq], 0), max_context);
-    const int slot = slots[seq];
-    if (context == 0) {  // padding row: zeros, written by one CTA
-        if (split == 0) {
-            for (int i = tid; i < HEADS_PER_CTA * HEAD_DIM; i += ATTN_THREADS) out_rows[i] = from_float(0.0f);
-        }
+    // With ATTN_READ_BATCH_EARLY, the length, the slot and the first chunk's blocks are read
+    // before the wait (common.cuh), while the kernel ahead (the qkv projection, which writes q and
+    // the newest K/V row) still runs, so the chain length -> block table -> K starts at the K
+    // loads. Only what was written before the step's batch copy may be read there (host_written).
+    // The plan sets it with fp8 weights, where it measured faster; with bf16 weights waiting first
+    // measured faster (docs/performance.md, "Each kernel started before").
+    allow_next_kernel();
+    if constexpr (!ATTN_READ_BATCH_EARLY) wait_for_previous_kernels();
+    const int context = min(max(host_written(context_lens + seq), 0), max_context);
+    const int slot = host_written(slots + seq);
+    const bool padding = context == 0;  // a padding row: zeros, written by split 0's CTA
+    const Span span = plan_span<CLUSTER>(context, split, num_splits);
+    if (padding ? split != 0 : span.part >= span.used_parts) {
+        // Nothing to do, but leave only once the kernel ahead is done, as the others do (leaving
+        // at once measured slower: the SM goes early to the kernels after this one).
+        wait_for_previous_kernels();
         return;
     }
-    const Span span = plan_span<CLUSTER>(context, split, num_splits);
-    if (span.part >= span.used_parts) return;
-#if defined(KV_FP8)
-    // the kv head's scales, and 1 / the unpacking's factor: K's folded into q's pre-scale (the
-    // scores), V's into the output's normalisation
-    scale_log2 *= k_scale[kv_head] * (1.0f / E4M3_UNPACK_FACTOR);
-    const float out_factor = v_scale[kv_head] * (1.0f / E4M3_UNPACK_FACTOR);
-#else
-    const float out_factor = 1.0f;
-#endif
-
     __shared__ __align__(16) float smem[SMEM_FLOATS];  // scores and load ring; later per-warp sums
     __shared__ int chunk_blocks[BLOCKS_PER_CHUNK];
     __shared__ float warp_max[NUM_WARPS][HEADS_PER_CTA];  // each warp's max score of each head, this chunk
@@ -710,14 +721,39 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
     const unsigned char* __restrict__ v_base = k_base + V_OFFSET;
     const scalar_t* __restrict__ q_base = q + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM + l.lane_in_row * KV_VEC;
 
+    if (!padding) {
+        load_chunk_blocks(chunk_blocks, seq_table, span.start, min(PARTITION_SIZE, span.end - span.start), tid);
+        __syncthreads();
+    }
+    wait_for_previous_kernels();  // (a second call returns at once)
+    if (padding) {
+        for (int i = tid; i < HEADS_PER_CTA * HEAD_DIM; i += ATTN_THREADS) out_rows[i] = from_float(0.0f);
+        return;
+    }
+#if defined(KV_FP8)
+    // the kv head's scales, and 1 / the unpacking's factor: K's folded into q's pre-scale (the
+    // scores), V's into the output's normalisation
+    scale_log2 *= k_scale[kv_head] * (1.0f / E4M3_UNPACK_FACTOR);
+    const float out_factor = v_scale[kv_head] * (1.0f / E4M3_UNPACK_FACTOR);
+#else
+    const float out_factor = 1.0f;
+#endif
+    // q's lines are requested into L1 first: their latency overlaps the K loads' instead of
+    // preceding them.
+    constexpr int Q_BYTES = HEADS_PER_CTA * HEAD_DIM * (int)sizeof(scalar_t);
+    for (int b = tid * 128; b < Q_BYTES; b += ATTN_THREADS * 128) {
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(reinterpret_cast<const unsigned char*>(
+                         q + ((size_t)seq * NUM_HEADS + head0) * HEAD_DIM) + b));
+    }
+
     for (int chunk_start = span.start; chunk_start < span.end; chunk_start += PARTITION_SIZE) {
         const int n = min(PARTITION_SIZE, span.end - chunk_start);  // tokens in this chunk
 
-        __syncthreads();  // the previous chunk is done with chunk_blocks and smem
-        for (int i = tid; i < (n + BLOCK_SIZE - 1) / BLOCK_SIZE; i += ATTN_THREADS) {
-            chunk_blocks[i] = max(seq_table[chunk_start / BLOCK_SIZE + i], 0);  // -1 would be a bug; stay in bounds
+        if (chunk_start != span.start) {  // (the first chunk's blocks were read before the wait)
+            __syncthreads();  // the previous chunk is done with chunk_blocks and smem
+            load_chunk_blocks(chunk_blocks, seq_table, chunk_start, n, tid);
+            __syncthreads();
         }
-        __syncthreads();
 
         // Start the load ring: the first STAGES - 1 steps (K rows, then V rows).
         const int iters = (n + TOKENS_PER_ITER - 1) / TOKENS_PER_ITER;  // load steps per pass
@@ -750,8 +786,7 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
 // ATTN_MIN_CTAS resident CTAs per SM bound the registers (the compiler would otherwise take more,
 // and fewer CTAs would keep fewer loads in flight).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) paged_attention_decode(ATTENTION_PARAMS) {
-    start_after_previous_kernels();
-    attention<1>(ATTENTION_ARGS);
+    attention<1>(ATTENTION_ARGS);  // (it waits for the kernel ahead itself, once its reads of the batch are out)
 }
 
 // Small batches on sm_90+ (backends/cuda.py decides): ATTN_CLUSTER consecutive splits form a
@@ -761,7 +796,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) paged_
 #if __CUDA_ARCH__ >= 900
 extern "C" __global__ void __cluster_dims__(1, 1, ATTN_CLUSTER) __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS)
     paged_attention_decode_cluster(ATTENTION_PARAMS) {
-    start_after_previous_kernels();
     attention<ATTN_CLUSTER>(ATTENTION_ARGS);
 }
 #endif

@@ -99,7 +99,8 @@ class Setup:
     """A cache on the GPU with random contents, sequences of the given lengths in shuffled blocks,
     and both backends over it."""
 
-    def __init__(self, geometry: str, lengths, max_model_len=8192, seed=0, spare_slots=0, block_size=None):
+    def __init__(self, geometry: str, lengths, max_model_len=8192, seed=0, spare_slots=0, block_size=None,
+                 fp8_weights=False):
         num_heads, num_kv_heads, head_dim, own_block_size, dtype = {**GEOMETRIES, **PARTIAL_TILE_GEOMETRIES}[geometry]
         block_size = block_size or own_block_size
         self.dtype = dtype
@@ -116,7 +117,7 @@ class Setup:
             self.cache.grow(slot, n)
         self.cache.sync_device_table()
         self.ref = TorchBackend(self.cache, self.config)
-        self.cuda = CudaBackend(self.cache, self.config)
+        self.cuda = CudaBackend(self.cache, self.config, fp8_weights=fp8_weights)  # (its plan's kernels only)
         self.gen = gen
 
     def randn(self, *shape, scale=1.0):
@@ -244,11 +245,12 @@ def test_rope_write_kv_matches_reference(geometry, phase, width, monkeypatch):
 
 # --- (b) decode attention ----------------------------------------------------------------------
 
-def _decode_case(geometry, lengths, max_model_len, seed, layer=1, block_size=None):
+def _decode_case(geometry, lengths, max_model_len, seed, layer=1, block_size=None, fp8_weights=False):
     """Decode attention of one step against float64 and the torch reference; returns the setup and
     the kernels it launched. paged_decode_mma.cu rounds P to the element type before P V (as
     paged_prefill.cu, FlashAttention and SDPA do), so it is held to the prefill kernel's bound."""
-    s = Setup(geometry, lengths, max_model_len=max_model_len, seed=seed, block_size=block_size)
+    s = Setup(geometry, lengths, max_model_len=max_model_len, seed=seed, block_size=block_size,
+              fp8_weights=fp8_weights)
     batch = s.decode_batch(lengths)
     q = s.randn(len(lengths), s.config.num_heads, s.config.head_dim, scale=2.0)
     s.ref.prepare(batch)
@@ -308,6 +310,16 @@ def test_decode_attend_clusters_merge_then_their_sums_merge():
     s, _ = _decode_case("llama1b", [4097, 300], max_model_len=8192, seed=6)
     if s.cuda.cluster > 1:
         assert s.cuda.shapes.uses_clusters(2) and s.cuda.shapes.num_splits(2) == 2 * cuda_build.ATTN_CLUSTER
+
+
+@pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32", "mha-d64", "fp16", "d8-bf16-b32"])
+@pytest.mark.parametrize("lengths", [LENGTHS, (4097, 300)], ids=["mixed", "two-clusters"])
+def test_decode_attend_reading_the_batch_early(geometry, lengths):
+    """With fp8 weights the split-KV kernels read each sequence's length, slot and first blocks
+    before the programmatic-launch wait (ATTN_READ_BATCH_EARLY): the same bounds against float64,
+    one cluster per (sequence, head group) or two merged, spans of several chunks."""
+    s, launched = _decode_case(geometry, list(lengths), max_model_len=8192, seed=7, fp8_weights=True)
+    assert launched and launched[0].startswith("paged_attention_decode") and DECODE_MMA not in launched
 
 
 @pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32", "stories-fp32"])

@@ -102,4 +102,10 @@ def test_gathered_prompt_and_causal_product_are_the_torch_backends_attention():
             for length in (n, n + 13, padded_length(n)):  # padded rows change no real one
                 got = _causal(q[first:first + n], k, v, length)
                 torch.testing.assert_close(got, want[first:first + n], atol=1e-5, rtol=1e-5)
+                # gathered as `length` rows, zeros past n (the last block's stale rows too)
+                k_rows, v_rows = gather_kv(cache, 1, batch.slots[b:b + 1], n, length)
+                assert k_rows.shape == (length, config.num_kv_heads, config.head_dim) and k_rows.is_contiguous()
+                assert torch.equal(k_rows[:n], k) and torch.equal(v_rows[:n], v)
+                assert not k_rows[n:].any() and not v_rows[n:].any()
+                torch.testing.assert_close(_causal(q[first:first + n], k_rows, v_rows, length), got)
         first += n

@@ -322,39 +322,88 @@ GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:(?:ldu?|st|atom|red|cp\.asyn
 # eviction hint, which no other load of gemv.cu has), the only global access a kernel of ours
 # makes before wait_for_previous_kernels.
 WEIGHT_LOAD = re.compile(r"ld\.global\.nc\.L1::no_allocate\.L2::cache_hint\.v4\.u32")
+# paged_attention.cu's reads of what the host copied in before the step (lengths, slots, block
+# table entries: host_written, past L1), before the wait with ATTN_READ_BATCH_EARLY.
+HOST_WRITTEN_READ = re.compile(r"^(?:@!?%p\d+\s+)?ld\.global\.cg\.s32$")
+
+
+PTX_LABEL = re.compile(r"^(\$[\w$]+):", re.M)
+PTX_BRANCH = re.compile(r"^\s*(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$[\w$]+);")
+PTX_END = re.compile(r"^\s*(?:ret|exit|trap);")
+
+
+def accesses_before_wait(body: str) -> list[str]:
+    """The global accesses (GLOBAL_ACCESS) of a kernel's PTX that some path from its entry reaches
+    without passing an unpredicated griddepcontrol.wait: its basic blocks (at labels), followed
+    along branches and fall-throughs from the entry until a wait."""
+    starts = [0] + [m.start() for m in PTX_LABEL.finditer(body)]
+    blocks = [body[a:b] for a, b in zip(starts, starts[1:] + [len(body)])]
+    index = {m.group(1): i for i, m in enumerate(PTX_LABEL.finditer(body), start=1)}
+    found, seen, todo = [], set(), [0]
+    while todo:
+        i = todo.pop()
+        if i in seen or i >= len(blocks):
+            continue
+        seen.add(i)
+        ends = False
+        for line in blocks[i].splitlines():
+            if re.match(r"^\s*griddepcontrol\.wait;", line):
+                ends = True  # this path has waited: what follows it may touch anything
+                break
+            if m := GLOBAL_ACCESS.match(line):
+                found.append(m.group(0).strip())
+            if m := PTX_BRANCH.match(line):
+                todo.append(index[m.group(2)])
+                if not m.group(1):  # unconditional: no fall-through
+                    ends = True
+                    break
+            if PTX_END.match(line):
+                ends = True
+                break
+        if not ends:
+            todo.append(i + 1)
+    return found
 
 
 def test_every_kernel_waits_for_the_previous_kernel_before_touching_memory():
     """On sm_90+ our kernels are launched to start before the previous kernel in the stream has
     finished (cuda_launch.Launcher, csrc/common.cuh): each must execute griddepcontrol.wait before
     any access to global memory, but gemv.cu's loads of its first weight tile (which no kernel
-    writes), and lets the next kernel be scheduled before its own end. Checked in the PTX of every
-    file of the Llama-3.2-1B plan, bf16 and fp8 pools, fp8 weights, and float32; a kernel that read
-    its input or wrote its output before the wait would race with the kernel before it."""
+    writes) and, with fp8 weights, the split-KV decode kernel's reads of the host's batch and block
+    table, and lets the next kernel be scheduled before its own end. Checked along every path of
+    the PTX of every file of the Llama-3.2-1B plan, bf16 and fp8 pools, bf16 and fp8 weights, and
+    float32; a kernel that read its input or wrote its output before the wait would race with the
+    kernel before it. (An int read past L1 before the wait passes as a read of the batch: which
+    array it reads is out of this check's sight.)"""
     config = preset_configs()["llama-3.2-1b"]
     builds = {}
     for dtype, pool in ((torch.bfloat16, None), (torch.bfloat16, FP8_DTYPE), (torch.float32, None)):
-        plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True, fp8_weights=True)
-        for file, (defines, names) in plan.files.items():
-            builds.setdefault((file, defines), Build(f"{dtype} {pool}", file, defines, cubin=False, names=names))
+        for fp8_weights in (False, True):  # (paged_attention.cu reads the batch early with fp8 weights)
+            plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True, fp8_weights=fp8_weights)
+            for file, (defines, names) in plan.files.items():
+                label = f"{dtype} {pool}{' fp8 weights' if fp8_weights else ''}"
+                builds.setdefault((file, defines), Build(label, file, defines, cubin=False, names=names))
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         ptxs = list(pool.map(ptx_of, builds.values()))
-    checked, problems = 0, []
+    checked, early_readers, problems = 0, 0, []
     for build, ptx in zip(builds.values(), ptxs):
         for name, body in re.findall(r"\.entry\s+(\w+)\s*\((.*?)(?=\.entry\s|\Z)", ptx, re.S):
             if name not in build.names:
                 continue
             checked += 1
-            wait = body.find("griddepcontrol.wait;")
-            if wait < 0 or "griddepcontrol.launch_dependents;" not in body:
+            if "griddepcontrol.wait;" not in body or "griddepcontrol.launch_dependents;" not in body:
                 problems.append(f"{build.file} {name}: no griddepcontrol.wait, or no launch_dependents")
                 continue
-            early = [m.group(0).strip() for m in GLOBAL_ACCESS.finditer(body[:wait])]
-            allowed = name.startswith(("gemv_", "gemv8_"))
-            bad = [line for line in early if not (allowed and WEIGHT_LOAD.search(line))]
+            early = accesses_before_wait(body)
+            gemv = name.startswith(("gemv_", "gemv8_"))
+            decode_early = name.startswith("paged_attention_decode") and ("ATTN_READ_BATCH_EARLY", 1) in build.defines
+            early_readers += decode_early
+            allowed = WEIGHT_LOAD if gemv else HOST_WRITTEN_READ if decode_early else None
+            bad = [line for line in early if not (allowed and allowed.search(line))]
             if bad:
-                problems.append(f"{build.file} {name}: before the wait: {bad[:3]}")
-            if allowed and not early:
-                problems.append(f"{build.file} {name}: no weight load before the wait (the overlap is lost)")
+                problems.append(f"{build.file} {name} ({build.what}): before the wait: {bad[:3]}")
+            if (gemv or decode_early) and not early:
+                problems.append(f"{build.file} {name} ({build.what}): no load before the wait (the overlap is lost)")
     assert not problems, "\n".join(problems)
     assert checked >= 40, f"only {checked} kernels checked"
+    assert early_readers >= 4, "no decode kernel of the fp8-weights plans reads the batch before its wait"

@@ -1082,6 +1082,21 @@ def test_serve_without_fastapi_is_one_line_and_the_rest_works():
     assert lines[-1] == "exit 0" and out.stdout.startswith("ROMEO:"), out.stderr
 
 
+def test_serve_with_a_dependency_of_uvicorn_missing_names_it(tmp_path):
+    """A partial install (uvicorn there, one of its own dependencies not): one line that names the
+    missing module and says to install again, not that uvicorn is missing."""
+    (tmp_path / "uvicorn").mkdir()
+    (tmp_path / "uvicorn" / "__init__.py").write_text("import pagedcli_no_such_dependency\n")
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+            "from pagedcli.commands.app import app\n"
+            "try:\n    app(['serve'])\nexcept SystemExit as e:\n    print('exit', e.code, file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert lines == ["error: pagedcli serve needs FastAPI and uvicorn, which did not import: No module named "
+                     "'pagedcli_no_such_dependency' (install them again with their dependencies: pip install "
+                     "--force-reinstall fastapi uvicorn)", "exit 1"], out.stderr
+
+
 def test_a_port_in_use_is_said_before_the_model_loads():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -361,6 +361,9 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
         ("ATTN_CLUSTER", ATTN_CLUSTER),
         ("ATTN_CLUSTER_MIN_SPAN", CLUSTER_MIN_SPAN),
         ("ATTN_VEC_BYTES", shape.vec_bytes),
+        # the batch's lengths, slots and first blocks read before the programmatic-launch wait: with
+        # fp8 weights that measured faster at batches 1 and 2, with bf16 weights slower
+        ("ATTN_READ_BATCH_EARLY", int(fp8_weights)),
     )
     names = ("paged_attention_decode",) + (("paged_attention_decode_cluster",) if clusters else ())
     plan.files["paged_attention.cu"] = (attention, names)

@@ -12,8 +12,8 @@ through the block table in place.
 Such a sequence's keys are its step's own tokens from position 0, so SDPA's causal mask (aligned to
 the top left) is the prompt's. Its K and V are gathered from the pool through its block table (the
 values the decode steps will read, after RoPE, in the pool's dtype; at Llama-3.2-1B ~2 KB a token
-a layer, copied a few times: gathered, then laid out and padded for SDPA, as q is). Pools in the
-model dtype only: an fp8 pool keeps paged_prefill.cu, which dequantizes as it reads.
+a layer), once, straight into the padded rows SDPA reads; q's rows are copied once into theirs.
+Pools in the model dtype only: an fp8 pool keeps paged_prefill.cu, which dequantizes as it reads.
 
 cuDNN plans each new shape the first time it meets it; `pagedcli serve` plans every padded length
 its step budget allows before the first request (`warm_up`), as it captures its CUDA graphs.
@@ -92,17 +92,21 @@ def cudnn_prefill_missing(device: torch.device, dtype: torch.dtype, num_heads: i
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | None = None) -> torch.Tensor:
-    """Causal attention of one sequence's rows q [n, heads, d] over k, v [n, kv_heads, d] (the
-    query heads of a kv head consecutive, as Llama's), computed over `length` >= n rows, the ones
-    past n zeros: [n, heads, d]."""
+    """Causal attention of one sequence's rows q [n, heads, d] over k, v [n or length, kv_heads, d]
+    (the query heads of a kv head consecutive, as Llama's), computed over `length` >= n rows, the
+    ones past n zeros: [n, heads, d]."""
     n = q.shape[0]
     length = length or n
 
-    def rows(x: torch.Tensor) -> torch.Tensor:  # [1, heads, length, d], the padding zeros
-        out = x.new_empty(1, x.shape[1], length, x.shape[2])
-        out[0, :, :n] = x.transpose(0, 1)
-        out[0, :, n:] = 0
-        return out
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        """[1, heads, length, d] as a view of [length, heads, d] rows (zeros past n): SDPA's
+        backends take that layout as it lies, so rows already `length` long are not copied."""
+        if x.shape[0] != length:
+            padded = x.new_empty(length, *x.shape[1:])
+            padded[:n] = x
+            padded[n:] = 0
+            x = padded
+        return x.transpose(0, 1).unsqueeze(0)
 
     out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), is_causal=True, enable_gqa=True)
     return out[0, :, :n].transpose(0, 1)
@@ -114,21 +118,31 @@ def whole_prompt_rows(num_new: list[int], context_lens: list[int], first: int) -
     return [b for b in range(first, len(num_new)) if num_new[b] == context_lens[b] >= CUDNN_MIN_TOKENS]
 
 
-def gather_kv(cache, layer: int, slot: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(cache, layer: int, slot: torch.Tensor, n: int,
+              length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The first n keys and values of the sequence in `slot` (a one-element device tensor), from its
-    blocks in this layer: [n, kv_heads, head_dim] each, contiguous. No host sync."""
-    block = cache.geometry.block_size
-    blocks = cache.device_table[slot.long(), layer, :-(-n // block)].view(-1).long()
-    kv = cache.pool.index_select(0, blocks)  # [blocks, 2, block_size, kv_heads, head_dim]
-    k, v = (kv[:, i].reshape(-1, *kv.shape[3:])[:n] for i in (0, 1))
-    return k, v
+    blocks in this layer, as `length` >= n rows (zeros past n): [length, kv_heads, head_dim] each,
+    contiguous, copied once (what _causal takes as it lies). No host sync."""
+    length = length or n
+    geo = cache.geometry
+    blocks = cache.device_table[slot.long(), layer, :-(-n // geo.block_size)].view(-1).long()
+    # the pool as halves of blocks, [num_blocks * 2, block_size, kv_heads, head_dim]: block b's K
+    # rows are half 2b, its V rows half 2b + 1
+    halves = cache.pool.view(-1, geo.block_size, geo.num_kv_heads, geo.head_dim)
+    whole = blocks.shape[0] * geo.block_size  # the blocks' rows, the last block's stale ones too
+    k, v = (halves.new_empty(max(length, whole), geo.num_kv_heads, geo.head_dim) for _ in range(2))
+    for out, half in ((k, 0), (v, 1)):
+        torch.index_select(halves, 0, 2 * blocks + half, out=out[:whole].view(-1, *halves.shape[1:]))
+        out[n:] = 0
+    return k[:length], v[:length]
 
 
 def attend_whole_prompt(cache, layer: int, q: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """Causal attention of a sequence's every token so far, q [n, heads, d] (its rows of the step),
     over its K/V in the pool (already written this step): [n, heads, d]."""
-    k, v = gather_kv(cache, layer, slot, q.shape[0])
-    return _cudnn_causal(q, k, v, padded_length(q.shape[0]))
+    length = padded_length(q.shape[0])
+    k, v = gather_kv(cache, layer, slot, q.shape[0], length)
+    return _cudnn_causal(q, k, v, length)
 
 
 def planned_lengths(max_tokens: int) -> list[int]:

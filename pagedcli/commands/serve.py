@@ -69,10 +69,13 @@ def serve(
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
-    except ImportError:
-        from pagedcli.serve import INSTALL_HINT, MISSING
+    except ImportError as e:
+        from pagedcli.serve import INSTALL_HINT, MISSING, REINSTALL_HINT
 
-        raise RunError(MISSING, INSTALL_HINT) from None
+        if e.name in ("fastapi", "uvicorn"):
+            raise RunError(MISSING, INSTALL_HINT) from None
+        # installed, but broken: one of their own dependencies missing (a partial install), or worse
+        raise RunError(f"{MISSING}, which did not import: {str(e).splitlines()[0]}", REINSTALL_HINT) from None
     if not 0 <= port <= 65535:
         raise UsageError(f"--port {port}: not a port", "use 1 to 65535, or 0 for any free one")
     if max_waiting < 1:

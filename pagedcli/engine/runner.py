@@ -58,6 +58,9 @@ class ModelRunner:
         feed (decode only): the tokens to feed, [len(seqs)] on the device, sampled by a step the
         host has not seen the end of (the engine's overlap); each sequence is then one token longer
         than its host copy says, and that token is the one fed."""
+        # Before the batch's copy to the device, which the stream starts only once everything
+        # ahead of it is done: the split-KV decode kernel reads the block table before its
+        # programmatic-launch wait (with fp8 weights), safe only behind such a copy (csrc/common.cuh).
         self.cache.sync_device_table()
         self.cache.copy_pending_blocks()  # copy-on-write, before this step writes K/V
         slots = [s.slot for s in seqs]

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 
 MISSING = "pagedcli serve needs FastAPI and uvicorn"
 INSTALL_HINT = "install them with: pip install 'pagedcli[serve]'"
+# (only these two and what they need: the extra would reinstall torch too)
+REINSTALL_HINT = "install them again with their dependencies: pip install --force-reinstall fastapi uvicorn"
 DEFAULT_MAX_WAITING = 4096  # answers (n a request) waiting for a slot before the next request is refused (429)
 LOG_FORMAT = "%(levelname)s: %(message)s"  # the server's own log lines, in both of its processes
 # what stops a server cleanly: Ctrl-C, a service manager's stop, its terminal hanging up (no SIGHUP on Windows)
