@@ -96,7 +96,15 @@ def test_a_conversation_that_outgrows_the_length_limit_ends_in_one_line(stories,
     line = err.strip().splitlines()[-1]
     # from a pipe the run ends there: the way out is room (/reset is a terminal's)
     assert line.startswith("error: turn 2: the conversation would be") and "/reset" not in line
-    assert "--max-model-len or --cache-size can make room" in line and "Traceback" not in err
+    assert line.endswith("(--max-model-len can make room)") and "Traceback" not in err
+
+
+def test_a_message_past_the_models_own_positions_says_only_a_shorter_one_fits(stories, requests):
+    """At the model's max_position_embeddings neither --max-model-len nor --cache-size can help."""
+    code, _, err = chat(stories, "Once upon a time " * 200 + "\n")
+    line = err.strip().splitlines()[-1]
+    assert code == 1 and not requests and line.startswith("error: turn 1: the conversation would be"), err
+    assert line.endswith("(a shorter message can fit (the model's positions end there))"), line
 
 
 def test_a_model_without_a_chat_template_is_refused_in_one_line(stories):
@@ -143,6 +151,16 @@ def test_a_bad_chat_template_file_is_one_line(stories, tmp_path, template, fragm
     code, _, err = invoke("chat", "--model", stories, "--chat-template", path, input="Hello!\n")
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: --chat-template {path}: {fragment}")
+
+
+def test_a_template_that_fails_on_a_message_names_chats_own_way_out(stories, tmp_path):
+    """chat has no --raw: the hint is the template."""
+    path = tmp_path / "raise.jinja"
+    path.write_text('{{ raise_exception("no system messages") }}')
+    code, _, err = invoke("chat", "--model", stories, "--chat-template", path, input="Hello!\n")
+    lines = err.strip().splitlines()
+    assert code == 1 and lines[-1] == (f"error: the chat template {path} failed: no system messages (fix the "
+                                       "template, or give another with --chat-template FILE)"), err
 
 
 def test_a_template_that_renders_earlier_turns_differently_is_encoded_whole(stories):

@@ -202,3 +202,35 @@ def test_a_hub_id_offline_says_how_to_get_it(tmp_path):
     assert out.returncode == 1 and out.stdout == ""
     assert "HF_HUB_OFFLINE is set" in out.stderr and "hf auth login" in out.stderr and "local folder" in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, size, hint", [
+    ([], "4.6 GiB in float32", "use --dtype bfloat16 (half the bytes), or a smaller model"),
+    (["--dtype", "bfloat16"], "2.3 GiB in bfloat16", "use --quantization fp8 (about half the bytes)"),
+    (["--dtype", "bfloat16", "--quantization", "fp8"], "1.6 GiB in bfloat16 with fp8 weights", "use a smaller model"),
+])
+def test_weights_past_the_hosts_free_memory_are_one_line_before_they_load(monkeypatch, args, size, hint):
+    """On Linux the out-of-memory killer would end the run without a word: the loader refuses first."""
+    from pagedcli.model import memory
+
+    monkeypatch.setattr(memory, "available_host_memory", lambda: 2**30)
+    code, _, err = invoke("bench", "--model", "random:llama-3.2-1b", "--batch", "1", "--input-len", "4",
+                          "--output-len", "2", *args)
+    assert_one_line(code, err, 1, f"the weights ({size}) do not fit in the 1.0 GiB of memory this machine has free",
+                    hint)
+
+
+def test_a_checkpoint_past_the_hosts_free_memory_is_one_line(monkeypatch, stories):
+    from pagedcli.model import memory
+
+    monkeypatch.setattr(memory, "available_host_memory", lambda: 2**10)
+    code, _, err = generate("--model", str(stories), "--max-tokens", "3", "Once")
+    assert_one_line(code, err, 1, "the weights (0.0 GiB in float32) do not fit in the 0.0 GiB")
+
+
+def test_weights_that_fit_the_hosts_free_memory_load(monkeypatch, stories):
+    from pagedcli.model import memory
+
+    monkeypatch.setattr(memory, "available_host_memory", lambda: 2**30)  # stories260K: about 1 MB
+    code, out, err = generate("--model", str(stories), "--max-tokens", "3", "Once")
+    assert code == 0 and out.startswith("Once"), err

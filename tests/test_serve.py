@@ -253,6 +253,9 @@ def test_a_streamed_request_is_in_the_engine_before_its_answer_starts(server):
         def __init__(self):
             self.submitted, self.aborted = [], []
 
+        def waiting_with(self, answers):
+            return 0
+
         def submit(self, job):
             self.submitted.append(job)
             if not hang_up:
@@ -529,6 +532,9 @@ def test_past_max_waiting_is_429_and_a_wrong_key_401(one_slot):
     first = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=300, temperature=0, stream=True,
                                       extra_body={"ignore_eos": True})
     next(iter(first))  # running
+    with pytest.raises(openai.RateLimitError) as e:  # none waits yet, but both of its answers would: 2 > 1
+        client.completions.create(model="demo", prompt="KING", max_tokens=5, n=2)
+    assert "this request's 2 answers would pass its --max-waiting (1)" in e.value.body["message"], e.value.body
     second = client.completions.create(model="demo", prompt="KING", max_tokens=5, temperature=0, stream=True)
     while s.engine.num_waiting < 1:  # (its job is queued once its response starts)
         time.sleep(0.01)
@@ -1104,6 +1110,13 @@ def test_a_port_in_use_is_said_before_the_model_loads():
         port = taken.getsockname()[1]
         code, _, err = invoke("serve", "--port", str(port))
     assert code == 1 and "--port" in err and "cannot listen there" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_unknown_random_preset_is_one_line():
+    """Not the notice about random weights' missing tokenizer first: the error alone."""
+    code, _, err = invoke("serve", "--model", "random:bogus", "--port", "0")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --model random:bogus: no such preset"), err
 
 
 def test_a_port_another_servers_api_processes_share_is_in_use():

@@ -169,7 +169,8 @@ def start_requests(engine_flags: EngineFlags, requests: RequestFlags, command: s
     chat = requests.chat
     if chat is False and requests.system is not None:
         raise UsageError("--system goes in the chat template, which --raw leaves out", "leave out one of them")
-    texts = read_prompts(requests.prompts or [], requests.prompt_file, prompt_separator(requests.prompt_separator))
+    texts = read_prompts(requests.prompts or [], requests.prompt_file, prompt_separator(requests.prompt_separator),
+                         command)
     loaded = load_for_text(engine_flags, requests, command, chat, say, **overrides)
     use_chat = loaded.tokenizer.has_chat_template if chat is None else chat
     params = sampling_defaults(params, loaded.source.generation_config, given,

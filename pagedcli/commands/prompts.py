@@ -19,7 +19,8 @@ def stdin_is_terminal() -> bool:
     return sys.stdin is not None and sys.stdin.isatty()
 
 
-def read_prompts(prompts: list[str], prompt_file: Path | None, separator: str = "\n") -> list[str]:
+def read_prompts(prompts: list[str], prompt_file: Path | None, separator: str = "\n",
+                 command: str = "generate") -> list[str]:
     """Arguments first (standard input's prompts where one is `-`), then the file's (or, for `-`,
     standard input's); with neither and input piped in, standard input's. The text splits at
     `separator` only (a newline: "\n" or "\r\n", not the other breaks str.splitlines knows, such as
@@ -51,9 +52,9 @@ def read_prompts(prompts: list[str], prompt_file: Path | None, separator: str = 
         prompts = split_prompts(read_text_from(None, "standard input"), separator)
         if not prompts:
             raise UsageError("no prompt given, and standard input is empty",
-                             'pass one, e.g. pagedcli generate "ROMEO:", pipe prompts in, or use --prompt-file')
+                             f'pass one, e.g. pagedcli {command} "ROMEO:", pipe prompts in, or use --prompt-file')
     if not prompts:
-        raise UsageError("no prompt given", 'pass one, e.g. pagedcli generate "ROMEO:", pipe prompts in, '
+        raise UsageError("no prompt given", f'pass one, e.g. pagedcli {command} "ROMEO:", pipe prompts in, '
                          "or use --prompt-file")
     return prompts
 

@@ -233,9 +233,9 @@ def load_model(engine_flags: EngineFlags, requests: RequestFlags):
     if engine_flags.model is not None and engine_flags.model.startswith("random:"):
         if requests.chat_template is not None:
             raise UsageError("--chat-template: random weights have no tokenizer to render it with")
+        loaded = load(engine_flags.options(serving=True), notice)  # (an unknown preset fails before the notice)
         notice(f"--model {engine_flags.model} has no tokenizer: prompts as token ids, answers without text "
                "(count them by usage)")
-        loaded = load(engine_flags.options(serving=True), notice)
     else:
         loaded = load_for_text(engine_flags, requests, "serve", None, serving=True)
     capture_graphs(loaded.engine.runner)

@@ -31,6 +31,7 @@ from pagedcli.model.config import ModelConfig
 from pagedcli.errors import RunError, plural, show_value
 from pagedcli.model.files import read_json
 from pagedcli.model.fp8 import FP8_DTYPE, FP8_MMA_MULTIPLE, Fp8Weight, KVScales, quantize_weight
+from pagedcli.model.memory import check_weights_fit
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of what a weight may be stored as
 FP8_STORED = "F8_E4M3"  # safetensors' name of float8_e4m3fn: an fp8 checkpoint's linear weights
@@ -363,6 +364,7 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, 
     """`quantization` fp8: the linear layers and the LM head as Fp8Weights (model/fp8.py)."""
     reader = _TensorReader(safetensors_files(Path(folder)), config, dtype, device)
     fp8 = quantization == "fp8"
+    check_weights_fit(config, dtype, device, fp8)  # (the checkpoint's headers agree with config.json by now)
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -397,6 +399,7 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 
     """Weights of the right shapes drawn from N(0, 0.02), norms at 1, made on `device` directly:
     the same work per token as the real checkpoint, for benchmarks without a download
     (`quantization` fp8: the linear layers and the LM head quantized as they are made)."""
+    check_weights_fit(config, dtype, device, quantization == "fp8")
     gen = torch.Generator(device=device).manual_seed(seed)
     h, i = config.hidden_size, config.intermediate_size
 

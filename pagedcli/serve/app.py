@@ -139,10 +139,11 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
     async def run(request: Request, req, token_ids, texts, chat: bool, want_logprobs: bool):
         params = request_params(req, settings.defaults, limits, token_ids, tokenizer is not None,
                                 (ready.max_slots, settings.max_waiting))
-        if engine.num_waiting >= settings.max_waiting:
-            raise too_many_waiting(settings.max_waiting)
+        prompts = Prompts(token_ids, texts, params)
+        if engine.waiting_with(prompts.num_answers) > settings.max_waiting:
+            raise too_many_waiting(settings.max_waiting, engine.num_waiting, prompts.num_answers)
         request_id = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
-        job = Job(request_id, Prompts(token_ids, texts, params), tokenizer)
+        job = Job(request_id, prompts, tokenizer)
         shapes = Shapes(chat, request_id, settings.model_name, token_text, want_logprobs,
                         tokenizer.token_bytes if tokenizer is not None else None)
         num_prompt_tokens = sum(len(ids) for ids in token_ids)

@@ -252,7 +252,11 @@ class EngineClient:
     def num_waiting(self) -> int:
         """Answers that wait for a slot: in the engine's waiting queue, and those on their way to it
         that its free slots will not take."""
-        return self.num_engine_waiting + max(0, self.num_sent - self.num_taken - self.num_free_slots)
+        return self.waiting_with(0)
+
+    def waiting_with(self, answers: int) -> int:
+        """num_waiting once `answers` more are sent (those the free slots will not take wait too)."""
+        return self.num_engine_waiting + max(0, self.num_sent + answers - self.num_taken - self.num_free_slots)
 
     def submit(self, job: Job) -> None:
         self._check_alive()

@@ -32,9 +32,10 @@ def unauthorized(given: bool = True) -> APIError:
     return APIError(f"{what} (give it as the header `Authorization: Bearer KEY`)", 401, code="invalid_api_key")
 
 
-def too_many_waiting(limit: int) -> APIError:
-    return APIError(f"the server has {plural(limit, 'answer')} waiting for a slot already (its --max-waiting); "
-                    "try again shortly", 429,
+def too_many_waiting(limit: int, waiting: int, answers: int) -> APIError:
+    """429: the request's `answers` would take the `waiting` answers past the server's --max-waiting."""
+    return APIError(f"the server has {plural(waiting, 'answer')} waiting for a slot already, and this request's "
+                    f"{plural(answers, 'answer')} would pass its --max-waiting ({limit:,}); try again shortly", 429,
                     type="rate_limit_exceeded", code="rate_limit_exceeded")
 
 
