@@ -99,6 +99,13 @@ def test_a_conversation_that_outgrows_the_length_limit_ends_in_one_line(stories,
     assert line.endswith("(--max-model-len can make room)") and "Traceback" not in err
 
 
+def test_a_message_past_what_the_pool_holds_says_the_pool_can_grow(stories, requests):
+    code, _, err = chat(stories, "Once upon a time " * 60 + "\n", "--num-blocks", "50")  # 160 tokens a layer
+    line = err.strip().splitlines()[-1]
+    assert code == 1 and not requests and "159 is the most a prompt can be here" in line, err
+    assert line.endswith("(--cache-size or --num-blocks can make room)"), line
+
+
 def test_a_message_past_the_models_own_positions_says_only_a_shorter_one_fits(stories, requests):
     """At the model's max_position_embeddings neither --max-model-len nor --cache-size can help."""
     code, _, err = chat(stories, "Once upon a time " * 200 + "\n")

@@ -380,8 +380,8 @@ def test_every_kernel_waits_for_the_previous_kernel_before_touching_memory():
     for dtype, pool in ((torch.bfloat16, None), (torch.bfloat16, FP8_DTYPE), (torch.float32, None)):
         for fp8_weights in (False, True):  # (paged_attention.cu reads the batch early with fp8 weights)
             plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True, fp8_weights=fp8_weights)
+            label = f"{dtype} {pool}{' fp8 weights' if fp8_weights else ''}"
             for file, (defines, names) in plan.files.items():
-                label = f"{dtype} {pool}{' fp8 weights' if fp8_weights else ''}"
                 builds.setdefault((file, defines), Build(label, file, defines, cubin=False, names=names))
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         ptxs = list(pool.map(ptx_of, builds.values()))

@@ -162,11 +162,10 @@ class Chat:
                    "conversation was encoded again (the cache serves only what still matches)")
         if engine.scheduler.why_unrunnable(len(turn.ids)) is not None:
             # the longest sequence the engine runs: the length limit or the whole pool, as the scheduler counts
-            cache = engine.cache
-            limit = min(cache.max_model_len, cache.geometry.pool_tokens)
+            limit = min(engine.cache.max_model_len, engine.cache.geometry.pool_tokens)
             self.say_error(f"turn {number}: the conversation would be {len(turn.ids):,} tokens with this message, "
                            f"and {limit - 1:,} is the most a prompt can be here",
-                           self.restart_hint(number, self.room_hint(limit)), fatal=RunError)
+                           self.restart_hint(number, self.room_hint()), fatal=RunError)
             return
         params = self.params if self.params.seed is None else replace(self.params, seed=self.params.seed + number - 1)
         sched = engine.scheduler
@@ -220,15 +219,16 @@ class Chat:
             notice("/live: stdout is not a terminal, so no live view")
         return view
 
-    def room_hint(self, limit: int) -> str:
-        """What can make room for a longer conversation than `limit` tokens: a larger pool, a larger
-        --max-model-len, or (at the model's own length) only a shorter message."""
+    def room_hint(self) -> str:
+        """What can make room for a longer conversation: the engine's length limit is the least of
+        the model's positions, what the pool holds and --max-model-len (loader.build_engine), and
+        only the last two can grow."""
         cache = self.engine.cache
-        if limit == cache.geometry.pool_tokens and limit < cache.max_model_len:
-            return "--cache-size can make room"
-        if cache.max_model_len < self.engine.runner.model.config.context_length:
-            return "--max-model-len can make room"
-        return "a shorter message can fit (the model's positions end there)"
+        if cache.max_model_len == self.engine.runner.model.config.context_length:
+            return "a shorter message can fit (the model's positions end there)"
+        if cache.max_model_len == cache.geometry.pool_tokens:
+            return "--cache-size or --num-blocks can make room"
+        return "--max-model-len can make room"
 
     def restart_hint(self, number: int, more: str | None = None) -> str | None:
         """The way out of a turn that cannot run: /reset in a terminal (when there is a conversation
