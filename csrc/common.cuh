@@ -65,6 +65,22 @@ __device__ __forceinline__ scalar_t from_float(float f) {
 // an intermediate result, we round it the same way so that bf16 results agree bit for bit.
 __device__ __forceinline__ float round_to_dtype(float f) { return to_float(from_float(f)); }
 
+// --- partial results of other CTAs -------------------------------------------------------
+
+// A float written by another CTA of this launch: read from L2, past this SM's L1.
+__device__ __forceinline__ float load_from_l2(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+}
+
+// Two of them (8-byte aligned).
+__device__ __forceinline__ float2 load2_from_l2(const float* p) {
+    float2 r;
+    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(r.x), "=f"(r.y) : "l"(p));
+    return r;
+}
+
 // --- 16-byte vectors ------------------------------------------------------------------------
 
 // WORDS 32-bit words of packed elements as floats (a word holds one float, or two bf16/fp16).

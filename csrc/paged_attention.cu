@@ -166,13 +166,6 @@ __device__ __forceinline__ void load_q_keep_in_loop(const scalar_t* p, float (&o
 }
 #endif
 
-// A float written by another CTA of this launch: read from L2, past this SM's L1.
-__device__ __forceinline__ float load_from_l2(const float* p) {
-    float r;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
-    return r;
-}
-
 // An int written before the step's copy of its batch to the device (a length or slot, copied in by
 // it; a block-table entry, scattered before it: common.cuh), read before wait_for_previous_kernels:
 // from L2, past this SM's L1, which may hold lines of an earlier step's kernels. The copy is done

@@ -14,9 +14,20 @@
 //
 // Sequences of any length share one launch: the host lists the tiles (sequence, first row), the
 // longest-running (latest rows) first, and the grid is tiles x NUM_HEADS CTAs, heads fastest, so
-// the GQA heads that read the same K/V run side by side and share it in L2. Token i of a sequence is
-// row i % BLOCK_SIZE of physical block table[slot][layer][i / BLOCK_SIZE]: cached prefix blocks are
-// read like any other. A sequence's new tokens are the last num_new of its context_len: row r sits
+// the GQA heads that read the same K/V run side by side and share it in L2.
+//
+// Split keys: where a step's tiles are too few to fill the GPU (a short chunk after a long cached
+// prefix: a chat turn, or the last chunks of a long prompt) the host cuts a tile's keys into
+// `parts` consecutive ranges (cuda_launch.prefill_tile_lists), each a tile of the list of its own,
+// as the decode kernel splits a context. Every range starts at or before the tile's first row, so
+// each row sees its range's first key and its max is finite from the first tile on. A part
+// publishes its unnormalised rows, maxima and sums (float32 scratch, a slot per listed tile), and
+// the last of the tile's parts to finish (a counter, reset by that CTA) merges them and writes the
+// output, as paged_attention.cu's publish_and_merge does (here each thread merges the elements it
+// holds in the mma's layout).
+//
+// Token i of a sequence is row i % BLOCK_SIZE of physical block table[slot][layer][i / BLOCK_SIZE]:
+// cached prefix blocks are read like any other. A sequence's new tokens are the last num_new of its context_len: row r sits
 // at position context_len - num_new + r and sees positions 0 .. that.
 //
 // Head dims that are not a multiple of 16 (the mma's k) are padded with zeros in shared memory
@@ -178,7 +189,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_TILES][S_TILES][4], cons
 
 // Online softmax over one row tile (mma.cuh), the causal mask in the tiles that cross the
 // diagonal. A thread holds rows g = lane / 4 and g + 8 of the tile, at positions q_pos[0] and
-// q_pos[1]; key 0 is in every row's first tile, so a row's max is finite from then on.
+// q_pos[1]; the CTA's first key precedes every row, so a row's max is finite from its first tile on.
 __device__ __forceinline__ void softmax_rows(float (&s)[S_TILES][4], float (&o)[O_TILES][4], float (&run_max)[2],
                                              float (&run_sum)[2], const int (&q_pos)[2], int key0, bool diagonal,
                                              float scale_log2, int lane) {
@@ -217,16 +228,107 @@ __device__ __forceinline__ void accumulate_values(float (&o)[M_TILES][O_TILES][4
     }
 }
 
+// A split tile's part: publish its rows' unnormalised sums o, maxima and sums (each row's 4 lanes
+// summed into `sum`) in scratch slot `slot`, and count it. The last of the tile's parts to arrive
+// returns true with every part merged into its own registers: o, each element as the thread held
+// it in the mma's layout, and sum, scaled to the merged max (the others return false). The others'
+// elements are read by the thread that holds them here, as independent loads.
+__device__ __forceinline__ bool merge_parts(float (&o)[M_TILES][O_TILES][4], const float (&run_max)[M_TILES][2],
+                                            float (&sum)[M_TILES][2], float* __restrict__ part_out,
+                                            float* __restrict__ part_max, float* __restrict__ part_sum,
+                                            unsigned int* __restrict__ counter, int slot, int first_slot, int parts,
+                                            int head, int warp, int lane, int tid) {
+    __shared__ bool last_to_finish;
+    const size_t stride = (size_t)NUM_HEADS * BLOCK_M;  // rows from one slot to the next
+    const size_t first = ((size_t)first_slot * NUM_HEADS + head) * BLOCK_M;  // part 0's row 0
+    int row[M_TILES][2];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            row[mt][half] = warp * WARP_ROWS + mt * 16 + lane / 4 + 8 * half;
+            const size_t at = first + (slot - first_slot) * stride + row[mt][half];
+            if (lane % 4 == 0) part_max[at] = run_max[mt][half], part_sum[at] = sum[mt][half];
+#pragma unroll
+            for (int d = 0; d < O_TILES; ++d) {
+                const int c = d * 8 + 2 * (lane % 4);
+                if (c < HEAD_DIM) {
+                    *reinterpret_cast<float2*>(part_out + at * HEAD_DIM + c) =
+                        make_float2(o[mt][d][2 * half], o[mt][d][2 * half + 1]);
+                }
+            }
+        }
+    }
+    __threadfence();  // our partials are visible GPU-wide before the counter moves
+    __syncthreads();
+    if (tid == 0) last_to_finish = atomicAdd(counter, 1u) == (unsigned int)(parts - 1);
+    __syncthreads();
+    if (!last_to_finish) return false;
+    __threadfence();  // the other parts' partials are read after their counts
+    if (tid == 0) *counter = 0u;  // ready for the next layer's launch (or a CUDA graph's replay)
+
+    // Part by part (each part's loads independent of one another, in flight together): the merged
+    // max of each row, then the parts' sums, each scaled by 2^(its max - the merged max).
+    float m[M_TILES][2];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            m[mt][half] = neg_infinity(), sum[mt][half] = 0.0f;
+#pragma unroll
+            for (int d = 0; d < O_TILES; ++d) o[mt][d][2 * half] = o[mt][d][2 * half + 1] = 0.0f;
+        }
+    }
+    for (int p = 0; p < parts; ++p) {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                m[mt][half] = fmaxf(m[mt][half], load_from_l2(part_max + first + p * stride + row[mt][half]));
+            }
+        }
+    }
+    for (int p = 0; p < parts; ++p) {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const size_t at = first + p * stride + row[mt][half];
+                const float w = exp2f(load_from_l2(part_max + at) - m[mt][half]);
+                // (>= 1 in the end: the part holding the max adds 2^0 x its sum >= 1)
+                sum[mt][half] = fmaf(w, load_from_l2(part_sum + at), sum[mt][half]);
+#pragma unroll
+                for (int d = 0; d < O_TILES; ++d) {
+                    const int c = d * 8 + 2 * (lane % 4);
+                    if (c < HEAD_DIM) {
+                        const float2 v = load2_from_l2(part_out + at * HEAD_DIM + c);
+                        o[mt][d][2 * half] = fmaf(w, v.x, o[mt][d][2 * half]);
+                        o[mt][d][2 * half + 1] = fmaf(w, v.y, o[mt][d][2 * half + 1]);
+                    }
+                }
+            }
+        }
+    }
+    return true;
+}
+
 // out: [T, NUM_HEADS, HEAD_DIM]; q: [T, NUM_HEADS, HEAD_DIM] (rotated, contiguous).
-// tile_seq, tile_row: per tile, its sequence and its first new-token row in that sequence.
+// tile_seq, tile_row: per tile, its sequence and its first new-token row in that sequence;
+// tile_part, tile_parts: which of how many key ranges of that tile it covers (0 of 1: all keys).
+// The split tiles come first: tile i's partials are scratch slot i (part_out [slots, NUM_HEADS,
+// BLOCK_M, HEAD_DIM], part_max and part_sum [slots, NUM_HEADS, BLOCK_M], float32), and a split
+// tile's parts are consecutive, its counter that of its part 0 (counters [slots, NUM_HEADS], zero
+// between launches).
 // seq_start: [B] the sequence's first token in T; num_new, context_lens, slots: [B].
 // table: this layer's block table, table[slot * table_slot_stride + logical_block].
 // k_scale, v_scale (fp8 pools only): this layer's [NUM_KV_HEADS] float32 scales.
 extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
     scalar_t* __restrict__ out, const scalar_t* __restrict__ q, const unsigned char* __restrict__ pool,
     const int* __restrict__ table, long long table_slot_stride, const int* __restrict__ tile_seq,
-    const int* __restrict__ tile_row, const int* __restrict__ seq_start, const int* __restrict__ num_new,
-    const int* __restrict__ context_lens, const int* __restrict__ slots, float scale_log2 KV_SCALE_PARAMS) {
+    const int* __restrict__ tile_row, const int* __restrict__ tile_part, const int* __restrict__ tile_parts,
+    const int* __restrict__ seq_start, const int* __restrict__ num_new, const int* __restrict__ context_lens,
+    const int* __restrict__ slots, float* __restrict__ part_out, float* __restrict__ part_max,
+    float* __restrict__ part_sum, unsigned int* __restrict__ counters, float scale_log2 KV_SCALE_PARAMS) {
     start_after_previous_kernels();
 #if __CUDA_ARCH__ >= 800
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -249,6 +351,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
     const int keys = first_pos + rows;                  // keys 0 .. keys - 1 are seen by some row
     const int num_tiles = (keys + BLOCK_N - 1) / BLOCK_N;
     const int first_token = seq_start[seq] + row0;
+    // This part's key tiles: the tiles that start at or before the first row (`lead`) cut evenly,
+    // the last part also taking those past it (the diagonal's).
+    const int part = tile_part[tile], parts = tile_parts[tile];
+    const int lead = first_pos / BLOCK_N + 1;
+    const int tile_begin = part * lead / parts;
+    const int tile_end = part + 1 == parts ? num_tiles : (part + 1) * lead / parts;
 
     // Zero the pad columns (D_PAD - HEAD_DIM and the 8 of ROW_STRIDE) once: no copy writes them.
 #if defined(KV_FP8)
@@ -274,9 +382,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
 
     copy_q_tile(q_tile, q, first_token, rows, head, tid);
 #if defined(KV_FP8)
-    copy_kv_stage(stages, k_base, seq_table, 0, keys, tid);
+    copy_kv_stage(stages, k_base, seq_table, tile_begin * BLOCK_N, keys, tid);
 #else
-    copy_kv_tiles(k_tiles, v_tiles, k_base, seq_table, 0, keys, tid);
+    copy_kv_tiles(k_tiles, v_tiles, k_base, seq_table, tile_begin * BLOCK_N, keys, tid);
 #endif
     copy_async_commit();
 
@@ -299,10 +407,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
     const int warp_last = first_pos + min(warp_row0 + WARP_ROWS - 1, rows - 1);  // this warp's latest position
     const scalar_t* q_warp = q_tile + warp_row0 * ROW_STRIDE;
 
-    for (int t = 0; t < num_tiles; ++t) {
-        const int buf = t % 2, key0 = t * BLOCK_N;
+    for (int t = tile_begin; t < tile_end; ++t) {
+        const int buf = (t - tile_begin) % 2, key0 = t * BLOCK_N;
 #if defined(KV_FP8)
-        if (t + 1 < num_tiles) {  // the next tile's copies fly while this one is converted and multiplied
+        if (t + 1 < tile_end) {  // the next tile's copies fly while this one is converted and multiplied
             copy_kv_stage(stages + (buf ^ 1) * 2 * STAGE_BYTES, k_base, seq_table, key0 + BLOCK_N, keys, tid);
         }
         copy_async_commit();
@@ -311,7 +419,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
         convert_kv_tiles(k_tile, v_tile, stages + buf * 2 * STAGE_BYTES, tid);
         __syncthreads();
 #else
-        if (t + 1 < num_tiles) {  // the next tile's copies fly while this one is multiplied
+        if (t + 1 < tile_end) {  // the next tile's copies fly while this one is multiplied
             copy_kv_tiles(k_tiles + (buf ^ 1) * TILE_ELEMS_N, v_tiles + (buf ^ 1) * TILE_ELEMS_N, k_base, seq_table,
                           key0 + BLOCK_N, keys, tid);
         }
@@ -340,19 +448,31 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
         __syncthreads();  // everyone is done with buffer `buf` before tile t + 2 is copied into it
     }
 
-    // Normalise: the row's sum over its 4 lanes, then write rows < rows, columns < HEAD_DIM.
+#if !defined(KV_FP8)
+    const float out_factor = 1.0f;
+#endif
+    // Each row's sum over its 4 lanes; a split tile's parts merged (the last part to finish writes).
+    float sum[M_TILES][2];
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            float sum = run_sum[mt][half];
-            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
-            sum += __shfl_xor_sync(FULL_MASK, sum, 2);
-#if defined(KV_FP8)
-            const float inv = out_factor / sum;  // sum >= 1: the max term is 2^0
-#else
-            const float inv = 1.0f / sum;  // >= 1: the max term is 2^0
-#endif
+            sum[mt][half] = run_sum[mt][half];
+            sum[mt][half] += __shfl_xor_sync(FULL_MASK, sum[mt][half], 1);
+            sum[mt][half] += __shfl_xor_sync(FULL_MASK, sum[mt][half], 2);
+        }
+    }
+    if (parts > 1 && !merge_parts(o, run_max, sum, part_out, part_max, part_sum,
+                                  counters + (size_t)(tile - part) * NUM_HEADS + head, tile, tile - part, parts, head,
+                                  warp, lane, tid)) {
+        return;
+    }
+    // Normalise, then write rows < rows, columns < HEAD_DIM.
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float inv = out_factor / sum[mt][half];  // sum >= 1: the max term is 2^0
             const int r = warp_row0 + mt * 16 + lane / 4 + 8 * half;
             if (r < rows) {
                 scalar_t* dst = out + ((size_t)(first_token + r) * NUM_HEADS + head) * HEAD_DIM;

@@ -321,7 +321,8 @@ def test_prefill_tiles_skip_the_leading_one_token_rows_and_cover_every_other_row
     num_new, context = [1, 1, 1, 70, 1, 16], [40, 9, 1, 170, 30, 16]
     d = leading_single_rows(num_new)
     assert d == 3 and leading_single_rows([5, 1]) == 0 and leading_single_rows([1, 1]) == 2
-    seq, row, starts = prefill_tile_lists(num_new, context, 32, skip=d)
+    seq, row, part, parts, starts = prefill_tile_lists(num_new, context, 32, skip=d)
+    assert part == [0] * len(seq) and parts == [1] * len(seq), "no split asked for"
     assert starts == [0, 1, 2, 3, 73, 74]
     covered = sorted((b, r) for b, r0 in zip(seq, row) for r in range(r0, min(r0 + 32, num_new[b])))
     assert covered == [(3, r) for r in range(70)] + [(4, 0)] + [(5, r) for r in range(16)]
@@ -329,3 +330,69 @@ def test_prefill_tiles_skip_the_leading_one_token_rows_and_cover_every_other_row
     assert reach == sorted(reach, reverse=True)
     assert len(seq) <= max_prefill_tiles(sum(num_new), len(num_new), 32)
     assert sorted(set(prefill_tile_lists(num_new, context, 32)[0])) == list(range(6)), "no skip: a tile each"
+
+
+def test_prefill_tiles_split_the_longest_keys_until_the_list_fills_the_gpu():
+    """Too few tiles to fill the GPU (a 100-token chat turn after 8,000 cached tokens, a 300-token
+    chunk after 3,000 in 3 tiles, a short prompt): the longest tiles' keys are cut into parts until the list
+    holds `split_tiles` entries. A tile's parts are consecutive and first, numbered 0 to parts - 1;
+    each part has at least PREFILL_SPLIT_MIN_TILES of the key tiles that start at or before the
+    tile's first row (so every row sees its part's first key); every row is still in exactly one
+    tile; and where the tiles already fill the list nothing is split."""
+    from pagedcli.backends.cuda_build import PREFILL_BLOCK_N, PREFILL_MAX_PARTS, PREFILL_SPLIT_MIN_TILES
+    from pagedcli.backends.cuda_launch import max_prefill_tiles, prefill_tile_lists
+
+    num_new, context, rows = [100, 300, 40], [8100, 3300, 40], 128
+    lists = prefill_tile_lists(num_new, context, rows, split_tiles=12)
+    assert len(lists.seq) == 12 <= max_prefill_tiles(sum(num_new), 3, rows, split_tiles=12)
+    tiles = {}
+    for i, (b, r, p, n) in enumerate(zip(lists.seq, lists.row, lists.part, lists.parts)):
+        tiles.setdefault((b, r), []).append((i, p, n))
+    for (b, r), entries in tiles.items():
+        first = [i for i, _, _ in entries][0]
+        assert [i for i, _, _ in entries] == list(range(first, first + len(entries))), "a tile's parts in a row"
+        assert [p for _, p, _ in entries] == list(range(len(entries))) and {n for _, _, n in entries} == {len(entries)}
+        lead = (context[b] - num_new[b] + r) // PREFILL_BLOCK_N + 1  # key tiles at or before the first row
+        assert len(entries) == 1 or lead // len(entries) >= PREFILL_SPLIT_MIN_TILES
+        assert len(entries) <= PREFILL_MAX_PARTS
+    split = [n > 1 for n in lists.parts]
+    assert split == sorted(split, reverse=True), "the split tiles come first (their scratch slots)"
+    parts = {key: len(entries) for key, entries in tiles.items()}
+    assert parts[(0, 0)] > parts[(1, 0)] > 1 and parts[(2, 0)] == 1, "the longest split most; 40 keys not at all"
+    assert sum(parts.values()) == 12
+    covered = sorted((b, x) for b, r in tiles for x in range(r, min(r + rows, num_new[b])))
+    assert covered == [(b, x) for b in range(3) for x in range(num_new[b])]
+    assert prefill_tile_lists(num_new, context, rows, split_tiles=5).parts == [1] * 5, "5 tiles fill 5 entries"
+    assert prefill_tile_lists(num_new, context, rows).parts == [1] * 5
+
+
+def test_prefill_tile_splits_stay_inside_the_scratch_and_cover_every_key():
+    """Random steps (1 to 12 sequences, chunks of 1 to 3,000 after 0 to 20,000 cached, budgets 0 to
+    40): the work list never has more split entries than `split_tiles` (the scratch's slots), nor
+    more entries than max_prefill_tiles (a prefill graph's), and the parts of each tile cover its
+    key tiles exactly once, each part starting at or before the tile's first row, as
+    paged_prefill.cu cuts them."""
+    import random
+
+    from pagedcli.backends.cuda_build import PREFILL_BLOCK_N
+    from pagedcli.backends.cuda_launch import max_prefill_tiles, prefill_tile_lists
+
+    rng = random.Random(3)
+    for _ in range(300):
+        b = rng.randint(1, 12)
+        num_new = [rng.choice([1, rng.randint(1, 300), rng.randint(1, 3000)]) for _ in range(b)]
+        context = [n + rng.choice([0, rng.randint(0, 2000), rng.randint(0, 20000)]) for n in num_new]
+        rows, split_tiles = rng.choice([64, 128]), rng.randint(0, 40)
+        lists = prefill_tile_lists(num_new, context, rows, split_tiles=split_tiles)
+        assert sum(n > 1 for n in lists.parts) <= split_tiles
+        assert len(lists.seq) <= max_prefill_tiles(sum(num_new), b, rows, split_tiles)
+        for i, (seq, row, part, parts) in enumerate(zip(lists.seq, lists.row, lists.part, lists.parts)):
+            if part:
+                continue
+            assert lists.seq[i:i + parts] == [seq] * parts and lists.part[i:i + parts] == list(range(parts))
+            first_pos = context[seq] - num_new[seq] + row
+            keys = first_pos + min(rows, num_new[seq] - row)
+            num_tiles, lead = -(-keys // PREFILL_BLOCK_N), first_pos // PREFILL_BLOCK_N + 1
+            bounds = [p * lead // parts for p in range(parts)] + [num_tiles]  # the kernel's tile_begin, tile_end
+            assert all(a < c for a, c in zip(bounds, bounds[1:])), "an empty part"
+            assert all(a * PREFILL_BLOCK_N <= first_pos for a in bounds[:-1]), "a part after the first row"

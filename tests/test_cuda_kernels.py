@@ -144,10 +144,20 @@ def poison_allocator(*shapes, dtype):
 
 
 def poison_scratch(backend):
-    """NaN into the split-KV partials (the merge counters must stay zero)."""
+    """NaN into the split-KV partials of decode and prefill (the merge counters must stay zero)."""
     for _, *buffers, _counters in backend.shapes.split_scratch.values():
         for b in buffers:
             b.fill_(float("nan"))
+    if backend.prefill_kernel:
+        for b in backend._prefill_scratch[:3]:
+            b.fill_(float("nan"))
+
+
+def assert_prefill_counters_reset(backend):
+    """The last part of each split prefill tile reset its merge counter (for the next layer, or a
+    graph's replay)."""
+    if backend.prefill_kernel:
+        assert not backend._prefill_scratch[3].any(), "a prefill merge counter was left counting"
 
 
 def forbid_torch_fallback(monkeypatch, method):
@@ -372,6 +382,8 @@ PREFILL_CASES = {
     "cached prefixes and decode rows": [(13, 20), (1, 64), (50, 128), (64, 64), (1, 1), (200, 37), (1, 999)],
     # as the scheduler orders a mixed step: the decoding rows first (the decode kernel's), then chunks
     "decode rows first": [(1, 64), (1, 999), (1, 0), (1, 300), (13, 20), (50, 128), (1, 37), (200, 37)],
+    # too few tiles to fill the GPU: their keys split into parts (cuda_launch.key_parts), merged by the last
+    "short chunks after long prefixes": [(1, 700), (60, 4000), (37, 1500)],
 }
 
 
@@ -410,10 +422,12 @@ def _prefill_case(geometry, seqs, monkeypatch, block_size=None, seed=7, layer=1,
     if s.cuda.prefill_kernel:
         forbid_torch_fallback(monkeypatch, "attend")
     s.cuda.prepare(batch)
+    poison_scratch(s.cuda)
     poison_allocator(q.shape, dtype=s.dtype)
     out = s.cuda.attend(layer, q, batch)
     torch.cuda.synchronize()
     assert out.shape == q.shape and torch.isfinite(out).all()
+    assert_prefill_counters_reset(s.cuda)
     loose = (out.float() - ref_torch.float()).abs().max().item()
     assert loose <= 2e-2 * ref_torch.float().abs().max().item(), f"off the torch reference by {loose}"
     return s, q, out
@@ -459,8 +473,11 @@ def test_prefill_attend_matches_fp64_reference(geometry, case, monkeypatch):
     s, q, out = _prefill_case(geometry, seqs, monkeypatch)
     assert s.cuda.prefill_kernel == (s.dtype != torch.float32), s.cuda.fallbacks
     if s.cuda.prefill_kernel and s.cuda.attention_kernel:  # the leading one-token rows went to the decode kernel
-        assert s.cuda._prefill_tiles[4].shape[0] == {"prompts": 1, "cached prefixes and decode rows": 0,
-                                                     "decode rows first": 4}[case]
+        assert s.cuda._prefill_work.decode_slots.shape[0] == {"prompts": 1, "cached prefixes and decode rows": 0,
+                                                              "decode rows first": 4,
+                                                              "short chunks after long prefixes": 1}[case]
+    if s.cuda.prefill_kernel and case == "short chunks after long prefixes":
+        assert s.cuda._prefill_work.tile_parts.max().item() > 1, "no tile's keys were split"
     assert_prefill_close(out, reference_prefill_fp64(s, 1, q, seqs, s.slots))
 
 

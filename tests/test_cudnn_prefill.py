@@ -67,7 +67,7 @@ def test_serve_plans_the_lengths_its_budget_and_model_allow_before_the_first_req
 
 def test_the_prefill_tiles_leave_out_the_sequences_cudnn_serves():
     num_new, context = [1, 300, 70, 500], [9, 300, 100, 500]
-    seq, row, starts = prefill_tile_lists(num_new, context, rows=64, skip=1, elsewhere=[1, 3])
+    seq, row, _, _, starts = prefill_tile_lists(num_new, context, rows=64, skip=1, elsewhere=[1, 3])
     assert sorted(zip(seq, row)) == [(2, 0), (2, 64)]
     assert starts == [0, 1, 301, 371]  # every sequence's first row, served here or not
     everything = prefill_tile_lists(num_new, context, rows=64, skip=1)[0]

@@ -138,6 +138,43 @@ def test_llama_1b_long_prompts_through_cudnn_match_transformers(monkeypatch):
         check_block_accounting(engine)
 
 
+def test_llama_1b_short_chunks_after_long_prefixes_split_their_keys_and_match_transformers(monkeypatch):
+    """A 6,000-token prompt in 512-token chunks beside a decoding sequence (prefill graphs), then
+    the same prompt and 40 tokens more (a prefix-cache hit: a 40-token chunk after 6,000 cached, as
+    a chat's next turn): the late chunks' keys are split (paged_prefill.cu's parts) in the graphed
+    steps, and the greedy tokens are transformers', up to a near-tie."""
+    from pagedcli.engine import prefill_graphs
+
+    replay_parts = []  # each graphed step's most parts a tile
+    tile_lists = prefill_graphs.prefill_tile_lists
+
+    def recorded(*args, **kwargs):
+        lists = tile_lists(*args, **kwargs)
+        replay_parts.append(max(lists.parts, default=1))
+        return lists
+
+    monkeypatch.setattr(prefill_graphs, "prefill_tile_lists", recorded)
+    opts = EngineOptions(model="random:llama-3.2-1b", device="cuda", dtype="bfloat16", batch=2, shuffle_blocks=3,
+                         cache_size="1GiB", chunked_prefill=True, max_num_batched_tokens=512)
+    model = load_model(opts)
+    model.weights.lm_head.mul_(8)  # (as above: a meaningful argmax)
+    engine = build_engine(model, opts)
+    assert engine.runner.model.backend.prefill_split_tiles > 0
+    rng = random.Random(6)
+    long = [rng.randrange(128000) for _ in range(6000)]
+    prompts = [[rng.randrange(128000) for _ in range(20)], long, long + [rng.randrange(128000) for _ in range(40)]]
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts[:2]]
+    while engine.has_unfinished:
+        engine.step()
+    seqs.append(engine.add_request(prompts[2], SamplingParams(max_tokens=16, ignore_eos=True)))
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.scheduler.cached_prompt_tokens >= 5984, "the second long prompt hit the prefix cache"
+    assert max(replay_parts, default=1) > 1, f"no graphed step split its keys ({replay_parts})"
+    print(same_as_transformers_until_a_near_tie(model, seqs, prompts, 16), replay_parts)
+    check_block_accounting(engine)
+
+
 @pytest.mark.parametrize("batch", [1, 2, 5, 64])  # gemv.cu's buckets 1 and 2; cuBLAS, split-KV; tensor cores
 def test_programmatic_launch_changes_no_logit(batch, monkeypatch):
     """On sm_90+ each kernel of ours may start before the previous one has finished, and waits for

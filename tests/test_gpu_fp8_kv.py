@@ -40,8 +40,8 @@ if _OK:  # these import cupy lazily, but keep CPU-only collection free of GPU wo
     from pagedcli.model.config import CacheGeometry
     from pagedcli.model.fp8 import FP8_DTYPE, KVScales, quantize_kv, raw, to_fp8
     from pagedcli.model.loader import EngineOptions, build_engine, load_model
-    from test_cuda_kernels import (assert_decode_close, assert_prefill_close, assert_ulp_close,
-                                   forbid_torch_fallback, make_config, poison_allocator, poison_scratch,
+    from test_cuda_kernels import (assert_decode_close, assert_prefill_close, assert_prefill_counters_reset,
+                                   assert_ulp_close, forbid_torch_fallback, make_config, poison_allocator, poison_scratch,
                                    same_split_k_as_fused)
 
 DEVICE = "cuda"
@@ -342,10 +342,12 @@ def prefill_case(geometry, seqs, monkeypatch, seed=7, layer=1):
     ref_torch = s.ref.attend(layer, q, batch)
     forbid_torch_fallback(monkeypatch, "attend")
     s.cuda.prepare(batch)
+    poison_scratch(s.cuda)
     poison_allocator(q.shape, dtype=s.dtype)
     out = s.cuda.attend(layer, q, batch)
     torch.cuda.synchronize()
     assert out.shape == q.shape and torch.isfinite(out).all()
+    assert_prefill_counters_reset(s.cuda)
     loose = (out.float() - ref_torch.float()).abs().max().item()
     assert loose <= 2e-2 * ref_torch.float().abs().max().item(), f"off the torch reference by {loose}"
     return s, q, out
@@ -355,7 +357,7 @@ def prefill_case(geometry, seqs, monkeypatch, seed=7, layer=1):
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
 def test_prefill_attention_over_an_fp8_pool(geometry, case, monkeypatch):
     """Prompts of 1 to 1,000 tokens, and chunks after cached prefixes (the prefix's e4m3 blocks
-    are read like the new ones)."""
+    are read like the new ones), short ones after long prefixes with their keys split."""
     seqs = PREFILL_CASES[case]
     s, q, out = prefill_case(geometry, seqs, monkeypatch)
     assert_prefill_close(out, reference_prefill64(s, 1, q, seqs, s.slots))

@@ -46,14 +46,14 @@ import torch
 
 from pagedcli.backends import composed
 from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, CUDNN_PREFILL,
-                                          DECODE_MMA_WARPS, DTYPE_DEFINES, GEMV_MAX_SHARED, KV_WRITE_THREADS, PREFILL_WARPS,
-                                          PROGRAMMATIC_LAUNCH, ROPE_VEC_MIN_CTAS_PER_SM, SILU_THREADS, VEC_BYTES,
-                                          fp8_fallback_note, gemv_kernel_names, plan_kernels)
+                                          DECODE_MMA_WARPS, DTYPE_DEFINES, GEMV_MAX_SHARED, KV_WRITE_THREADS,
+                                          PREFILL_SPLIT, PREFILL_WARPS, PROGRAMMATIC_LAUNCH, ROPE_VEC_MIN_CTAS_PER_SM,
+                                          SILU_THREADS, VEC_BYTES, fp8_fallback_note, gemv_kernel_names, plan_kernels)
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
 from pagedcli.backends.cuda_fp8_gemm import fp8_gemm, scaled_mm_missing
 from pagedcli.backends.cuda_gemv import gemv
-from pagedcli.backends.cuda_launch import (Launcher, LaunchShapes, aligned, leading_single_rows, prefill_tiles, ptr,
-                                           resident_ctas, row_threads)
+from pagedcli.backends.cuda_launch import (Launcher, LaunchShapes, PrefillWork, aligned, leading_single_rows,
+                                           prefill_work, ptr, resident_ctas, row_threads)
 from pagedcli.backends.cudnn_prefill import attend_whole_prompt, cudnn_prefill_missing, warm_up, whole_prompt_rows
 from pagedcli.backends.torch import TorchBackend
 from pagedcli.backends.torch_decode import decode_attention_full_width
@@ -112,7 +112,7 @@ class CudaBackend:
         self.prefill_kernel, self.prefill_shared, self.prefill_rows = (plan.attention_prefill, plan.prefill_shared,
                                                                        plan.prefill_rows)
         self.decode_mma_shared = plan.decode_mma_shared  # 0: paged_decode_mma.cu is not built
-        self._prefill_tiles: tuple | None = None  # this prefill step's work (cuda_launch.prefill_tiles, decode rows)
+        self._prefill_work: PrefillWork | None = None  # this prefill step's attention work (cuda_launch)
         # whole long prompts through cuDNN's attention (cudnn_prefill.py), where it runs: why not, or None
         if not self.prefill_kernel:
             self.cudnn_prefill_missing = "the prefill attention runs as torch ops here"
@@ -135,8 +135,16 @@ class CudaBackend:
             self.kernels.update(compile_kernels(file, defines, names, d))
         for name in gemv_kernel_names():  # staged inputs may pass CUDA's default 48 KiB of shared memory
             self.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED
+        # a step's prefill tiles too few to fill the GPU have their keys split until the work list has
+        # this many entries (cuda_launch.key_parts); 0: never
+        self.prefill_split_tiles = 0
         if self.prefill_kernel:
-            self.kernels["paged_prefill_attention"].max_dynamic_shared_size_bytes = self.prefill_shared
+            kernel = self.kernels["paged_prefill_attention"]
+            kernel.max_dynamic_shared_size_bytes = self.prefill_shared
+            if PREFILL_SPLIT:  # one wave: the CTAs the GPU holds at once, as tiles of every head
+                per_sm = resident_ctas(kernel, PREFILL_WARPS * 32, d, 1, self.prefill_shared)
+                self.prefill_split_tiles = per_sm * self.num_sms // self.num_heads
+            self._prefill_scratch = self._split_prefill_scratch(self.prefill_split_tiles)
         if self.decode_mma_shared:
             self.kernels["paged_attention_decode_mma"].max_dynamic_shared_size_bytes = self.decode_mma_shared
         self.decode_ctas_per_sm = {}  # decode kernel -> CTAs an SM holds (for reports)
@@ -147,6 +155,14 @@ class CudaBackend:
             self.decode_ctas_per_sm["paged_attention_decode_mma"] = resident_ctas(
                 self.kernels["paged_attention_decode_mma"], DECODE_MMA_WARPS * 32, d, 1, self.decode_mma_shared)
         self.launch = Launcher(self.kernels, d, programmatic=PROGRAMMATIC_LAUNCH and capability >= (9, 0))
+
+    def _split_prefill_scratch(self, slots: int) -> tuple[torch.Tensor, ...]:
+        """paged_prefill.cu's partial rows, maxima and sums of split tiles (a slot per entry of the
+        work list that may be split), and a merge counter per slot and head, zero between launches."""
+        f32 = dict(dtype=torch.float32, device=self.cache.device)
+        rows = max(1, slots) * self.num_heads * self.prefill_rows
+        return (torch.empty(rows * self.head_dim, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32),
+                torch.zeros(max(1, slots) * self.num_heads, dtype=torch.int32, device=self.cache.device))
 
     def _layer_table(self, layer: int) -> tuple[np.uint64, np.int64, np.int32]:
         """This layer's block table as the kernels index it: table[slot * slot_stride + block]."""
@@ -163,18 +179,18 @@ class CudaBackend:
         self.reference.prepare_indices(batch, attention=torch_prefill, rope=not self.rope.static)
         if batch.is_prefill and self.prefill_kernel:
             self._whole_prompts = []
-            if batch.prefill_tiles is not None:  # staged by a prefill graph (engine/prefill_graphs.py)
-                self._prefill_tiles = batch.prefill_tiles
+            if batch.prefill_work is not None:  # staged by a prefill graph (engine/prefill_graphs.py)
+                self._prefill_work = batch.prefill_work
             else:
                 d = leading_single_rows(batch.num_new) if self.attention_kernel else 0
                 whole = whole_prompt_rows(batch.num_new, batch.context_lens_host, d) if self.cudnn_prefill else []
                 starts = np.cumsum([0] + batch.num_new[:-1]).tolist()
                 self._whole_prompts = [(b, starts[b], batch.num_new[b]) for b in whole]
-                self._prefill_tiles = prefill_tiles(batch.num_new, batch.context_lens_host, self.prefill_rows,
-                                                    self.cache.device, skip=d, elsewhere=whole) + (
-                    batch.slots[:d], batch.context_lens[:d])
-            if self._prefill_tiles[4].shape[0]:
-                self.shapes.scratch_for(self._prefill_tiles[4].shape[0])
+                self._prefill_work = prefill_work(batch.num_new, batch.context_lens_host, self.prefill_rows,
+                                                  self.cache.device, batch.slots[:d], batch.context_lens[:d], skip=d,
+                                                  elsewhere=whole, split_tiles=self.prefill_split_tiles)
+            if self._prefill_work.decode_slots.shape[0]:
+                self.shapes.scratch_for(self._prefill_work.decode_slots.shape[0])
         elif not batch.is_prefill:
             self.shapes.scratch_for(batch.slots.shape[0])
 
@@ -291,17 +307,21 @@ class CudaBackend:
         whole long prompts, which take cuDNN's attention last. In this order: a prefill graph runs
         the decode kernel over a fixed number of rows, and those past the step's one-token sequences
         are padding that writes zeros over rows the tiles then write."""
-        tile_seq, tile_row, seq_start, num_new, decode_slots, decode_context = self._prefill_tiles
+        work = self._prefill_work
         q = q.contiguous()
         out = torch.empty_like(q)
         if q.shape[0] == 0:
             return out
-        self._decode_attend(layer, q, out, decode_slots, decode_context)
-        if tile_seq.shape[0]:
+        self._decode_attend(layer, q, out, work.decode_slots, work.decode_context)
+        if work.tile_seq.shape[0]:
             table, slot_stride, _ = self._layer_table(layer)
-            self.launch("paged_prefill_attention", (tile_seq.shape[0] * self.num_heads,), (PREFILL_WARPS * 32,), (
-                ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(tile_seq), ptr(tile_row),
-                ptr(seq_start), ptr(num_new), ptr(batch.context_lens), ptr(batch.slots), self.scale_log2,
+            part_out, part_max, part_sum, counters = self._prefill_scratch
+            grid = (work.tile_seq.shape[0] * self.num_heads,)
+            self.launch("paged_prefill_attention", grid, (PREFILL_WARPS * 32,), (
+                ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(work.tile_seq), ptr(work.tile_row),
+                ptr(work.tile_part), ptr(work.tile_parts), ptr(work.seq_start), ptr(work.num_new),
+                ptr(batch.context_lens), ptr(batch.slots), ptr(part_out), ptr(part_max), ptr(part_sum), ptr(counters),
+                self.scale_log2,
             ) + self._kv_scale_args(layer), shared_mem=self.prefill_shared)
         for b, first, n in self._whole_prompts:
             out[first:first + n] = attend_whole_prompt(self.cache, layer, q[first:first + n], batch.slots[b:b + 1])

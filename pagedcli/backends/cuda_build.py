@@ -50,6 +50,13 @@ PREFILL_WARPS = 4
 PREFILL_M_TILES_SMALL_D = 2  # head_dim <= 64
 PREFILL_BLOCK_N = 64
 PREFILL_MAX_HEAD_DIM = 256
+# Where a step's prefill tiles are too few to fill the GPU (a short chunk after a long prefix), the
+# longest ones' keys are cut into parts (cuda_launch.key_parts) until the step has as many CTAs as
+# the GPU holds at once: each part at least PREFILL_SPLIT_MIN_TILES key tiles long, at most
+# PREFILL_MAX_PARTS parts a tile. Off: keys never split (A/B runs).
+PREFILL_SPLIT = True
+PREFILL_SPLIT_MIN_TILES = 8
+PREFILL_MAX_PARTS = 16
 # sm_90+: a whole prompt of cudnn_prefill.CUDNN_MIN_TOKENS or more takes cuDNN's fused attention
 # (wgmma) instead of paged_prefill.cu; off: paged_prefill.cu serves every prompt (A/B runs)
 CUDNN_PREFILL = True

@@ -1,26 +1,31 @@
 """How the CUDA backend launches its kernels: split-KV splits and thread-block clusters of the
 decode attention, warps per row of gemv.cu, and the scratch buffers they need; the prefill
-kernel's tiles; and the launch itself, on torch's current stream.
+kernel's tiles (their keys split where they are too few to fill the GPU); and the launch itself,
+on torch's current stream.
 
 Every decode choice depends on the batch size and the model (never on the contexts), so one CUDA
 graph per batch size serves every context length; the scratch is allocated once per batch size and
-reused by every layer and step. Prefill steps are not captured: their tiles follow the prompts.
+reused by every layer and step. A prefill step's tiles follow its prompts: the host lists them each
+step (a prefill graph stages them as its inputs, engine/prefill_graphs.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import heapq
 import math
 import struct
 import sys
 import threading
 import warnings
 from collections.abc import Collection
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from pagedcli.backends.cuda_build import (GEMV_CTAS_PER_SM, GEMV_SPLITS, GEMV_THREADS, GEMV_UNROLL, PARTITION_SIZE,
+                                          PREFILL_BLOCK_N, PREFILL_MAX_PARTS, PREFILL_SPLIT_MIN_TILES,
                                           SPLIT_CTAS_PER_SM, VEC_BYTES)
 from pagedcli.engine.batch import to_device
 from pagedcli.engine.cache import KVCache
@@ -170,39 +175,97 @@ def leading_single_rows(num_new: list[int]) -> int:
     return n
 
 
+class TileLists(NamedTuple):
+    """paged_prefill.cu's work list for a step, a tile per entry (see prefill_tile_lists), and each
+    sequence's first token in the step."""
+    seq: list[int]  # the tile's sequence
+    row: list[int]  # its first new row in that sequence
+    part: list[int]  # which of its keys' ranges it covers
+    parts: list[int]  # into how many ranges its keys are cut (1: all of them)
+    starts: list[int]
+
+
+class PrefillWork(NamedTuple):
+    """A prefill step's attention work on the device: the prefill kernel's tiles (TileLists as int32
+    tensors, `starts` as seq_start, and every sequence's new tokens), and the leading one-token
+    sequences' slots and contexts, which the decode kernel serves."""
+    tile_seq: torch.Tensor
+    tile_row: torch.Tensor
+    tile_part: torch.Tensor
+    tile_parts: torch.Tensor
+    seq_start: torch.Tensor
+    num_new: torch.Tensor
+    decode_slots: torch.Tensor
+    decode_context: torch.Tensor
+
+
 def prefill_tile_lists(num_new: list[int], context_lens: list[int], rows: int, skip: int = 0,
-                       elsewhere: Collection[int] = ()) -> tuple[list[int], list[int], list[int]]:
+                       elsewhere: Collection[int] = (), split_tiles: int = 0) -> TileLists:
     """paged_prefill.cu's work list for a step: a tile per `rows` new tokens of each sequence past
     the first `skip` (those the decode kernel serves) and not in `elsewhere` (those cudnn_prefill.py
-    serves), as its sequence and first row, the tiles that read the most keys first (a causal
-    tile's keys end at its last row: launched early, the long ones do not trail the rest); and each
-    sequence's first token in the step."""
+    serves), the tiles that read the most keys first (a causal tile's keys end at its last row:
+    launched early, the long ones do not trail the rest). Where they are fewer than `split_tiles`
+    (what fills the GPU, CudaBackend.prefill_split_tiles; 0: never split), the longest ones' keys
+    are cut into parts (key_parts), each an entry of its own: those come first, a tile's parts in a row."""
     elsewhere = set(elsewhere)
-    tiles = [(ctx - n + r + min(rows, n - r), b, r)
+    tiles = [(ctx - n + r + min(rows, n - r), ctx - n + r, b, r)  # (keys, first row's position, sequence, row)
              for b, (n, ctx) in enumerate(zip(num_new, context_lens)) if b >= skip and b not in elsewhere
              for r in range(0, n, rows)]
-    tiles.sort(key=lambda t: -t[0])
-    starts = [0]
+    parts = key_parts([t[0] for t in tiles], [t[1] for t in tiles], split_tiles)
+    order = sorted(range(len(tiles)), key=lambda i: (parts[i] == 1, -tiles[i][0]))
+    lists = TileLists([], [], [], [], [0])
+    for i in order:
+        _, _, seq, row = tiles[i]
+        for p in range(parts[i]):
+            lists.seq.append(seq)
+            lists.row.append(row)
+            lists.part.append(p)
+            lists.parts.append(parts[i])
     for n in num_new[:-1]:
-        starts.append(starts[-1] + n)
-    return [t[1] for t in tiles], [t[2] for t in tiles], starts
+        lists.starts.append(lists.starts[-1] + n)
+    return lists
 
 
-def max_prefill_tiles(num_tokens: int, num_seqs: int, rows: int) -> int:
-    """The most tiles `num_tokens` new tokens of `num_seqs` sequences make: each sequence's last
-    tile may be partial."""
-    return -(-num_tokens // rows) + min(num_seqs, num_tokens)
+def key_parts(keys: list[int], first_pos: list[int], split_tiles: int) -> list[int]:
+    """Into how many parts each tile's keys are cut so that the list holds up to `split_tiles`
+    entries: one more part at a time to the tile whose parts are longest. A part takes at least
+    PREFILL_SPLIT_MIN_TILES of the key tiles that start at or before the tile's first row (which
+    paged_prefill.cu cuts evenly, the diagonal's going to the last part), and a tile at most
+    PREFILL_MAX_PARTS parts."""
+    parts = [1] * len(keys)
+    spare = split_tiles - len(keys)
+    if spare <= 0:
+        return parts
+    most = [min(PREFILL_MAX_PARTS, (f // PREFILL_BLOCK_N + 1) // PREFILL_SPLIT_MIN_TILES) for f in first_pos]
+    longest = [(-k, i) for i, k in enumerate(keys) if most[i] > 1]  # (-keys a part, tile)
+    heapq.heapify(longest)
+    while spare and longest:
+        _, i = heapq.heappop(longest)
+        parts[i] += 1
+        spare -= 1
+        if parts[i] < most[i]:
+            heapq.heappush(longest, (-keys[i] / parts[i], i))
+    return parts
 
 
-def prefill_tiles(num_new: list[int], context_lens: list[int], rows: int, device: torch.device,
-                  skip: int = 0, elsewhere: Collection[int] = ()) -> tuple[torch.Tensor, ...]:
-    """prefill_tile_lists as (tile_seq, tile_row, seq_start, num_new) int32 tensors on `device`, in
-    one host-to-device copy (batch.to_device)."""
-    seq, row, starts = prefill_tile_lists(num_new, context_lens, rows, skip, elsewhere)
+def max_prefill_tiles(num_tokens: int, num_seqs: int, rows: int, split_tiles: int = 0) -> int:
+    """The most entries the work list of `num_tokens` new tokens of `num_seqs` sequences has: each
+    sequence's last tile may be partial, and splits fill the list up to `split_tiles`."""
+    return max(-(-num_tokens // rows) + min(num_seqs, num_tokens), split_tiles)
+
+
+def prefill_work(num_new: list[int], context_lens: list[int], rows: int, device: torch.device,
+                 decode_slots: torch.Tensor, decode_context: torch.Tensor, skip: int = 0,
+                 elsewhere: Collection[int] = (), split_tiles: int = 0) -> PrefillWork:
+    """prefill_tile_lists on `device` in one host-to-device copy (batch.to_device), with the decode
+    kernel's rows."""
+    lists = prefill_tile_lists(num_new, context_lens, rows, skip, elsewhere, split_tiles)
     int32 = torch.int32
-    t = to_device({"seq": (seq, int32), "row": (row, int32), "start": (starts, int32),
+    t = to_device({"seq": (lists.seq, int32), "row": (lists.row, int32), "part": (lists.part, int32),
+                   "parts": (lists.parts, int32), "start": (lists.starts, int32),
                    "num_new": (list(num_new), int32)}, device)
-    return t["seq"], t["row"], t["start"], t["num_new"]
+    return PrefillWork(t["seq"], t["row"], t["part"], t["parts"], t["start"], t["num_new"], decode_slots,
+                       decode_context)
 
 
 def resident_ctas(kernel, threads: int, device_index: int, fallback: int, dynamic_shared: int = 0) -> int:

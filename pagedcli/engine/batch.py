@@ -30,9 +30,9 @@ class StepBatch:
     last_index: torch.Tensor  # [S] int64, S <= B: the sampling rows' last tokens
     num_new: list[int]  # host copies, for shapes
     context_lens_host: list[int]
-    # paged_prefill.cu's work list (tile_seq, tile_row, seq_start, num_new) when the caller staged it
-    # in tensors of its own (a captured prefill step, prefill_graphs.py); None: the backend makes it
-    prefill_tiles: tuple[torch.Tensor, ...] | None = None
+    # the prefill attention's work (cuda_launch.PrefillWork) when the caller staged it in tensors of
+    # its own (a captured prefill step, prefill_graphs.py); None: the backend makes it
+    prefill_work: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def build(cls, is_prefill: bool, slots: list[int], token_ids: list[list[int]], num_cached: list[int],

@@ -12,8 +12,9 @@ token bucket up, as vLLM does, with the step's inputs padded to the bucket:
 - the attention's work is staged here: the first sequences that feed one token (the decoding
   ones), which the decode kernel serves, as a fixed number of rows (their slots and contexts)
   padded with rows of no context, whose zeros land on rows that the prefill kernel then writes
-  (CudaBackend._prefill_attend); and the prefill kernel's tiles for the other sequences, padded
-  with tiles of the padding sequence, which find no rows and no keys and leave at once;
+  (CudaBackend._prefill_attend); and the prefill kernel's tiles for the other sequences (their keys
+  split as an eager step's would be), padded with tiles of the padding sequence, which find no
+  rows and no keys and leave at once;
 - the logits are those of the first `min(max_slots, bucket)` sampling rows (the padded ones repeat
   token 0's row and are not returned).
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedcli.backends.cuda_launch import leading_single_rows, max_prefill_tiles, prefill_tile_lists
+from pagedcli.backends.cuda_launch import PrefillWork, leading_single_rows, max_prefill_tiles, prefill_tile_lists
 from pagedcli.engine.batch import StepBatch, pack
 from pagedcli.engine.cache import KVCache
 from pagedcli.engine.graph_capture import CapturedGraphs
@@ -43,6 +44,7 @@ class PrefillGraphs(CapturedGraphs):
         self.rows = model.backend.prefill_rows  # new tokens a tile of the prefill kernel covers
         self.max_seqs = cache.max_slots
         self.decode_kernel = model.backend.attention_kernel  # serves the one-token sequences
+        self.split_tiles = model.backend.prefill_split_tiles  # the work list's splits (cuda_launch.key_parts)
         self.pad = self.max_seqs  # the padding sequence's row
         self.buckets = [b for b in BUCKETS if b < min(max_tokens, MAX_GRAPH_TOKENS)]
         self.buckets.append(min(max_tokens, MAX_GRAPH_TOKENS))
@@ -50,8 +52,7 @@ class PrefillGraphs(CapturedGraphs):
         int64, int32 = torch.int64, torch.int32
         self.layout = (("token_ids", int64, T), ("positions", int64, T), ("token_seq", int64, T),
                        ("last_index", int64, min(self.max_seqs, T)), ("slots", int32, B), ("context_lens", int32, B),
-                       ("tile_seq", int32, max_prefill_tiles(T, self.max_seqs, self.rows)),
-                       ("tile_row", int32, max_prefill_tiles(T, self.max_seqs, self.rows)),
+                       *((name, int32, self._tiles(T)) for name in ("tile_seq", "tile_row", "tile_part", "tile_parts")),
                        ("seq_start", int32, B), ("num_new", int32, B),
                        ("decode_slots", int32, self._decode_rows(T)), ("decode_context", int32, self._decode_rows(T)))
         nbytes = sum(_aligned(n * dtype.itemsize) for _, dtype, n in self.layout)
@@ -69,6 +70,10 @@ class PrefillGraphs(CapturedGraphs):
             at += _aligned(n * dtype.itemsize)
         return views
 
+    def _tiles(self, n: int) -> int:
+        """Entries of bucket n's prefill work list: as many as its tokens can make."""
+        return max_prefill_tiles(n, self.max_seqs, self.rows, self.split_tiles)
+
     def _decode_rows(self, n: int) -> int:
         """Rows bucket n's graph gives the decode kernel: as many as its one-token sequences can be."""
         return min(self.max_seqs, n) if self.decode_kernel else 0
@@ -79,20 +84,23 @@ class PrefillGraphs(CapturedGraphs):
     def _batch(self, n: int) -> StepBatch:
         """Bucket n's static batch: views of the staged inputs."""
         x = self.inputs
-        tiles, d = max_prefill_tiles(n, self.max_seqs, self.rows), self._decode_rows(n)
+        tiles, d = self._tiles(n), self._decode_rows(n)
         return StepBatch(is_prefill=True, token_ids=x["token_ids"][:n], positions=x["positions"][:n],
                          token_seq=x["token_seq"][:n], slots=x["slots"], context_lens=x["context_lens"],
                          last_index=x["last_index"][:min(self.max_seqs, n)], num_new=[], context_lens_host=[],
-                         prefill_tiles=(x["tile_seq"][:tiles], x["tile_row"][:tiles], x["seq_start"], x["num_new"],
-                                        x["decode_slots"][:d], x["decode_context"][:d]))
+                         prefill_work=PrefillWork(*(x[name][:tiles] for name in ("tile_seq", "tile_row", "tile_part",
+                                                                                 "tile_parts")),
+                                                  x["seq_start"], x["num_new"], x["decode_slots"][:d],
+                                                  x["decode_context"][:d]))
 
     def _stage_padding(self) -> None:
         """Every input a padding one: a replay then writes nothing to the pool."""
         h = self.host_np
         h["token_ids"][:], h["positions"][:], h["token_seq"][:], h["last_index"][:] = 0, -1, self.pad, 0
-        for name in ("slots", "context_lens", "seq_start", "num_new", "tile_row", "decode_slots", "decode_context"):
+        for name in ("slots", "context_lens", "seq_start", "num_new", "tile_row", "tile_part", "decode_slots",
+                     "decode_context"):
             h[name][:] = 0
-        h["tile_seq"][:] = self.pad
+        h["tile_seq"][:], h["tile_parts"][:] = self.pad, 1
         self.staged.copy_(self.host)
 
     def padding_batch(self, n: int) -> StepBatch:
@@ -109,16 +117,18 @@ class PrefillGraphs(CapturedGraphs):
         num_new = [len(ids) for ids in token_ids]
         context = [c + k for c, k in zip(num_cached, num_new)]
         d = leading_single_rows(num_new) if self.decode_kernel else 0
-        tile_seq, tile_row, starts = prefill_tile_lists(num_new, context, self.rows, skip=d)
-        k, tiles = len(tile_seq), max_prefill_tiles(n, self.max_seqs, self.rows)
+        lists = prefill_tile_lists(num_new, context, self.rows, skip=d, split_tiles=self.split_tiles)
+        k, tiles = len(lists.seq), self._tiles(n)
         h = self.host_np
         h["token_ids"][:T], h["positions"][:T], h["token_seq"][:T] = flat, positions, token_seq
         h["token_ids"][T:n], h["positions"][T:n], h["token_seq"][T:n] = 0, -1, self.pad
         h["last_index"][:S], h["last_index"][S:] = last, 0
-        for name, values in (("slots", slots), ("context_lens", context), ("seq_start", starts), ("num_new", num_new)):
+        for name, values in (("slots", slots), ("context_lens", context), ("seq_start", lists.starts),
+                             ("num_new", num_new)):
             h[name][:b], h[name][b:] = values, 0
-        h["tile_seq"][:k], h["tile_row"][:k] = tile_seq, tile_row
-        h["tile_seq"][k:tiles], h["tile_row"][k:tiles] = self.pad, 0
+        for name, values, padding in (("tile_seq", lists.seq, self.pad), ("tile_row", lists.row, 0),
+                                      ("tile_part", lists.part, 0), ("tile_parts", lists.parts, 1)):
+            h[name][:k], h[name][k:tiles] = values, padding
         h["decode_slots"][:d], h["decode_context"][:d] = slots[:d], context[:d]
         h["decode_slots"][d:], h["decode_context"][d:] = 0, 0  # no keys: zeros, overwritten by the tiles
         self.staged.copy_(self.host, non_blocking=True)
