@@ -13,7 +13,8 @@ What runs where:
                       memory); where one CTA per (sequence, kv head) fills the GPU (no split),
                       paged_decode_mma.cu, the GQA group's heads as the rows of mma tiles;
                       paged_prefill.cu for a step's prompts (tensor-core tiles, every
-                      sequence's rows in one launch, K/V read through the block table);
+                      sequence's rows in one launch, K/V read through the block table; where
+                      the tiles are too few to fill the GPU, their keys split into parts);
                       on sm_90+ a whole prompt of cudnn_prefill.CUDNN_MIN_TOKENS (3,072) or more
                       through cuDNN's fused attention instead (cudnn_prefill.py: wgmma, twice
                       paged_prefill.cu's rate);
