@@ -81,6 +81,10 @@ def test_quiet_prints_only_the_answers(stories):
     assert f"Once upon a time{answers[0]}" in loud and f"Tom and his dog{answers[1]}" in loud
     code, stdout, stderr = run("-q", "--model", str(stories), "--max-tokens", "0", "x")  # errors still say why
     assert code == 2 and stdout == "" and stderr.startswith("error: --max-tokens 0")
+    # a refused prompt among others: its line stays empty (line n is still prompt n's answer), no mark
+    code, stdout, stderr = run("-q", *args[:-2], "Once upon a time", "Lily " * 600, "Tom and his dog")
+    assert code == 2 and "[error]" not in stdout and "prompt 2" in stderr
+    assert stdout.splitlines() == [answers[0], "", answers[1]]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -427,6 +427,22 @@ def test_bench_quality_needs_held_out_text_beside_the_built_in_model(stories):
     assert code == 2 and "--quality-text" in err and len(err.strip().splitlines()) == 1
 
 
+def test_bench_quality_refuses_greedy_tokens_past_the_model_length_and_says_when_prompts_run_short(stories):
+    """stories260K holds 512 positions and an agreement prompt 16 tokens: 497 greedy tokens would be
+    dropped prompts and a NaN in the JSON, so it is a usage error naming the longest that fits; more
+    prompts than the text's windows give is measured on those, with a notice naming both counts."""
+    text = stories / "heldout.txt"
+    base = ("bench", "--quality", "--model", str(stories), "--device", "cpu", "--quality-text", str(text), "--json")
+    code, out, err = invoke(*base, "--output-len", "497")
+    assert code == 2 and out == "" and "--output-len 497" in err and "496 or less" in err
+    code, out, err = invoke(*base, "--output-len", "2", "--num-prompts", "1000")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    available = rows[0]["num_prompts"]
+    assert 0 < available < 1000 and f"gives {available:,} prompts of the 1,000 asked for" in err
+    assert all(r["num_prompts"] == available and 0 <= r["greedy_match"] <= 1 for r in rows)
+
+
 def test_bench_counts_fp8_bytes_in_the_pool_and_the_roofline(stories):
     rows = {}
     for kv, quant in (("auto", "none"), ("fp8", "fp8")):

@@ -172,3 +172,23 @@ def test_a_step_past_the_end_is_refused_before_running(stories, make_engine):
     for p in PROMPTS:
         small.engine.add_request(small.tokenizer.encode(p), SamplingParams(max_tokens=10, ignore_eos=True), p)
     assert ic.last_step_at_most(small.engine) is None  # preemption could add steps: no promise
+
+
+def test_a_step_within_the_bound_that_the_run_does_not_reach_names_the_real_last_step(stories, make_engine):
+    """Batch mates decode together, so the run ends well before the bound: the refusal then names
+    the step it ended after, the same whichever step past it was asked for."""
+    from pagedcli.commands import inspect_cache as ic
+    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.errors import UsageError
+
+    said = set()
+    for at_step in (15, 25):
+        loaded = make_engine(stories, batch=2, num_blocks=100)
+        for p in PROMPTS[:2]:
+            loaded.engine.add_request(loaded.tokenizer.encode(p), SamplingParams(max_tokens=10, ignore_eos=True), p)
+        assert ic.last_step_at_most(loaded.engine) >= 25
+        with pytest.raises(UsageError) as refused:
+            ic.capture(loaded.engine, slot=0, at_step=at_step)
+        said.add(str(refused.value).split(":")[1])
+        assert not loaded.engine.has_unfinished
+    assert said == {" the run ended after step 10 (choose a step from 1 to 10)"}, said  # one prefill step for both, then 9 decode steps

@@ -76,6 +76,20 @@ def test_waste_is_shown_against_a_contiguous_max_length_cache():
     assert "1,024 tokens reserved, 964 unused (94.1%) = 1.2 MiB" in text
 
 
+def test_waste_counts_the_blocks_a_chunked_prefill_has_not_written_yet():
+    """A prompt of 100 tokens takes its 7 blocks at admission; after a 20-token chunk only 20 slots
+    hold K/V, so 92 of its 112 are unused, not the last block's 12 (on the contiguous line's basis)."""
+    from dataclasses import replace
+
+    geo = CacheGeometry(16, 4, 8, 5, 1000, torch.float32)
+    full = slot_view(0, 100, geo)
+    prefilling = replace(full, num_cached=20, prefill_len=100, num_output_tokens=0)
+    snap = CacheSnapshot(7, geo, 1000 - 35, (prefilling,), (), 0, 0, 1, 512)
+    text = draw(render(snap, width=200), width=200)
+    assert "112 tokens reserved, 92 unused (82.1%)" in text
+    assert "512 tokens reserved, 492 unused" in text
+
+
 def test_blocks_shared_by_parallel_samples_are_drawn_blue_and_counted_once(stories, make_engine):
     from pagedcli.engine.sequence import SamplingParams
     from pagedcli.commands.drawing import owners_of_blocks

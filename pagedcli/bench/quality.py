@@ -98,6 +98,18 @@ def agreement(base: list[list[int]], other: list[list[int]], num_tokens: int) ->
     return sum(shares) / len(shares), sum(s == 1.0 for s in shares)
 
 
+def check_prompts(prompts: list[list[int]], asked: int, num_tokens: int, max_model_len: int, notice) -> None:
+    """Refuse greedy lengths the model cannot hold; say so when the text gives fewer prompts than asked."""
+    longest = max(len(p) for p in prompts)
+    if longest + num_tokens > max_model_len:
+        raise UsageError(f"--output-len {num_tokens}: the agreement prompts ({plural(longest, 'token')}) and "
+                         f"their greedy tokens would be {longest + num_tokens:,}, more than the maximum length "
+                         f"of {max_model_len:,}", f"give --output-len {max_model_len - longest} or less")
+    if len(prompts) < asked:
+        notice(f"the held-out text gives {plural(len(prompts), 'prompt')} of the {asked:,} asked for "
+               "(one a perplexity window); measuring those")
+
+
 def measure_quality(opts: EngineOptions, text_path: Path | None, num_prompts: int, num_tokens: int,
                     notice=lambda _: None, progress=lambda _: None) -> tuple[list[QualityRow], SimpleNamespace]:
     """The table's rows, one per VARIANTS entry, each on the model loaded with its options; and
@@ -122,12 +134,13 @@ def measure_quality(opts: EngineOptions, text_path: Path | None, num_prompts: in
         if not windows:
             raise UsageError(f"the held-out text is {plural(len(ids), 'token')}: too short to measure")
         prompts = [w[:PROMPT_TOKENS] for w in windows[:num_prompts]]
-        prompts = [p for p in prompts if len(p) + num_tokens <= engine.cache.max_model_len]
+        if base_ppl is None:
+            check_prompts(prompts, num_prompts, num_tokens, engine.cache.max_model_len, notice)
         ppl = perplexity(engine, windows)
-        tokens = greedy_tokens(engine, prompts, num_tokens) if prompts else []
+        tokens = greedy_tokens(engine, prompts, num_tokens)
         if base_ppl is None:
             base_ppl, base_tokens = ppl, tokens
-        match, identical = agreement(base_tokens, tokens, num_tokens) if tokens else (float("nan"), 0)
+        match, identical = agreement(base_tokens, tokens, num_tokens)
         rows.append(QualityRow(name, str(model.dtype).removeprefix("torch."), kv, quant, ppl, ppl / base_ppl - 1,
                                match, identical, len(prompts), model.weights.nbytes))
         if base is None:  # what the table's title needs; the weights go (each variant loads its own)

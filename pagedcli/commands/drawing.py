@@ -129,21 +129,23 @@ def pool_lines(snap: CacheSnapshot) -> list[Text]:
 
 
 def waste_lines(snap: CacheSnapshot) -> list[Text]:
-    """Internal fragmentation of the paged cache (unused token slots in last blocks) against what a
+    """Internal fragmentation of the paged cache (reserved token slots not written) against what a
     contiguous cache reserving the maximum length for each sequence leaves unused: the comparison
     the PagedAttention paper makes. Tokens are counted in one layer; bytes over all layers.
 
-    Counted over the blocks in use, so a block shared by several sequences counts once. Only a
-    sequence's last block can be partial; forked sequences may share it until one writes into it."""
+    Counted over the blocks in use, so a block shared by several sequences counts once. A sequence's
+    unwritten slots are its last block's tail and, part-way through a chunked prefill, the blocks
+    taken at admission for the chunks still to come; only blocks from the first partial one on can
+    hold any (forked sequences may share a partial block until one writes into it)."""
     geo = snap.geometry
     bs = geo.block_size
     paged = snap.num_used_blocks // geo.num_layers * bs
-    last_fill: dict[int, int] = {}  # physical last block (layer 0) -> tokens in it
+    fill: dict[int, int] = {}  # physical block (layer 0) past a sequence's full ones -> tokens in it
     for s in snap.slots:
-        if s.num_blocks:
-            block = s.table[0][-1]
-            last_fill[block] = max(last_fill.get(block, 0), s.fill(s.num_blocks - 1, bs))
-    unused = sum(bs - fill for fill in last_fill.values())
+        for logical in range(s.num_cached // bs, s.num_blocks):
+            block = s.table[0][logical]
+            fill[block] = max(fill.get(block, 0), s.fill(logical, bs))
+    unused = sum(bs - tokens for tokens in fill.values())
     contiguous = snap.contiguous_tokens
     held = sum(s.num_blocks for s in snap.slots) * bs
     shared = f", {plural(held - paged, 'token')} held once for several sequences" if held > paged else ""
@@ -154,7 +156,7 @@ def waste_lines(snap: CacheSnapshot) -> list[Text]:
                     (f"{reserved:,} tokens reserved, {unused:,} unused ({share}) = "
                      f"{human_bytes(unused * geo.kv_bytes_per_token)}", style), (f"   {how}", "dim"))
 
-    return [waste("paged", paged, unused, f"unused slots in last blocks{shared}"),
+    return [waste("paged", paged, unused, f"reserved slots not yet written{shared}"),
             waste("contiguous", contiguous, contiguous - sum(s.num_cached for s in snap.slots),
                   f"if each sequence reserved the maximum length, {snap.max_model_len:,} tokens", "dim")]
 

@@ -141,6 +141,9 @@ def load_for_text(engine_flags: EngineFlags, requests: RequestFlags, command: st
     opts = engine_flags.options(**overrides)
 
     def check(source, tokenizer) -> None:  # before the weights are read
+        if tokenizer is None and source.random:
+            raise UsageError(f"--model {source.name}: random weights are for bench and token-id requests, "
+                             f"not {command}", "give a model folder or Hub name without random:")
         if tokenizer is None:
             raise UsageError(f"--model {source.name} has no tokenizer", f"{command} needs a model folder with tokenizer.json")
         if requests.chat_template is not None:

@@ -64,17 +64,20 @@ def capture(engine: Engine, slot: int, at_step: int | None = None) -> tuple[Cach
 def _at_step(engine: Engine, slot: int, at_step: int) -> tuple[CacheSnapshot, SlotView]:
     if at_step < 1:
         raise UsageError(f"--at-step {at_step}: must be 1 or more", "step 1 is the first prefill")
+    # A step past the bound is refused before anything runs; within it the run goes on, and if it
+    # ends sooner (batch mates decode together, stop tokens) the refusal names its real last step.
+    # (The bound tightens as the run goes: asked again mid-run it would name another step each time.)
+    last = last_step_at_most(engine)
+    if last is not None and last < at_step:
+        raise UsageError(f"--at-step {at_step}: the run ends by step {last:,} at the latest",
+                         "choose an earlier step (it may end sooner: stop tokens, batch mates decoding "
+                         "together), or ask for more --max-tokens")
     while engine.num_steps < at_step and engine.has_unfinished:
-        last = last_step_at_most(engine)
-        if last is not None and last < at_step:  # said now, not after running all that is left
-            raise UsageError(f"--at-step {at_step}: the run ends by step {last:,} at the latest",
-                             "choose an earlier step (it may end sooner: stop tokens, batch mates decoding "
-                             "together), or ask for more --max-tokens")
         if engine.step().idle:
             break
     if engine.num_steps < at_step:
-        raise UsageError(f"--at-step {at_step}: the run ended after step {engine.num_steps}",
-                         f"choose a step from 1 to {engine.num_steps}")
+        raise UsageError(f"--at-step {at_step}: the run ended after step {engine.num_steps:,}",
+                         f"choose a step from 1 to {engine.num_steps:,}")
     snap = engine.snapshot()
     view = snap.slot(slot)
     if view is None:

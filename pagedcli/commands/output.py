@@ -12,7 +12,7 @@ from pagedcli.engine.sequence import Sequence
 from pagedcli.json_lines import one_line
 from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
 
-ERROR_MARK = " [error]"  # ends the text of an answer that failed (stderr says why)
+ERROR_MARK = " [error]"  # ends the text of an answer that failed (stderr says why); not with --quiet
 
 
 def answer_text(seq: Sequence, decoder: StreamDecoder) -> str:
@@ -37,6 +37,7 @@ class TextPrinter:
         self.out = out or sys.stdout
         self.echo = echo_prompt
         self.labelled = labelled and len(seqs) > 1
+        self.error_mark = ERROR_MARK if labelled else ""  # --quiet: a failed answer's line stays empty
         self.decoders = {s.id: StreamDecoder(tokenizer, s.prompt_token_ids) for s in seqs}
         self.pending = {s.id: "" for s in seqs}  # text not yet printed
         self.taken = {s.id: 0 for s in seqs}  # characters of the answer's text moved to `pending`
@@ -72,7 +73,7 @@ class TextPrinter:
             self.pending[seq.id] = ""
             if not seq.is_finished:
                 return
-            self.out.write(ERROR_MARK * bool(seq.error) + "\n")
+            self.out.write(self.error_mark * bool(seq.error) + "\n")
             self.current += 1
             self.started = False
 
