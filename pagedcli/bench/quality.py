@@ -98,7 +98,8 @@ def agreement(base: list[list[int]], other: list[list[int]], num_tokens: int) ->
     return sum(shares) / len(shares), sum(s == 1.0 for s in shares)
 
 
-def check_prompts(prompts: list[list[int]], asked: int, num_tokens: int, max_model_len: int, notice) -> None:
+def check_prompts(prompts: list[list[int]], asked: int, num_tokens: int, max_model_len: int, window: int,
+                  notice) -> None:
     """Refuse greedy lengths the model cannot hold; say so when the text gives fewer prompts than asked."""
     longest = max(len(p) for p in prompts)
     if longest + num_tokens > max_model_len:
@@ -106,8 +107,8 @@ def check_prompts(prompts: list[list[int]], asked: int, num_tokens: int, max_mod
                          f"their greedy tokens would be {longest + num_tokens:,}, more than the maximum length "
                          f"of {max_model_len:,}", f"give --output-len {max_model_len - longest} or less")
     if len(prompts) < asked:
-        notice(f"the held-out text gives {plural(len(prompts), 'prompt')} of the {asked:,} asked for "
-               "(one a perplexity window); measuring those")
+        notice(f"the held-out text gives {plural(len(prompts), 'prompt')} (one a {window}-token window) "
+               f"of the {asked:,} asked for; measuring those")
 
 
 def measure_quality(opts: EngineOptions, text_path: Path | None, num_prompts: int, num_tokens: int,
@@ -135,7 +136,7 @@ def measure_quality(opts: EngineOptions, text_path: Path | None, num_prompts: in
             raise UsageError(f"the held-out text is {plural(len(ids), 'token')}: too short to measure")
         prompts = [w[:PROMPT_TOKENS] for w in windows[:num_prompts]]
         if base_ppl is None:
-            check_prompts(prompts, num_prompts, num_tokens, engine.cache.max_model_len, notice)
+            check_prompts(prompts, num_prompts, num_tokens, engine.cache.max_model_len, window, notice)
         ppl = perplexity(engine, windows)
         tokens = greedy_tokens(engine, prompts, num_tokens)
         if base_ppl is None:
