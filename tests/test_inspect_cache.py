@@ -191,4 +191,5 @@ def test_a_step_within_the_bound_that_the_run_does_not_reach_names_the_real_last
             ic.capture(loaded.engine, slot=0, at_step=at_step)
         said.add(str(refused.value).split(":")[1])
         assert not loaded.engine.has_unfinished
-    assert said == {" the run ended after step 10 (choose a step from 1 to 10)"}, said  # one prefill step for both, then 9 decode steps
+    # one prefill step for both prompts, then 9 decode steps
+    assert said == {" the run ended after step 10 (choose a step from 1 to 10)"}, said

@@ -49,9 +49,9 @@ class EngineFlags:
         f"{LARGE_GPU_SERVING_MAX_BATCHED_TOKENS}; on another GPU {GPU_MAX_BATCHED_TOKENS}, serve "
         f"{GPU_SERVING_MAX_BATCHED_TOKENS}; on CPU {CPU_MAX_BATCHED_TOKENS}.")] = None
     kv_cache_dtype: Annotated[str, typer.Option(
-        help="auto (the model's dtype) or fp8 (also fp8_e4m3): K and V stored as float8 e4m3, 1 byte an element, so "
-        "the same pool holds twice the tokens of bf16; scaled per layer and KV head by the checkpoint's k_scale/v_scale, "
-        "else 1.0 (vLLM's default).")] = DEFAULTS.kv_cache_dtype
+        help="auto (the model's dtype) or fp8 (also fp8_e4m3): K and V stored as float8 e4m3, 1 byte an element, "
+        "so the same pool holds twice the tokens of bf16; scaled per layer and KV head by the checkpoint's "
+        "k_scale/v_scale, else 1.0 (vLLM's default).")] = DEFAULTS.kv_cache_dtype
     quantization: Annotated[str, typer.Option(
         help="none or fp8: the linear layers' and the LM head's weights as float8 e4m3 with a scale per output "
         "channel, quantized at load (the embeddings stay in --dtype for their lookups); over 2 rows (prefill, "
