@@ -88,7 +88,8 @@ def tiny(tmp_path_factory) -> Path:
 @pytest.fixture
 def make_engine():
     from helpers import TEST_CACHE_SIZE
-    from pagedcli.model.loader import EngineOptions, load
+    from pagedcli.engine.build import load
+    from pagedcli.core.options import EngineOptions
 
     def make(model, **opts):
         opts.setdefault("device", "cpu")

@@ -116,7 +116,7 @@ def assert_one_line(code, stderr, expected_code, *fragments):
 def run_greedy(loaded, prompt_list, steps):
     """Greedy answers of all prompts in one engine, block accounting checked after every step, the
     pool whole at the end: [(tokens, [logits of each step])] in prompt order."""
-    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.core.options import SamplingParams
 
     engine = loaded.engine
     logits = record_logits(engine)
@@ -175,7 +175,8 @@ def serve_build(model: str, batch: int, engine: dict, template: str | None, pois
     """The engine of a test's server (run in its engine process: a module-level function, which
     spawn pickles by name). `poison`: a bug on demand, from the prompt: "POISON" fails its adding,
     "CRASH" the step that runs it."""
-    from pagedcli.model.loader import EngineOptions, load
+    from pagedcli.engine.build import load
+    from pagedcli.core.options import EngineOptions
 
     sized = engine if "num_blocks" in engine else {"cache_size": TEST_CACHE_SIZE} | engine
     loaded = load(EngineOptions(model=model, device="cpu", batch=batch, shuffle_blocks=7, **sized))

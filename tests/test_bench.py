@@ -11,9 +11,10 @@ from typer.testing import CliRunner
 from conftest import hf_checkpoint
 from pagedcli.bench.measure import decode_step_bytes, decode_weight_bytes, make_requests, parse_len, Workload
 from pagedcli.commands.app import app
-from pagedcli.model.config import CacheGeometry
-from pagedcli.errors import UsageError
-from pagedcli.model.loader import EngineOptions, load_model
+from pagedcli.core.geometry import CacheGeometry
+from pagedcli.core.errors import UsageError
+from pagedcli.engine.build import load_model
+from pagedcli.core.options import EngineOptions
 from pagedcli.model.source import resolve_model
 
 KEYS = {"batch", "num_prompts", "input_len", "output_len", "elapsed_s", "requests_per_s", "output_tokens_per_s",
@@ -230,7 +231,7 @@ def test_tables_are_not_cut_when_piped(stories):
 def test_plot_without_matplotlib_is_refused_before_the_benchmark(stories, monkeypatch, tmp_path):
     import sys
 
-    from pagedcli.model import loader
+    from pagedcli.engine import build as loader
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails, as when it is not installed
 

@@ -51,8 +51,8 @@ def stats(err: str) -> list[tuple[int, ...]]:
 
 # --- chat -----------------------------------------------------------------------------------------
 def test_a_second_turn_extends_the_first_and_is_served_from_its_blocks(stories, requests, make_engine):
-    from pagedcli.defaults import DEFAULT_CACHE
-    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.core.options import DEFAULT_CACHE
+    from pagedcli.core.options import SamplingParams
     from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
 
     code, out, err = chat(stories, "Hello!\nWhat did I just say?\n")
@@ -243,7 +243,7 @@ def test_a_prompt_separator_allows_prompts_of_several_lines(stories, separator, 
 
 
 def test_no_prompt_with_a_terminal_for_stdin_is_the_usual_error(stories, monkeypatch):
-    monkeypatch.setattr("pagedcli.commands.prompts.stdin_is_terminal", lambda: True)
+    monkeypatch.setattr("pagedcli.console.prompts.stdin_is_terminal", lambda: True)
     code, out, err = invoke("generate", "--model", stories, input="never read\n")
     assert code == 2 and out == "" and err.strip().startswith("error: no prompt given (pass one")
 

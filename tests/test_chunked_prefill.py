@@ -10,8 +10,8 @@ import random
 import pytest
 
 from helpers import check_block_accounting, fake_gpu, invoke
-from pagedcli.engine.sequence import SamplingParams
-from pagedcli.errors import UsageError
+from pagedcli.core.options import SamplingParams
+from pagedcli.core.errors import UsageError
 from test_oracle import assert_matches_hf
 
 LENGTHS = [3, 40, 17, 75, 9, 33]  # several prompts longer than the small budgets, across block boundaries
@@ -178,7 +178,7 @@ GPUS = [("NVIDIA H200", 141 * GiB, 16384, 8192),  # 70 GiB or more: the larger b
 def test_the_default_budget_follows_the_gpu_and_the_use(monkeypatch, name, memory, offline, serving):
     import torch
 
-    from pagedcli.defaults import default_max_batched_tokens
+    from pagedcli.core.options import default_max_batched_tokens
 
     fake_gpu(monkeypatch, name, memory)
     cuda = torch.device("cuda")
@@ -189,7 +189,7 @@ def test_the_default_budget_follows_the_gpu_and_the_use(monkeypatch, name, memor
 def test_the_cpus_default_budget_asks_no_gpu(monkeypatch):
     import torch
 
-    from pagedcli.defaults import default_max_batched_tokens
+    from pagedcli.core.options import default_max_batched_tokens
 
     def no_gpu(device=None):
         raise AssertionError("a CPU's budget read a GPU's properties")
@@ -202,8 +202,8 @@ def test_the_cpus_default_budget_asks_no_gpu(monkeypatch):
 def test_an_explicit_budget_wins_and_the_default_holds_a_token_a_slot(monkeypatch):
     import torch
 
-    from pagedcli.engine.scheduler import UNCHUNKED_MAX_BATCHED_TOKENS
-    from pagedcli.model.loader import EngineOptions
+    from pagedcli.core.options import UNCHUNKED_MAX_BATCHED_TOKENS
+    from pagedcli.core.options import EngineOptions
 
     fake_gpu(monkeypatch, "NVIDIA H200", 141 * GiB)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -236,7 +236,7 @@ def test_serve_loads_with_the_servers_budget_and_generate_without(monkeypatch, m
         asked.append(opts)
         raise Loaded
 
-    monkeypatch.setattr("pagedcli.model.loader.load", load)
+    monkeypatch.setattr("pagedcli.engine.build.load", load)
     with pytest.raises(Loaded):
         load_model(EngineFlags(model=model), RequestFlags())
     with pytest.raises(Loaded):
@@ -260,7 +260,7 @@ def test_cli_views_a_prompt_part_way(stories):
 def test_live_view_draws_prefill_progress(tiny, make_engine):
     from rich.console import Console
 
-    from pagedcli.commands.drawing import render
+    from pagedcli.console.drawing import render
 
     engine = make_engine(tiny, batch=1, max_num_batched_tokens=10).engine
     engine.add_request(prompts([35])[0], SamplingParams(max_tokens=2, ignore_eos=True))

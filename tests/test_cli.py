@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def test_counts_are_in_the_right_number(stories):
     code, _, stderr = run("--model", str(stories), "--max-tokens", "1", "--ignore-eos", "Once upon a time")
     # "1 tokens" as a count, not inside a rate such as "385.1 tokens/s"
     assert code == 0 and "1 token in" in stderr and not re.search(r"(?<![\d.,])1 tokens", stderr) and "1 prompt" in stderr
-    from pagedcli.errors import plural
+    from pagedcli.core.errors import plural
 
     assert (plural(1, "token"), plural(0, "block"), plural(2048, "token")) == ("1 token", "0 blocks", "2,048 tokens")
 
@@ -204,9 +205,10 @@ def test_only_really_close_options_are_suggested():
 
 def test_no_folder_of_the_checkout_shadows_an_installed_package():
     """`python -m pytest` (and `python -m pagedcli`) run from the checkout put it first on sys.path,
-    so each top-level folder with an __init__.py imports by its name ahead of site-packages. The
-    CUDA source once lived in `kernels/`, and transformers then imported it for Hugging Face's
-    `kernels` package. No installed distribution may provide a name one of our folders takes."""
+    so each top-level folder with an __init__.py imports by its name ahead of site-packages (the CUDA
+    sources' `kernels/` once had one, and transformers then imported it for Hugging Face's `kernels`
+    package). No installed distribution may provide a name one of our folders takes; `kernels/` has
+    no __init__.py: a namespace portion, which an installed regular package of that name outranks."""
     import importlib.metadata
     from pathlib import Path
 
@@ -215,4 +217,31 @@ def test_no_folder_of_the_checkout_shadows_an_installed_package():
     installed = importlib.metadata.packages_distributions()
     clashes = {name: installed[name] for name in ours if name in installed}
     assert not clashes, f"top-level folders named like installed packages: {clashes}"
-    assert "kernels" not in ours
+    assert "kernels" not in ours and (root / "kernels" / "geometry.cuh").is_file()
+
+
+def test_the_cuda_sources_are_found_from_a_checkout_an_editable_install_and_a_wheel(tmp_path):
+    """kernels/ (top level, no __init__.py) is found beside pagedcli/ in a checkout and in this
+    editable install run from elsewhere, and as pagedcli/kernels/ inside the wheel's install."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    where = "from pagedcli.backends.cuda_compile import kernel_folder; print(kernel_folder())"
+
+    def folder(cwd, path=None) -> Path:
+        env = dict(os.environ, PYTHONPATH=str(path)) if path else dict(os.environ)
+        done = subprocess.run([sys.executable, "-c", where], cwd=cwd, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return Path(done.stdout.strip())
+
+    assert folder(root) == folder(tmp_path) == root / "kernels"
+    wheel = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                            str(tmp_path / "dist"), str(root)], capture_output=True, text=True)
+    assert wheel.returncode == 0, wheel.stderr[-2000:]
+    target = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                              *map(str, (tmp_path / "dist").glob("*.whl"))], capture_output=True, text=True)
+    assert install.returncode == 0, install.stderr[-2000:]
+    installed = folder(tmp_path, target)
+    assert installed == target / "pagedcli" / "kernels"
+    assert {p.name for p in installed.iterdir()} == {p.name for p in (root / "kernels").iterdir()}

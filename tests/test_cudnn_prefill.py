@@ -12,10 +12,10 @@ from pagedcli.backends.cuda_launch import prefill_tile_lists
 from pagedcli.backends.cudnn_prefill import (CUDNN_MIN_TOKENS, _causal, gather_kv, padded_length, planned_lengths,
                                              whole_prompt_rows)
 from pagedcli.backends.torch import TorchBackend
-from pagedcli.engine.batch import StepBatch
+from pagedcli.core.batch import StepBatch
 from pagedcli.engine.cache import KVCache
-from pagedcli.model.config import CacheGeometry
-from test_cuda_kernels import make_config
+from pagedcli.core.geometry import CacheGeometry
+from cuda_checks import make_config
 
 N = CUDNN_MIN_TOKENS
 
@@ -83,27 +83,27 @@ def test_gathered_prompt_and_causal_product_are_the_torch_backends_attention():
     block = 8
     geo = CacheGeometry.build(config, torch.float32, block, num_blocks=config.num_layers * 64)
     cache = KVCache(geo, 4, 256, device="cpu", shuffle_seed=5)
-    cache.pool.copy_(torch.randn(cache.pool.shape))
+    cache.store.pool.copy_(torch.randn(cache.store.pool.shape))
     slots, num_new, cached = [3, 0, 2], [37, 50, 20], [0, 0, 30]
     for slot, n, c in zip(slots, num_new, cached):
         cache.grow(slot, n + c)
     cache.sync_device_table()
-    assert len({int(b) for b in cache.device_table[3, 1, :5]}) == 5  # the prompt's blocks are scattered
+    assert len({int(b) for b in cache.store.device_table[3, 1, :5]}) == 5  # the prompt's blocks are scattered
     batch = StepBatch.build(True, slots, [[1] * n for n in num_new], cached, torch.device("cpu"))
-    ref = TorchBackend(cache, config)
+    ref = TorchBackend(cache.store, config)
     ref.prepare(batch)
     q = torch.randn(sum(num_new), config.num_heads, config.head_dim)
     want = ref.attend(1, q, batch)
     first = 0
     for b, n in enumerate(num_new):
         if cached[b] == 0:
-            k, v = gather_kv(cache, 1, batch.slots[b:b + 1], n)
+            k, v = gather_kv(cache.store, 1, batch.slots[b:b + 1], n)
             assert k.shape == (n, config.num_kv_heads, config.head_dim)
             for length in (n, n + 13, padded_length(n)):  # padded rows change no real one
                 got = _causal(q[first:first + n], k, v, length)
                 torch.testing.assert_close(got, want[first:first + n], atol=1e-5, rtol=1e-5)
                 # gathered as `length` rows, zeros past n (the last block's stale rows too)
-                k_rows, v_rows = gather_kv(cache, 1, batch.slots[b:b + 1], n, length)
+                k_rows, v_rows = gather_kv(cache.store, 1, batch.slots[b:b + 1], n, length)
                 assert k_rows.shape == (length, config.num_kv_heads, config.head_dim) and k_rows.is_contiguous()
                 assert torch.equal(k_rows[:n], k) and torch.equal(v_rows[:n], v)
                 assert not k_rows[n:].any() and not v_rows[n:].any()

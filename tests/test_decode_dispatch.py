@@ -12,7 +12,8 @@ import torch
 from pagedcli.backends.cuda import CudaBackend
 from pagedcli.backends.cuda_launch import LaunchShapes
 from pagedcli.engine.cache import KVCache
-from pagedcli.model.config import CacheGeometry, ModelConfig
+from pagedcli.model.config import ModelConfig
+from pagedcli.core.geometry import CacheGeometry
 from pagedcli.model.source import RANDOM_PRESETS
 
 SPLIT_KV, CLUSTER, MMA = "paged_attention_decode", "paged_attention_decode_cluster", "paged_attention_decode_mma"

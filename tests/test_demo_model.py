@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from pagedcli.model.source import DEMO_FOLDER, resolve_model
-from pagedcli.engine.sequence import SamplingParams
+from pagedcli.core.options import SamplingParams
 from test_oracle import assert_matches_hf
 
 

@@ -6,7 +6,7 @@ import random
 
 
 from helpers import check_block_accounting
-from pagedcli.engine.sequence import SamplingParams
+from pagedcli.core.options import SamplingParams
 
 
 def test_finished_slot_is_refilled_at_once(tiny, make_engine):
@@ -152,7 +152,7 @@ def test_step_batch_packs_its_index_lists_into_typed_views():
     each view keeps its own dtype and values, empty lists included, and the views do not overlap."""
     import torch
 
-    from pagedcli.engine.batch import StepBatch
+    from pagedcli.core.batch import StepBatch
 
     batch = StepBatch.build(True, [5, 2, 7], [[11, 12, 13], [21], [31, 32]], [0, 4, 9], torch.device("cpu"),
                             [True, False, True])

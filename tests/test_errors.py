@@ -183,7 +183,10 @@ def test_ctrl_c_keeps_what_was_printed(stories):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "pagedcli", "generate", "--model", str(stories), "--raw",
                              "--ignore-eos", "--max-tokens", "500", "--batch", "1", "Once upon a time", "The dog"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, env=env,
+                            # as a terminal starts it: a suite run in a shell's background job inherits
+                            # SIGINT ignored, and Python then leaves it ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = os.read(proc.stdout.fileno(), 30)  # wait until the answer is streaming
     time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
@@ -211,7 +214,7 @@ def test_a_hub_id_offline_says_how_to_get_it(tmp_path):
 ])
 def test_weights_past_the_hosts_free_memory_are_one_line_before_they_load(monkeypatch, args, size, hint):
     """On Linux the out-of-memory killer would end the run without a word: the loader refuses first."""
-    from pagedcli.model import memory
+    from pagedcli.model import host_memory as memory
 
     monkeypatch.setattr(memory, "available_host_memory", lambda: 2**30)
     code, _, err = invoke("bench", "--model", "random:llama-3.2-1b", "--batch", "1", "--input-len", "4",
@@ -221,7 +224,7 @@ def test_weights_past_the_hosts_free_memory_are_one_line_before_they_load(monkey
 
 
 def test_a_checkpoint_past_the_hosts_free_memory_is_one_line(monkeypatch, stories):
-    from pagedcli.model import memory
+    from pagedcli.model import host_memory as memory
 
     monkeypatch.setattr(memory, "available_host_memory", lambda: 2**10)
     code, _, err = generate("--model", str(stories), "--max-tokens", "3", "Once")
@@ -229,7 +232,7 @@ def test_a_checkpoint_past_the_hosts_free_memory_is_one_line(monkeypatch, storie
 
 
 def test_weights_that_fit_the_hosts_free_memory_load(monkeypatch, stories):
-    from pagedcli.model import memory
+    from pagedcli.model import host_memory as memory
 
     monkeypatch.setattr(memory, "available_host_memory", lambda: 2**30)  # stories260K: about 1 MB
     code, out, err = generate("--model", str(stories), "--max-tokens", "3", "Once")

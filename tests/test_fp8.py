@@ -16,13 +16,15 @@ from safetensors.torch import load_file, save_file
 from helpers import check_block_accounting, invoke
 from pagedcli.bench.measure import decode_weight_bytes
 from pagedcli.bench.quality import WINDOW_TOKENS, perplexity, windows_of
-from pagedcli.engine.batch import StepBatch
-from pagedcli.engine.sequence import SamplingParams
-from pagedcli.errors import RunError, UsageError
-from pagedcli.model.config import CacheGeometry, ModelConfig
-from pagedcli.model.fp8 import (FP8_DTYPE, FP8_MAX, W8A16_MAX_ROWS, Fp8Weight, fp8_linear, quantize_rows,
-                                quantize_weight, raw, scale_of, to_fp8)
-from pagedcli.model.loader import EngineOptions, load, load_model
+from pagedcli.core.batch import StepBatch
+from pagedcli.core.options import SamplingParams
+from pagedcli.core.errors import RunError, UsageError
+from pagedcli.model.config import ModelConfig
+from pagedcli.core.geometry import CacheGeometry
+from pagedcli.model.fp8 import W8A16_MAX_ROWS, Fp8Weight, fp8_linear, quantize_rows, quantize_weight, scale_of
+from pagedcli.core.fp8 import FP8_DTYPE, FP8_MAX, raw, to_fp8
+from pagedcli.engine.build import load, load_model
+from pagedcli.core.options import EngineOptions
 from pagedcli.model.source import DEMO_FOLDER
 
 GIB = 1 << 30
@@ -114,9 +116,9 @@ def test_fp8_pool_holds_twice_the_tokens_in_the_same_bytes():
 def test_fp8_pool_is_float8_with_unit_scales_and_inspect_cache_counts_its_bytes(stories):
     loaded = load(options(stories, kv_cache_dtype="fp8", num_blocks=200))
     cache = loaded.engine.cache
-    assert cache.pool.dtype == FP8_DTYPE and cache.pool.element_size() == 1
+    assert cache.store.pool.dtype == FP8_DTYPE and cache.store.pool.element_size() == 1
     c = loaded.source.config
-    for scale in (cache.kv_scales.k, cache.kv_scales.v):
+    for scale in (cache.store.kv_scales.k, cache.store.kv_scales.v):
         assert scale.shape == (c.num_layers, c.num_kv_heads) and scale.dtype == torch.float32 and (scale == 1).all()
     code, out, _ = invoke("inspect-cache", "--model", str(stories), "--device", "cpu", "--kv-cache-dtype", "fp8",
                           "--max-tokens", "8", "--json", "Once upon a time")
@@ -329,7 +331,7 @@ def test_checkpoint_k_and_v_scales_reach_the_pool(stories, tmp_path):
         tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.arange(1, c.num_kv_heads + 1, dtype=torch.float32) * 0.25
     save_file(tensors, folder / "model.safetensors")
     scaled = load(options(folder, kv_cache_dtype="fp8"))
-    scales = scaled.engine.cache.kv_scales
+    scales = scaled.engine.cache.store.kv_scales
     assert scales.k[:, 0].tolist() == [0.5 + i for i in range(c.num_layers)] and (scales.k == scales.k[:, :1]).all()
     assert scales.v[2].tolist() == [0.25 * (h + 1) for h in range(c.num_kv_heads)]
     # the pool stores x / scale and reads stored * scale: other bytes than scale 1's, the same values
@@ -338,7 +340,7 @@ def test_checkpoint_k_and_v_scales_reach_the_pool(stories, tmp_path):
     plain = load(options(stories, kv_cache_dtype="fp8"))
     want = all_logits(load(options(stories)), ids)
     got, got_plain = all_logits(scaled, ids), all_logits(plain, ids)
-    assert not torch.equal(raw(scaled.engine.cache.pool), raw(plain.engine.cache.pool))
+    assert not torch.equal(raw(scaled.engine.cache.store.pool), raw(plain.engine.cache.store.pool))
     error, error_plain = (got - want).abs().mean().item(), (got_plain - want).abs().mean().item()
     assert error < 2 * error_plain + 0.02, (error, error_plain)
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from helpers import check_block_accounting, hf_greedy, hf_model
-from pagedcli.model.loader import EngineOptions, build_engine, load_model
-from pagedcli.engine.sequence import SamplingParams
+from pagedcli.engine.build import build_engine, load_model
+from pagedcli.core.options import EngineOptions
+from pagedcli.core.options import SamplingParams
 
 
 def _cuda_ready() -> bool:
@@ -178,7 +179,7 @@ def test_llama_1b_short_chunks_after_long_prefixes_split_their_keys_and_match_tr
 @pytest.mark.parametrize("batch", [1, 2, 5, 64])  # gemv.cu's buckets 1 and 2; cuBLAS, split-KV; tensor cores
 def test_programmatic_launch_changes_no_logit(batch, monkeypatch):
     """On sm_90+ each kernel of ours may start before the previous one has finished, and waits for
-    it inside (cuda_launch.Launcher, csrc/common.cuh). The Llama-3.2-1B shapes in bf16, prompts of
+    it inside (cuda_launch.Launcher, kernels/common.cuh). The Llama-3.2-1B shapes in bf16, prompts of
     1 to 300 tokens (the prefill kernel too), 40 steps through CUDA graphs: the tokens and the
     log-probabilities of the top 5 are those of the same engine whose launches all wait, to the
     bit. A kernel that read its input before the wait would race and, sooner or later, differ."""
@@ -218,7 +219,7 @@ def test_cuda_backend_equals_torch_backend_on_gpu(stories):
     params = SamplingParams(max_tokens=80, ignore_eos=True)
     ours = build_engine(model, opts)
     reference = build_engine(model, EngineOptions(**{**opts.__dict__, "eager": True}))
-    reference.runner.model.backend = TorchBackend(reference.cache, model.source.config)
+    reference.runner.model.backend = TorchBackend(reference.cache.store, model.source.config)
     a = [s.output_token_ids for s in ours.run_to_completion(prompts, params)]
     b = [s.output_token_ids for s in reference.run_to_completion(prompts, params)]
     assert a == b
@@ -302,8 +303,8 @@ def test_prefill_steps_from_graphs_match_eager_ones(stories, monkeypatch):
     the token bucket, padding tiles and rows): each step's logits are the eager forward's of the
     same step, to bf16's rounding (a padded GEMM may sum in another order; float32 has no prefill
     kernel, so no graphs), the graphs served every such step, and every block comes back."""
-    from pagedcli.engine.batch import StepBatch
-    from pagedcli.engine.prefill_graphs import PrefillGraphs
+    from pagedcli.core.batch import StepBatch
+    from pagedcli.backends.cuda_prefill_graphs import PrefillGraphs
 
     pairs = []
     replay = PrefillGraphs.replay

@@ -10,9 +10,10 @@ import torch
 
 from conftest import hf_checkpoint
 from helpers import check_block_accounting, record_logits
-from pagedcli.engine.sequence import SamplingParams
-from pagedcli.model.fp8 import FP8_DTYPE
-from pagedcli.model.loader import EngineOptions, build_engine, load_model
+from pagedcli.core.options import SamplingParams
+from pagedcli.core.fp8 import FP8_DTYPE
+from pagedcli.engine.build import build_engine, load_model
+from pagedcli.core.options import EngineOptions
 
 
 def _cuda_ready() -> bool:
@@ -34,7 +35,7 @@ LOGIT_ATOL = 5e-2
 # moved by one e4m3 step (up to 2^-3 of it), and the model carries that on. Measured on the CPU, the
 # reference against itself with its rows perturbed by 1e-4 relative noise, over these tests' models,
 # prompts and pools: logits apart by at most 0.25 to 0.69 a step, 0.07 to 0.13 on average (their
-# spread: 1.28). The kernels' own errors are held tightly in test_cuda_kernels.py.
+# spread: 1.28). The kernels' own errors are held tightly in tests/test_cuda_*.py.
 W8A8_BOUNDS = dict(atol=1.0, mean_atol=0.2, tie=1.0)
 
 
@@ -73,7 +74,7 @@ def test_stories260k_fp8_on_cuda_equals_the_cpu_torch_path(stories, kv, quant, e
     prompts = [[1], [1, 403, 407, 261, 378], list(range(5, 45))]
     engine, tokens, logits = run(stories, "cuda", kv, quant, prompts, 60, eager=eager, num_blocks=5 * 60)
     if kv == "fp8":
-        assert engine.cache.pool.dtype == FP8_DTYPE and engine.cache.kv_scales.k.is_cuda
+        assert engine.cache.store.pool.dtype == FP8_DTYPE and engine.cache.store.kv_scales.k.is_cuda
     _, want_tokens, want_logits = run(stories, "cpu", kv, quant, prompts, 60, num_blocks=5 * 60)
     assert_same_until_a_near_tie(tokens, want_tokens, logits, want_logits)
 
@@ -100,7 +101,7 @@ def test_cuda_backend_equals_torch_backend_with_fp8(tmp_path, head_dim, gqa, kv,
         model = load_model(opts)
         ours = build_engine(model, opts)
         reference = build_engine(model, opts)
-        reference.runner.model.backend = TorchBackend(reference.cache, model.source.config)
+        reference.runner.model.backend = TorchBackend(reference.cache.store, model.source.config)
         seen = [record_logits(e) for e in (ours, reference)]
         params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
         a = [s.output_token_ids for s in ours.run_to_completion(prompts, params)]
@@ -139,7 +140,7 @@ def test_fp8_pool_on_cuda_holds_twice_the_blocks_of_bf16(stories):
         opts = EngineOptions(model=str(stories), device="cuda", dtype="bfloat16", kv_cache_dtype=kv, cache_size="64MiB")
         engine = build_engine(load_model(opts), opts)
         blocks[kv] = engine.cache.geometry.num_blocks
-        assert engine.cache.pool.numel() * engine.cache.pool.element_size() == engine.cache.geometry.pool_bytes
+        assert engine.cache.store.pool.numel() * engine.cache.store.pool.element_size() == engine.cache.geometry.pool_bytes
     assert blocks["fp8"] == 2 * blocks["auto"]
 
 

@@ -7,7 +7,7 @@ backend against the torch backend on the same GPU.
 Pools hold e4m3 values of a normal distribution (subnormals to a few hundred), in shuffled blocks
 and scrambled slots, with a different scale per layer and KV head, so a kernel that ignores the
 table, the layer, the head's scale or a factor of the conversion cannot pass. Tolerances are
-test_cuda_kernels.py's: the kernels dequantize exactly (every e4m3 value is a bf16 and an fp16
+cuda_checks.py's: the kernels dequantize exactly (every e4m3 value is a bf16 and an fp16
 number) and fold the scales into the softmax and the output, so against float64 they are held to
 the bounds of the model-dtype kernels; the torch reference rounds each dequantized element to the
 model dtype first (relative 2^-9), so against it only to the loose bound.
@@ -24,7 +24,7 @@ import torch
 from conftest import hf_checkpoint
 from helpers import record_logits, rope_kernel, spy_launches, use_rope_width
 from pagedcli.backends.cuda import cuda_available
-from test_cuda_kernels import LENGTHS, PREFILL_CASES
+from cuda_checks import LENGTHS, PREFILL_CASES, Geometry
 
 _OK, _WHY = cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"needs CUDA and CuPy: {_WHY}")]
@@ -34,33 +34,36 @@ if _OK:  # these import cupy lazily, but keep CPU-only collection free of GPU wo
     import pagedcli.backends.cuda_launch as cuda_launch
     from pagedcli.backends.cuda import CudaBackend
     from pagedcli.backends.torch import TorchBackend
-    from pagedcli.engine.batch import StepBatch
+    from pagedcli.core.batch import StepBatch
     from pagedcli.engine.cache import KVCache
-    from pagedcli.engine.sequence import SamplingParams
-    from pagedcli.model.config import CacheGeometry
-    from pagedcli.model.fp8 import FP8_DTYPE, KVScales, quantize_kv, raw, to_fp8
-    from pagedcli.model.loader import EngineOptions, build_engine, load_model
-    from test_cuda_kernels import (assert_decode_close, assert_prefill_close, assert_prefill_counters_reset,
+    from pagedcli.core.options import SamplingParams
+    from pagedcli.core.geometry import CacheGeometry
+    from pagedcli.core.fp8 import FP8_DTYPE, KVScales, quantize_kv, raw, to_fp8
+    from pagedcli.engine.build import build_engine, load_model
+    from pagedcli.core.options import EngineOptions
+    from cuda_checks import (assert_decode_close, assert_prefill_close, assert_prefill_counters_reset,
                                    assert_ulp_close, forbid_torch_fallback, make_config, poison_allocator, poison_scratch,
                                    same_split_k_as_fused)
 
 DEVICE = "cuda"
 
-# (num_heads, num_kv_heads, head_dim, block_size, dtype): GQA 1, 3, 4, 8 at head_dim 64 and 128,
-# block sizes 8 to 64, bf16 and fp16, and stories260K's head_dim 8 in bf16, and in float32 (the
-# decode kernel only: float32 prefill takes the torch path)
+# GQA 1, 3, 4, 8 at head_dim 64 and 128, block sizes 8 to 64, bf16 and fp16, and stories260K's
+# head_dim 8 in bf16 (one 8-byte e4m3 load a row), and in float32 (the decode kernel only: float32
+# prefill takes the torch path)
 GEOMETRIES = {
-    "gqa4-d64": (32, 8, 64, 16, torch.bfloat16),  # Llama-3.2-1B
-    "gqa1-d64-b8": (8, 8, 64, 8, torch.bfloat16),
-    "gqa3-d128-b32": (24, 8, 128, 32, torch.bfloat16),  # Llama-3.2-3B
-    "gqa8-d128-b64": (32, 4, 128, 64, torch.bfloat16),
-    "gqa1-d128": (16, 16, 128, 16, torch.bfloat16),
-    "gqa8-d64-fp16": (32, 4, 64, 16, torch.float16),
-    "gqa3-d128-fp16": (12, 4, 128, 16, torch.float16),
-    "d8-bf16": (8, 4, 8, 16, torch.bfloat16),  # stories260K: one 8-byte e4m3 load a row
-    "d8-fp32": (8, 4, 8, 16, torch.float32),
+    # Llama-3.2-1B
+    "gqa4-d64": Geometry(num_heads=32, num_kv_heads=8, head_dim=64, block_size=16, dtype=torch.bfloat16),
+    "gqa1-d64-b8": Geometry(num_heads=8, num_kv_heads=8, head_dim=64, block_size=8, dtype=torch.bfloat16),
+    # Llama-3.2-3B's heads
+    "gqa3-d128-b32": Geometry(num_heads=24, num_kv_heads=8, head_dim=128, block_size=32, dtype=torch.bfloat16),
+    "gqa8-d128-b64": Geometry(num_heads=32, num_kv_heads=4, head_dim=128, block_size=64, dtype=torch.bfloat16),
+    "gqa1-d128": Geometry(num_heads=16, num_kv_heads=16, head_dim=128, block_size=16, dtype=torch.bfloat16),
+    "gqa8-d64-fp16": Geometry(num_heads=32, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float16),
+    "gqa3-d128-fp16": Geometry(num_heads=12, num_kv_heads=4, head_dim=128, block_size=16, dtype=torch.float16),
+    "d8-bf16": Geometry(num_heads=8, num_kv_heads=4, head_dim=8, block_size=16, dtype=torch.bfloat16),
+    "d8-fp32": Geometry(num_heads=8, num_kv_heads=4, head_dim=8, block_size=16, dtype=torch.float32),
 }
-TENSOR_CORE = [g for g, (*_, dtype) in GEOMETRIES.items() if dtype != torch.float32]
+TENSOR_CORE = [name for name, g in GEOMETRIES.items() if g.dtype != torch.float32]
 
 
 class Setup:
@@ -68,7 +71,9 @@ class Setup:
     given lengths in shuffled blocks, and both backends over it."""
 
     def __init__(self, geometry: str, lengths, max_model_len=8192, seed=0):
-        num_heads, num_kv_heads, head_dim, block_size, dtype = GEOMETRIES[geometry]
+        g = GEOMETRIES[geometry]
+        num_heads, num_kv_heads, head_dim, block_size, dtype = (g.num_heads, g.num_kv_heads, g.head_dim, g.block_size,
+                                                                g.dtype)
         self.dtype = dtype
         self.config = make_config(num_heads, num_kv_heads, head_dim, dtype, max_len=max_model_len)
         layers = self.config.num_layers
@@ -78,14 +83,14 @@ class Setup:
         scales = KVScales(*(torch.rand((layers, num_kv_heads), generator=self.gen, device=DEVICE) * 0.1 + 0.02
                             for _ in "kv"))
         self.cache = KVCache(geo, len(lengths), max_model_len, device=DEVICE, shuffle_seed=seed, kv_scales=scales)
-        values = torch.randn(self.cache.pool.shape, generator=self.gen, device=DEVICE) * 16
-        raw(self.cache.pool).copy_(raw(to_fp8(values)))
+        values = torch.randn(self.cache.store.pool.shape, generator=self.gen, device=DEVICE) * 16
+        raw(self.cache.store.pool).copy_(raw(to_fp8(values)))
         self.slots = random.Random(seed).sample(range(len(lengths)), len(lengths))
         for slot, n in zip(self.slots, lengths):
             self.cache.grow(slot, n)
         self.cache.sync_device_table()
-        self.ref = TorchBackend(self.cache, self.config)
-        self.cuda = CudaBackend(self.cache, self.config)
+        self.ref = TorchBackend(self.cache.store, self.config)
+        self.cuda = CudaBackend(self.cache.store, self.config)
         assert not self.cuda.fallbacks.keys() & {"RoPE and the K/V write", "decode attention"}, self.cuda.fallbacks
 
     def randn(self, *shape, scale=1.0):
@@ -103,8 +108,8 @@ class Setup:
         geo = self.cache.geometry
         gqa = self.config.num_heads // geo.num_kv_heads
         blocks = torch.as_tensor(self.cache.table[slot, layer, : math.ceil(n / geo.block_size)], device=DEVICE).long()
-        kv = raw(self.cache.pool)[blocks].view(FP8_DTYPE).float().double()  # [blocks, 2, block_size, kv_heads, D]
-        scales = self.cache.kv_scales
+        kv = raw(self.cache.store.pool)[blocks].view(FP8_DTYPE).float().double()  # [blocks, 2, block_size, kv_heads, D]
+        scales = self.cache.store.kv_scales
         out = []
         for i, scale in enumerate((scales.k[layer], scales.v[layer])):
             x = kv[:, i].reshape(-1, geo.num_kv_heads, geo.head_dim)[:n] * scale.double()[None, :, None]
@@ -140,13 +145,13 @@ def test_kv_write_is_the_references_quantize_bit_for_bit(geometry, phase, width,
     q, k, v = s.qkv(T)
     k, v = k * 20, v * 20  # past 448 times the smallest scales: the saturation is written too
     layer = 1
-    before = raw(s.cache.pool).clone()  # (fp8 tensors are gathered and copied as their bytes)
+    before = raw(s.cache.store.pool).clone()  # (fp8 tensors are gathered and copied as their bytes)
     s.ref.prepare(batch)
     q_ref = s.ref.rope_write_kv(layer, q, k, v, batch)
-    pool_ref = raw(s.cache.pool).clone()
+    pool_ref = raw(s.cache.store.pool).clone()
     assert (raw(pool_ref) == 0x7e).any() or (raw(pool_ref) == 0xfe).any()
 
-    raw(s.cache.pool).copy_(before)
+    raw(s.cache.store.pool).copy_(before)
     poison_allocator(q_ref.shape, dtype=s.dtype)
     s.cuda.prepare(batch)
     launched = spy_launches(s.cuda)
@@ -154,8 +159,8 @@ def test_kv_write_is_the_references_quantize_bit_for_bit(geometry, phase, width,
     torch.cuda.synchronize()
     assert launched == [rope_kernel(s, width)]
     assert_ulp_close(q_cuda, q_ref)
-    assert not torch.equal(raw(s.cache.pool), raw(before))
-    assert torch.equal(raw(s.cache.pool), raw(pool_ref))
+    assert not torch.equal(raw(s.cache.store.pool), raw(before))
+    assert torch.equal(raw(s.cache.store.pool), raw(pool_ref))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -164,11 +169,11 @@ def test_kv_write_quantizes_every_16_bit_value_as_torch_does(dtype):
     inf, subnormals, past 448 times the scale) through kv_write.cu, against quantize_kv on the same
     GPU, with scales per head from 2^-10 to 3."""
     geometry = "gqa1-d64-b8" if dtype == torch.bfloat16 else "gqa8-d64-fp16"
-    _, kv_heads, head_dim, _, _ = GEOMETRIES[geometry]
+    kv_heads, head_dim = GEOMETRIES[geometry].num_kv_heads, GEOMETRIES[geometry].head_dim
     T = (1 << 16) // (kv_heads * head_dim)  # tokens whose V elements are the 65,536 patterns
     s = Setup(geometry, [T], max_model_len=T)
     c, layer = s.config, 0
-    s.cache.kv_scales.v[layer] = torch.logspace(-10, math.log2(3), c.num_kv_heads, base=2, device=DEVICE)
+    s.cache.store.kv_scales.v[layer] = torch.logspace(-10, math.log2(3), c.num_kv_heads, base=2, device=DEVICE)
     q, k, _ = s.qkv(T)
     v = torch.arange(1 << 16, dtype=torch.int32, device=DEVICE).to(torch.int16).view(dtype).view(T, c.num_kv_heads,
                                                                                                  c.head_dim)
@@ -177,8 +182,8 @@ def test_kv_write_quantizes_every_16_bit_value_as_torch_does(dtype):
     s.cuda.rope_write_kv(layer, q, k, v, batch)
     torch.cuda.synchronize()
     blocks = torch.as_tensor(s.cache.table[s.slots[0], layer, : T // s.cache.geometry.block_size], device=DEVICE).long()
-    written = raw(s.cache.pool)[blocks, 1].reshape(T, c.num_kv_heads, c.head_dim)
-    want = quantize_kv(v, s.cache.kv_scales.v[layer])
+    written = raw(s.cache.store.pool)[blocks, 1].reshape(T, c.num_kv_heads, c.head_dim)
+    want = quantize_kv(v, s.cache.store.kv_scales.v[layer])
     ok = same_bytes(written, want)
     bad = (~ok).nonzero()
     assert ok.all(), [(v[tuple(i)].item(), hex(raw(written)[tuple(i)].item()), hex(raw(want)[tuple(i)].item()))
@@ -232,7 +237,7 @@ def test_fused_qkv_epilogue_writes_the_bytes_kv_write_does(geometry, phase, monk
     x = s.randn(T, c.hidden_size, scale=2.0)
     qkv = s.randn(c.q_dim + 2 * c.kv_dim, c.hidden_size, scale=c.hidden_size**-0.5)
     norm_weight = s.randn(c.hidden_size) + 1
-    pool0 = raw(s.cache.pool).clone()
+    pool0 = raw(s.cache.store.pool).clone()
 
     s.cuda.prepare(batch)
     same_split_k_as_fused(monkeypatch, s, qkv)
@@ -240,16 +245,16 @@ def test_fused_qkv_epilogue_writes_the_bytes_kv_write_does(geometry, phase, monk
     q_ref = s.cuda.rope_write_kv(layer, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
                                  v.view(T, c.num_kv_heads, c.head_dim), batch)
     torch.cuda.synchronize()
-    pool_ref = raw(s.cache.pool).clone()
+    pool_ref = raw(s.cache.store.pool).clone()
     assert not torch.equal(raw(pool_ref), raw(pool0))
 
-    raw(s.cache.pool).copy_(pool0)
+    raw(s.cache.store.pool).copy_(pool0)
     forbid_torch_fallback(monkeypatch, "attention_inputs")
     forbid_torch_fallback(monkeypatch, "rope_write_kv")
     q_fused = s.cuda.attention_inputs(layer, x, norm_weight, qkv, 1e-5, batch)
     torch.cuda.synchronize()
     assert torch.equal(q_fused, q_ref)
-    assert torch.equal(raw(s.cache.pool), raw(pool_ref))
+    assert torch.equal(raw(s.cache.store.pool), raw(pool_ref))
 
 
 # --- decode attention ---------------------------------------------------------------------------
@@ -382,7 +387,7 @@ LOGIT_RTOL, TIE_RTOL = 0.05, 0.02
 # ... except at head_dim 8 (stories260K), where a score sums only 8 products: an e4m3 rounding step
 # is up to 1/16 of a value, and a K/V element one bf16 unit apart in the two backends lands on the
 # other side of a rounding boundary about one time in 16, which moves its score visibly. Measured on
-# the CPU (docs/performance.md, FP8: the torch backend against itself with K/V elements nudged by
+# the CPU (docs/performance-log.md, FP8: the torch backend against itself with K/V elements nudged by
 # one bf16 unit before the write, this test's prompts): 2-5% of the largest logit with a bf16 pool,
 # 8-21% with an fp8 pool (head_dim 64: 1% and 2%). The bounds there are that noise's; the kernels
 # themselves are held to float64's bounds at head_dim 8 above (the "d8-bf16" geometry).
@@ -409,10 +414,10 @@ def run_both(opts, rounds, steps, **bounds):
     tokens and logits compared."""
     model = load_model(opts)
     ours = build_engine(model, opts)
-    assert ours.cache.pool.dtype == FP8_DTYPE
+    assert ours.cache.store.pool.dtype == FP8_DTYPE
     assert not ours.runner.model.backend.fallbacks
     reference = build_engine(model, EngineOptions(**{**opts.__dict__, "eager": True}))
-    reference.runner.model.backend = TorchBackend(reference.cache, model.source.config)
+    reference.runner.model.backend = TorchBackend(reference.cache.store, model.source.config)
     seen = [record_logits(e) for e in (ours, reference)]
     params = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=0.0)
     for prompts in rounds:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from helpers import fake_gpu, invoke
-from pagedcli.errors import UsageError
-from pagedcli.model.loader import EngineOptions, largest_step
-from pagedcli.model.memory import GIB, MemoryProfile, pool_bytes_for
+from pagedcli.core.errors import UsageError
+from pagedcli.engine.build import largest_step
+from pagedcli.core.options import EngineOptions
+from pagedcli.engine.memory import GIB, MemoryProfile, pool_bytes_for
 
 import torch
 

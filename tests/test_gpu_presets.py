@@ -12,7 +12,7 @@ from helpers import check_block_accounting
 from test_oracle import prompts
 from test_presets import preset_checkpoint
 from pagedcli.model.source import RANDOM_PRESETS
-from pagedcli.engine.sequence import SamplingParams
+from pagedcli.core.options import SamplingParams
 
 
 def _cuda_ready() -> bool:

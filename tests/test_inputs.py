@@ -18,10 +18,11 @@ import torch
 from helpers import invoke
 from pagedcli.bench import bandwidth as bench
 from pagedcli.commands import bench_plot
-from pagedcli.errors import UsageError
-from pagedcli.commands.prompts import read_prompts
+from pagedcli.core.errors import UsageError
+from pagedcli.console.prompts import read_prompts
 from pagedcli.engine.sampler import _draw
-from pagedcli.engine.sequence import SamplingParams, Sequence
+from pagedcli.engine.sequence import Sequence
+from pagedcli.core.options import SamplingParams
 
 DEMO = Path(__file__).parent.parent / "pagedcli" / "data" / "demo"
 

@@ -106,7 +106,7 @@ def test_capture_with_shuffled_blocks(stories, make_engine):
     """The engine the tests build hands blocks out in a shuffled order."""
     from pagedcli.commands import generate as gen
     from pagedcli.commands import inspect_cache as ic
-    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.core.options import SamplingParams
 
     loaded = make_engine(stories, batch=2, num_blocks=80)
     gen.add_requests(loaded.engine, loaded.tokenizer, PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True), False)
@@ -119,7 +119,7 @@ def test_capture_with_shuffled_blocks(stories, make_engine):
 
 def test_blocks_shared_by_parallel_samples_name_the_other_slots(stories, make_engine):
     from pagedcli.commands import inspect_cache as ic
-    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.core.options import SamplingParams
 
     loaded = make_engine(stories, batch=3, num_blocks=100)
     prompt = loaded.tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play outside")
@@ -153,8 +153,8 @@ def test_a_step_past_the_end_is_refused_before_running(stories, make_engine):
     step the run can reach is known before it runs; a pool too small to promise that, and the
     run goes to its end first."""
     from pagedcli.commands import inspect_cache as ic
-    from pagedcli.engine.sequence import SamplingParams
-    from pagedcli.errors import UsageError
+    from pagedcli.core.options import SamplingParams
+    from pagedcli.core.errors import UsageError
 
     loaded = make_engine(stories, batch=2, num_blocks=100)
     seqs = [loaded.engine.add_request(loaded.tokenizer.encode(p), SamplingParams(max_tokens=10, ignore_eos=True), p)
@@ -178,8 +178,8 @@ def test_a_step_within_the_bound_that_the_run_does_not_reach_names_the_real_last
     """Batch mates decode together, so the run ends well before the bound: the refusal then names
     the step it ended after, the same whichever step past it was asked for."""
     from pagedcli.commands import inspect_cache as ic
-    from pagedcli.engine.sequence import SamplingParams
-    from pagedcli.errors import UsageError
+    from pagedcli.core.options import SamplingParams
+    from pagedcli.core.errors import UsageError
 
     said = set()
     for at_step in (15, 25):

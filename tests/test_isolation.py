@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import blocks_of, record_logits
-from pagedcli.engine.sequence import SamplingParams
+from pagedcli.core.options import SamplingParams
 
 PROMPTS = [[5, 9, 14, 3, 77, 21, 8, 40, 2, 19, 33, 60, 7, 18, 4, 90, 101, 12, 6],  # crosses a block boundary
            [11, 4, 150, 7], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 200]]
@@ -47,9 +47,9 @@ def poison(engine, bad) -> None:
             first = seq.num_cached // bs  # the block its next token goes into
             whole += blocks[first + 1:]
             if first < len(blocks):
-                fill(cache.pool[blocks[first], :, seq.num_cached % bs:])
+                fill(cache.store.pool[blocks[first], :, seq.num_cached % bs:])
     for b in whole:
-        fill(cache.pool[b])
+        fill(cache.store.pool[b])
 
 
 def run(engine, prompts, poisoned: int | None = None, max_tokens: list[int] | None = None):
@@ -129,7 +129,7 @@ def test_an_overflowing_request_leaves_its_neighbour_alone(stories, make_engine)
 def overflowing(stories, monkeypatch):
     """stories260K whose embedding of token 403 (in 'Once upon a time there was', not in 'Lily')
     holds an inf, as a float16 overflow leaves it; untied, so no logit is inf for that alone."""
-    from pagedcli.model import loader
+    from pagedcli.engine import build as loader
 
     load_model = loader.load_model
 

@@ -27,8 +27,9 @@ import torch
 
 from pagedcli.backends.cuda_build import AttentionShape, plan_kernels
 from pagedcli.backends.cuda_compile import COMPILE_OPTIONS, define_flags, kernel_folder
-from pagedcli.model.config import CacheGeometry, ModelConfig
-from pagedcli.model.fp8 import FP8_DTYPE, to_fp8
+from pagedcli.model.config import ModelConfig
+from pagedcli.core.geometry import CacheGeometry
+from pagedcli.core.fp8 import FP8_DTYPE, to_fp8
 from pagedcli.model.source import RANDOM_PRESETS
 
 NVCC = shutil.which("nvcc")
@@ -367,7 +368,7 @@ def accesses_before_wait(body: str) -> list[str]:
 
 def test_every_kernel_waits_for_the_previous_kernel_before_touching_memory():
     """On sm_90+ our kernels are launched to start before the previous kernel in the stream has
-    finished (cuda_launch.Launcher, csrc/common.cuh): each must execute griddepcontrol.wait before
+    finished (cuda_launch.Launcher, kernels/common.cuh): each must execute griddepcontrol.wait before
     any access to global memory, but gemv.cu's loads of its first weight tile (which no kernel
     writes) and, with fp8 weights, the split-KV decode kernel's reads of the host's batch and block
     table, and lets the next kernel be scheduled before its own end. Checked along every path of

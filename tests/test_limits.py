@@ -8,7 +8,7 @@ import torch
 
 from helpers import hf_greedy, hf_model, invoke, record_logits
 from pagedcli.backends import torch as torch_backend
-from pagedcli.engine.sequence import SamplingParams
+from pagedcli.core.options import SamplingParams
 
 
 def test_a_long_prefill_runs_in_chunks_with_the_same_results(tiny, make_engine, monkeypatch):

@@ -138,8 +138,9 @@ def apply(folder: Path, edit) -> None:
 
 def load_and_generate(folder: Path) -> None:
     from pagedcli.commands.generate import add_requests, sampling_defaults
-    from pagedcli.model.loader import EngineOptions, load
-    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.engine.build import load
+    from pagedcli.core.options import EngineOptions
+    from pagedcli.core.options import SamplingParams
 
     loaded = load(EngineOptions(model=str(folder), device="cpu", num_blocks=64, batch=2))
     greedy = SamplingParams(max_tokens=4, seed=0)
@@ -163,7 +164,7 @@ def load_and_generate(folder: Path) -> None:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(base=st.sampled_from(["single", "sharded"]), edits=EDITS)
 def test_a_corrupted_model_folder_runs_or_fails_in_one_line(bases, base, edits):
-    from pagedcli.errors import PagedCliError
+    from pagedcli.core.errors import PagedCliError
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"

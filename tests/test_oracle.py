@@ -9,7 +9,7 @@ import pytest
 
 from helpers import hf_greedy, hf_model, run_greedy
 from conftest import hf_checkpoint
-from pagedcli.engine.sequence import SamplingParams
+from pagedcli.core.options import SamplingParams
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 32}

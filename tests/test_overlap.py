@@ -10,7 +10,7 @@ import random
 import pytest
 
 from helpers import check_block_accounting
-from pagedcli.engine.sequence import SamplingParams
+from pagedcli.core.options import SamplingParams
 
 
 def run(make_engine, folder, prompts, params, overlap, stop_ids=(), **opts):

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from helpers import check_block_accounting, invoke
-from pagedcli.engine.sequence import SamplingParams
+from pagedcli.core.options import SamplingParams
 from test_oracle import assert_matches_hf
 
 SYSTEM = list(range(40, 40 + 37))  # a shared 37-token prefix: two full blocks of 16 and a partial one

@@ -14,11 +14,11 @@ import torch
 from conftest import hf_checkpoint
 from helpers import hf_greedy, hf_model, invoke, run_greedy
 from test_oracle import ATOL, prompts
-from pagedcli.engine.batch import StepBatch
+from pagedcli.core.batch import StepBatch
 from pagedcli.model.config import ModelConfig
-from pagedcli.errors import RunError, UsageError
+from pagedcli.core.errors import RunError, UsageError
 from pagedcli.model.source import RANDOM_PRESETS, resolve_model
-from pagedcli.engine.sequence import SamplingParams
+from pagedcli.core.options import SamplingParams
 from pagedcli.model.weights import random_weights
 
 # Parameter counts of the public checkpoints (their safetensors' totals).
@@ -186,13 +186,13 @@ def test_padding_rows_write_nothing_to_the_cache(tmp_path, make_engine):
         be.rope_write_kv(0, torch.randn(T, c.num_heads, c.head_dim), k, v, batch)
         return v
 
-    before = cache.pool.clone()
+    before = cache.store.pool.clone()
     write([-1, -1, -1], [0, 0, 0])
-    assert torch.equal(cache.pool, before)
+    assert torch.equal(cache.store.pool, before)
     v = write([5, -1, -1], [seq.slot, 0, 0])
-    physical = int(cache.device_table[seq.slot, 0, 0])
-    changed = (cache.pool != before).nonzero()[:, [0, 2]].unique(dim=0).tolist()
-    assert changed == [[physical, 5]] and torch.equal(cache.pool[physical, 1, 5], v[0])
+    physical = int(cache.store.device_table[seq.slot, 0, 0])
+    changed = (cache.store.pool != before).nonzero()[:, [0, 2]].unique(dim=0).tolist()
+    assert changed == [[physical, 5]] and torch.equal(cache.store.pool[physical, 1, 5], v[0])
 
 
 # --- biases ----------------------------------------------------------------------------------------

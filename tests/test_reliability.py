@@ -9,9 +9,11 @@ from hypothesis import strategies as st
 
 from helpers import blocks_of, check_block_accounting
 from pagedcli.engine.cache import KVCache
-from pagedcli.model.config import CacheGeometry, ModelConfig
+from pagedcli.model.config import ModelConfig
+from pagedcli.core.geometry import CacheGeometry
 from pagedcli.engine.scheduler import Scheduler
-from pagedcli.engine.sequence import SamplingParams, Sequence, Status
+from pagedcli.engine.sequence import Sequence, Status
+from pagedcli.core.options import SamplingParams
 
 import torch
 
@@ -140,7 +142,7 @@ def test_writes_prepared_together_take_the_blocks_one_at_a_time_would_and_reach_
     level with the table after any mix of writes, releases and forks."""
     geometry = CacheGeometry(block_size, 1, 4, CONFIG.num_layers, 400 * CONFIG.num_layers, torch.float32)
     together, alone = (KVCache(geometry, 4, max_model_len=64, shuffle_seed=3) for _ in range(2))
-    together.device = torch.device("cuda")  # marks its changes for a device mirror (nothing is copied here)
+    together.store.mirrors_host = False  # marks its changes for a device mirror (nothing is copied here)
     mirror = together.table.copy()
     for op, *args in operations:
         if op == "write":  # each slot's next `grow` tokens, as a decode step ahead asks for them

@@ -15,7 +15,7 @@ from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, Te
 from helpers import assert_one_line, check_block_accounting, hf_model, invoke
 from pagedcli.commands.generate import add_requests
 from pagedcli.engine.logits_processors import apply_min_p, apply_penalties, warp
-from pagedcli.engine.sequence import SamplingParams
+from pagedcli.core.options import SamplingParams
 
 STORY_PROMPT = "Once upon a time"
 

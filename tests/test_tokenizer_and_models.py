@@ -11,7 +11,7 @@ import torch
 
 from conftest import REPO, hf_checkpoint
 from pagedcli.model.config import ModelConfig
-from pagedcli.errors import RunError, UsageError
+from pagedcli.core.errors import RunError, UsageError
 from pagedcli.model.source import resolve_model
 from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
 from pagedcli.model.weights import load_weights

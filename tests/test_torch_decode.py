@@ -10,7 +10,8 @@ import torch
 
 from pagedcli.backends.torch_decode import decode_attention_full_width
 from pagedcli.engine.cache import KVCache
-from pagedcli.model.config import CacheGeometry, ModelConfig
+from pagedcli.model.config import ModelConfig
+from pagedcli.core.geometry import CacheGeometry
 
 
 def make_cache(heads=6, kv_heads=2, head_dim=10, block_size=8, lengths=(1, 8, 9, 30), max_len=64):
@@ -21,7 +22,7 @@ def make_cache(heads=6, kv_heads=2, head_dim=10, block_size=8, lengths=(1, 8, 9,
     geo = CacheGeometry.build(config, torch.float32, block_size, num_blocks=64)
     cache = KVCache(geo, 5, max_len, torch.device("cpu"), shuffle_seed=3)
     torch.manual_seed(0)
-    cache.pool.copy_(torch.randn(cache.pool.shape))
+    cache.store.pool.copy_(torch.randn(cache.store.pool.shape))
     slots = [3, 0, 4, 1][: len(lengths)]  # sequence b is not slot b
     for slot, n in zip(slots, lengths):
         cache.grow(slot, n)
@@ -33,7 +34,7 @@ def reference(cache, layer, q, lengths, slots):
     gqa = q.shape[1] // geo.num_kv_heads
     for b, (n, slot) in enumerate(zip(lengths, slots)):
         blocks = torch.as_tensor(cache.table[slot, layer, : math.ceil(n / geo.block_size)]).long()
-        kv = cache.pool[blocks].double()
+        kv = cache.store.pool[blocks].double()
         k = kv[:, 0].reshape(-1, geo.num_kv_heads, geo.head_dim)[:n].repeat_interleave(gqa, dim=1)
         v = kv[:, 1].reshape(-1, geo.num_kv_heads, geo.head_dim)[:n].repeat_interleave(gqa, dim=1)
         s = torch.einsum("hd,thd->ht", q[b].double(), k) / math.sqrt(geo.head_dim)
@@ -44,7 +45,7 @@ def reference(cache, layer, q, lengths, slots):
 def run(cache, config, layer, q, lengths, slots):
     table = torch.as_tensor(cache.table)[:, layer]
     width = cache.max_blocks_per_seq * cache.geometry.block_size
-    return decode_attention_full_width(q, cache.pool, table, torch.tensor(slots, dtype=torch.int32),
+    return decode_attention_full_width(q, cache.store.pool, table, torch.tensor(slots, dtype=torch.int32),
                                        torch.tensor(lengths, dtype=torch.int32), width)
 
 
@@ -67,10 +68,10 @@ def test_other_sequences_poison_does_not_leak_and_padding_gives_zeros():
     owned = {int(b) for s in slots for b in cache.table[s, 1] if b >= 0}
     for b in range(cache.geometry.num_blocks):
         if b not in owned:
-            cache.pool[b, 0] = float("inf")
-            cache.pool[b, 1] = float("nan")
+            cache.store.pool[b, 0] = float("inf")
+            cache.store.pool[b, 1] = float("nan")
     last = int(cache.table[slots[0], 1, 0])
-    cache.pool[last, :, 5:] = float("nan")  # sequence 0 holds 5 of this block's 8 rows
+    cache.store.pool[last, :, 5:] = float("nan")  # sequence 0 holds 5 of this block's 8 rows
     out = run(cache, config, 1, q, lengths + (0,), slots + [2])  # and a padding row (context 0)
     assert torch.equal(out[:2], clean)
     assert torch.equal(out[2], torch.zeros_like(out[2]))

@@ -18,10 +18,10 @@ import torch
 from rich.console import Console
 
 from helpers import invoke
-from pagedcli.model.config import CacheGeometry
+from pagedcli.core.geometry import CacheGeometry
 from pagedcli.engine.snapshot import CacheSnapshot, SlotView, WaitingView
-from pagedcli.commands.drawing import block_cells, render
-from pagedcli.commands.live_view import LiveView
+from pagedcli.console.drawing import block_cells, render
+from pagedcli.console.live_view import LiveView
 
 from conftest import REPO
 
@@ -91,8 +91,8 @@ def test_waste_counts_the_blocks_a_chunked_prefill_has_not_written_yet():
 
 
 def test_blocks_shared_by_parallel_samples_are_drawn_blue_and_counted_once(stories, make_engine):
-    from pagedcli.engine.sequence import SamplingParams
-    from pagedcli.commands.drawing import owners_of_blocks
+    from pagedcli.core.options import SamplingParams
+    from pagedcli.console.drawing import owners_of_blocks
 
     loaded = make_engine(stories, batch=3, num_blocks=100)
     prompt = loaded.tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play")
@@ -112,7 +112,7 @@ def test_blocks_shared_by_parallel_samples_are_drawn_blue_and_counted_once(stori
 def test_live_view_redraws_on_a_wall_clock_budget_and_ends_with_the_pool_free(stories, make_engine):
     from pagedcli.commands import generate as gen
     from pagedcli.commands.output import TextPrinter
-    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.core.options import SamplingParams
 
     loaded = make_engine(stories, batch=2, num_blocks=100)
     engine = loaded.engine
@@ -184,7 +184,7 @@ def test_live_view_in_a_real_terminal(stories, tmp_path):
 def test_after_ctrl_c_the_frame_counts_what_was_aborted(stories, make_engine):
     """Two requests finished, two cut short and four never run: "finished 2   aborted 6", not
     "finished 8"."""
-    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.core.options import SamplingParams
 
     engine = make_engine(stories, batch=2, num_blocks=100).engine
     tokenizer = make_engine(stories, batch=1, num_blocks=20).tokenizer
@@ -233,7 +233,7 @@ def test_the_heap_stays_frozen_until_the_last_of_nested_freezes_ends():
     the freeze is the process's, so the view ending must not give the heap back under the server."""
     import gc
 
-    from pagedcli.heap import frozen_heap
+    from pagedcli.core.heap import frozen_heap
 
     assert gc.get_freeze_count() == 0
     with frozen_heap():

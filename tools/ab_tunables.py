@@ -18,7 +18,8 @@ from tune_decode import variant  # noqa: E402  (the tunables set where they are 
 
 from pagedcli.bench.bandwidth import measure_bandwidth  # noqa: E402
 from pagedcli.bench.measure import Workload, run_batch  # noqa: E402
-from pagedcli.model.loader import EngineOptions, load_model  # noqa: E402
+from pagedcli.engine.build import load_model
+from pagedcli.core.options import EngineOptions  # noqa: E402
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """The decode attention kernel alone and the decode step's graph replay: another revision's kernels
 against this tree's, alternating in one process (one machine, one run).
 
-    git archive REV csrc | tar -x -C /tmp/base && python3 tools/attention_ab.py /tmp/base/csrc
+    git archive REV kernels | tar -x -C /tmp/base && python3 tools/attention_ab.py /tmp/base/kernels
 
-(the folder is `kernels` in revisions before the CUDA source moved to csrc/). A revision without
+(the folder is `kernels` in revisions before the CUDA source moved to kernels/). A revision without
 paged_decode_mma.cu runs the split-KV kernel at every batch.
 """
 
@@ -16,13 +16,14 @@ from pathlib import Path
 import pagedcli.backends.cuda_build as cuda_build
 import pagedcli.backends.cuda_compile as cuda_compile
 from pagedcli.bench.kernel import bench_decode_kernel
-from pagedcli.model.loader import EngineOptions, load_model
+from pagedcli.engine.build import load_model
+from pagedcli.core.options import EngineOptions
 from tune_decode import replay_ms  # (tools/ is the script's folder, so on sys.path)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("base", type=Path, help="the other revision's csrc/ (or kernels/) folder")
+    ap.add_argument("base", type=Path, help="the other revision's kernels/ (or kernels/) folder")
     args = ap.parse_args()
     folders = {"base": args.base.resolve(), "tree": cuda_compile.kernel_folder()}
     opts = EngineOptions(model="random:llama-3.2-1b", device="cuda", batch=1)

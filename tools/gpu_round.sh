@@ -4,12 +4,12 @@
 #
 #   tools/prepare_gpu_assets.sh          # here: copy what ../shared adds to tests/assets into .gpu/ (git-ignored)
 #   TRAIN=1 tools/gpu_round.sh           # there (the device tool carries .gpu/)
-#   TUNE=1 BENCH=0 TESTS=tests/test_cuda_kernels.py tools/gpu_round.sh   # kernels, tunables, profile
+#   TUNE=1 BENCH=0 TESTS="tests/test_cuda_*.py" tools/gpu_round.sh   # kernels, tunables, profile
 #   ZOO=1 BENCH=0 TESTS=none tools/gpu_round.sh   # bench every preset at batch 1 and 16 (docs/performance.md's table)
 #
-# The whole GPU suite takes over 9 minutes on an H200 (446 of its 452 tests in 560 s, 2026-12-02;
-# most of it the kernels' tests and the end-to-end tests against transformers): where one call is
-# limited to 10 minutes, run it in two (BENCH=0 TESTS="tests/test_gpu_end_to_end.py tests/test_cuda_kernels.py",
+# The whole GPU suite comes close to 10 minutes on one GPU, most of it the kernels' tests and the
+# end-to-end tests against transformers (docs/performance-log.md, "How long the GPU suite takes"): where one call is
+# limited to 10 minutes, run it in two (BENCH=0 TESTS="tests/test_gpu_end_to_end.py tests/test_cuda_*.py",
 # then the other GPU files), and TESTS=none with the bench or TUNE=1 in a third.
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedcli-out}

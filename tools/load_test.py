@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the pagedcli of this checkout, installed or not
 from pagedcli.bench import served  # noqa: E402
 from pagedcli.bench.measure import Workload  # noqa: E402
-from pagedcli.errors import PagedCliError  # noqa: E402
+from pagedcli.core.errors import PagedCliError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,8 +20,9 @@ import torch
 
 import pagedcli.backends.cuda_build as cuda_build
 from pagedcli.bench.hf import hf_model
-from pagedcli.engine.sequence import SamplingParams
-from pagedcli.model.loader import EngineOptions, build_engine, load_model
+from pagedcli.core.options import SamplingParams
+from pagedcli.engine.build import build_engine, load_model
+from pagedcli.core.options import EngineOptions
 
 
 def parse(spec: str) -> tuple[int, int]:
@@ -50,9 +51,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="then the kernels of one pagedcli prefill of each length")
     ap.add_argument("--torch-prefill", action="store_true",
                     help="also time pagedcli with its prefill attention as torch ops (gather + SDPA), the path before "
-                         "csrc/paged_prefill.cu")
+                         "kernels/paged_prefill.cu")
     ap.add_argument("--no-cudnn", action="store_true",
-                    help="also time pagedcli with every prompt in csrc/paged_prefill.cu (no whole prompts through cuDNN)")
+                    help="also time pagedcli with every prompt in kernels/paged_prefill.cu (no whole prompts through cuDNN)")
     ap.add_argument("--m-tiles", type=int, nargs="*", default=[cuda_build.PREFILL_M_TILES_SMALL_D],
                     help="16-row tiles a prefill warp computes at head_dim <= 64 (each value: an engine of its own)")
     ap.add_argument("--block-n", type=int, nargs="*", default=[cuda_build.PREFILL_BLOCK_N],

@@ -7,8 +7,9 @@ and a lean client, with the network replaced by a clock, so that only the host's
 Every decode step "computes" for --step-ms and a prefill step for --prefill-us a token, as a GPU's
 queue would: busy from the end of the step before, the host's work between two steps overlapping
 it (the engine's overlap on a GPU). Everything else is real: the engine, its process, the pipes,
-the API process, uvicorn. The client is raw HTTP on one socket a stream (httpx's ~30 us a chunk
-would take a core of the two a CI machine has); it counts time from its first request to the last
+the API process, uvicorn. The client is raw HTTP on one socket a stream (httpx's parsing of each
+chunk would take a core of the two a CI machine has:
+docs/performance-log.md, "The host's own work"); it counts time from its first request to the last
 stream's end. Prints both runs' tokens/s, the served run's TTFT, and the CPU seconds the API and the
 engine processes used during it (Linux). A --step-ms at which served falls short of in-process is
 where the served path, not the "GPU", sets the pace (docs/serve.md has this machine's figures).

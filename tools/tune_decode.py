@@ -26,8 +26,9 @@ import pagedcli.backends.cuda_gemv as cuda_gemv
 import pagedcli.backends.cuda_launch as cuda_launch
 from pagedcli.bench.bandwidth import measure_bandwidth
 from pagedcli.bench.measure import Workload, run_batch
-from pagedcli.model.loader import EngineOptions, build_engine, load_model
-from pagedcli.engine.sequence import SamplingParams
+from pagedcli.engine.build import build_engine, load_model
+from pagedcli.core.options import EngineOptions
+from pagedcli.core.options import SamplingParams
 
 VARIANTS = {
     "gemv (default)": {},

@@ -30,8 +30,6 @@ the fused steps from any backend's halves.
 `TorchBackend` for what they do not serve.
 """
 
-NOT_FINITE = -1  # argmax's token for a row of logits that holds a NaN or an inf (argmax.cu: -1 too)
+from pagedcli.backends.torch import TorchBackend
 
-from pagedcli.backends.torch import TorchBackend  # noqa: E402  (after NOT_FINITE, which it uses)
-
-__all__ = ["NOT_FINITE", "TorchBackend"]
+__all__ = ["TorchBackend"]

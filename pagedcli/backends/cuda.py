@@ -1,4 +1,4 @@
-"""The CUDA backend: our own kernels (csrc/*.cu), compiled at run time by CuPy.
+"""The CUDA backend: our own kernels (kernels/*.cu), compiled at run time by CuPy.
 
 What runs where:
 - `attention_inputs`, `norm_linear_silu`, `linear_add_norm`, `logits_greedy` (and `norm_linear`)
@@ -27,14 +27,14 @@ through fp8_quant.cu and torch._scaled_mm beyond (cuda_fp8_gemm.py: W8A8 on fp8 
 where a GPU has none, composed.linear's torch ops (`fallbacks` says so, and the loader tells the user). An fp8
 pool is written and read by the same kernels, compiled for it (cuda_build.KV_DTYPE_DEFINES): the
 K/V write (kv_write.cu and gemv.cu's qkv epilogue) quantizes, both attentions dequantize, with the
-layer's scales (`cache.kv_scales`) as their last arguments.
+layer's scales (`store.kv_scales`) as their last arguments.
 
 Kernels are compiled once per geometry (the `-D` defines from `CacheGeometry.defines()`, plus the
 head count and the dtype) and cached in-process; CuPy also caches the binaries on disk. Every
 launch goes on torch's current stream, with raw device pointers of torch tensors (no copies).
 
 The decode path is safe to capture in a CUDA graph: no host-device sync, no decision taken on
-tensor contents, grids that depend only on the batch size and `cache.max_model_len`, and scratch
+tensor contents, grids that depend only on the batch size and `store.max_model_len`, and scratch
 buffers allocated once per batch size. Compilation happens in `__init__`, never during capture.
 """
 
@@ -46,50 +46,71 @@ import numpy as np
 import torch
 
 from pagedcli.backends import composed
-from pagedcli.backends.cuda_build import (ATTN_CLUSTER, ATTN_THREADS, ARGMAX_CHUNK, ARGMAX_THREADS, CUDNN_PREFILL,
-                                          DECODE_MMA_WARPS, DTYPE_DEFINES, GEMV_MAX_SHARED, KV_WRITE_THREADS,
-                                          PREFILL_SPLIT, PREFILL_WARPS, PROGRAMMATIC_LAUNCH, ROPE_VEC_MIN_CTAS_PER_SM,
-                                          SILU_THREADS, VEC_BYTES, fp8_fallback_note, gemv_kernel_names, plan_kernels)
+from pagedcli.backends.cuda_build import (
+    ARGMAX_CHUNK,
+    ARGMAX_THREADS,
+    ATTN_CLUSTER,
+    ATTN_THREADS,
+    CUDNN_PREFILL,
+    DECODE_MMA_WARPS,
+    DTYPE_DEFINES,
+    GEMV_MAX_SHARED,
+    KV_WRITE_THREADS,
+    PREFILL_SPLIT,
+    PREFILL_WARPS,
+    PROGRAMMATIC_LAUNCH,
+    ROPE_VEC_MIN_CTAS_PER_SM,
+    SILU_THREADS,
+    VEC_BYTES,
+    fp8_fallback_note,
+    gemv_kernel_names,
+    plan_kernels,
+)
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
 from pagedcli.backends.cuda_fp8_gemm import fp8_gemm, scaled_mm_missing
 from pagedcli.backends.cuda_gemv import gemv
-from pagedcli.backends.cuda_launch import (Launcher, LaunchShapes, PrefillWork, aligned, leading_single_rows,
-                                           prefill_work, ptr, resident_ctas, row_threads)
+from pagedcli.backends.cuda_launch import (
+    Launcher,
+    LaunchShapes,
+    PrefillWork,
+    aligned,
+    leading_single_rows,
+    prefill_work,
+    ptr,
+    resident_ctas,
+    row_threads,
+)
 from pagedcli.backends.cudnn_prefill import attend_whole_prompt, cudnn_prefill_missing, warm_up, whole_prompt_rows
 from pagedcli.backends.torch import TorchBackend
 from pagedcli.backends.torch_decode import decode_attention_full_width
-from pagedcli.engine.batch import StepBatch
-from pagedcli.engine.cache import KVCache
+from pagedcli.core.batch import StepBatch
+from pagedcli.core.errors import RunError
+from pagedcli.core.kv_store import KVStore
 from pagedcli.model.config import ModelConfig
-from pagedcli.model.fp8 import KVScales
-from pagedcli.errors import RunError
 
 
 class CudaBackend:
-    def __init__(self, cache: KVCache, config: ModelConfig, fp8_weights: bool = False):
+    def __init__(self, store: KVStore, config: ModelConfig, fp8_weights: bool = False):
         ok, why = cuda_available()
         if not ok:
             raise RunError(f"the CUDA backend cannot run: {why}", "use the torch backend instead")
-        if cache.device.type != "cuda":
-            raise RunError(f"the CUDA backend needs the KV cache on a CUDA device, not {cache.device}")
-        geo = cache.geometry
+        if store.device.type != "cuda":
+            raise RunError(f"the CUDA backend needs the KV cache on a CUDA device, not {store.device}")
+        geo = store.geometry
         if geo.dtype not in DTYPE_DEFINES:
             raise RunError(f"the CUDA kernels do not support dtype {geo.dtype}", "use bfloat16, float16 or float32")
-        self.cache, self.config = cache, config
+        self.store, self.config = store, config
         # the torch ops, called by name wherever a kernel of ours does not apply
-        self.reference = TorchBackend(cache, config)
+        self.reference = TorchBackend(store, config)
         self.rope, self.cos, self.sin = self.reference.rope, self.reference.cos, self.reference.sin
-        self.device_index = cache.device.index if cache.device.index is not None else torch.cuda.current_device()
+        self.device_index = store.device.index if store.device.index is not None else torch.cuda.current_device()
         self.dtype = geo.dtype
         self.num_heads = config.num_heads
         self.head_dim = geo.head_dim
         self.vec = VEC_BYTES // geo.dtype.itemsize  # model-dtype elements in a 16-byte vector
-        self.kv_fp8 = geo.kv_fp8
-        if self.kv_fp8:  # the kernels read a layer's row of each as float32 [kv_heads] (as KVCache makes them)
-            scales = cache.kv_scales
-            cache.kv_scales = KVScales(scales.k.float().contiguous(), scales.v.float().contiguous())
+        self.kv_fp8 = geo.kv_fp8  # the kernels read a layer's row of the scales as float32 [kv_heads] (KVStore's)
         self.scale_log2 = np.float32(math.log2(math.e) / math.sqrt(geo.head_dim))
-        self.max_context = cache.max_blocks_per_seq * geo.block_size  # the block table's width in tokens
+        self.max_context = store.max_blocks_per_seq * geo.block_size  # the block table's width in tokens
         self.num_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
         capability = torch.cuda.get_device_capability(self.device_index)
         self.cluster = ATTN_CLUSTER if capability >= (9, 0) else 1  # thread-block clusters: sm_90 and newer
@@ -120,16 +141,16 @@ class CudaBackend:
         elif not CUDNN_PREFILL:
             self.cudnn_prefill_missing = "switched off (cuda_build.CUDNN_PREFILL)"
         else:
-            self.cudnn_prefill_missing = cudnn_prefill_missing(cache.device, geo.dtype, config.num_heads,
+            self.cudnn_prefill_missing = cudnn_prefill_missing(store.device, geo.dtype, config.num_heads,
                                                                geo.num_kv_heads, geo.head_dim, geo.kv_fp8)
         self.cudnn_prefill = self.cudnn_prefill_missing is None
         self._whole_prompts: list[tuple[int, int, int]] = []  # this step's (sequence, first row, rows) for cuDNN
-        # a prefill step can be replayed from a CUDA graph (engine/prefill_graphs.py) when nothing in
+        # a prefill step can be replayed from a CUDA graph (cuda_prefill_graphs.py) when nothing in
         # it is decided from the step's host lists: our prefill kernel with the tiles the caller
         # staged, RoPE from fixed tables (and the K/V write with them); not with fp8 weights, whose
         # product depends on the step's rows (W8A16_MAX_ROWS), which the graphs pad
         self.captures_prefill = self.prefill_kernel and self.rope.static and not fp8_weights
-        self.shapes = LaunchShapes(cache, self.num_heads, self.heads_per_cta, self.vec, self.num_sms, self.cluster)
+        self.shapes = LaunchShapes(store, self.num_heads, self.heads_per_cta, self.vec, self.num_sms, self.cluster)
         d = self.device_index
         self.kernels = {}
         for file, (defines, names) in plan.files.items():
@@ -160,14 +181,14 @@ class CudaBackend:
     def _split_prefill_scratch(self, slots: int) -> tuple[torch.Tensor, ...]:
         """paged_prefill.cu's partial rows, maxima and sums of split tiles (a slot per entry of the
         work list that may be split), and a merge counter per slot and head, zero between launches."""
-        f32 = dict(dtype=torch.float32, device=self.cache.device)
+        f32 = dict(dtype=torch.float32, device=self.store.device)
         rows = max(1, slots) * self.num_heads * self.prefill_rows
         return (torch.empty(rows * self.head_dim, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32),
-                torch.zeros(max(1, slots) * self.num_heads, dtype=torch.int32, device=self.cache.device))
+                torch.zeros(max(1, slots) * self.num_heads, dtype=torch.int32, device=self.store.device))
 
     def _layer_table(self, layer: int) -> tuple[np.uint64, np.int64, np.int32]:
         """This layer's block table as the kernels index it: table[slot * slot_stride + block]."""
-        t = self.cache.device_table  # [slots, layers, blocks] int32, contiguous
+        t = self.store.device_table  # [slots, layers, blocks] int32, contiguous
         base = t.data_ptr() + layer * t.stride(1) * t.element_size()
         return np.uint64(base), np.int64(t.stride(0)), np.int32(t.shape[2])
 
@@ -180,7 +201,7 @@ class CudaBackend:
         self.reference.prepare_indices(batch, attention=torch_prefill, rope=not self.rope.static)
         if batch.is_prefill and self.prefill_kernel:
             self._whole_prompts = []
-            if batch.prefill_work is not None:  # staged by a prefill graph (engine/prefill_graphs.py)
+            if batch.prefill_work is not None:  # staged by a prefill graph (cuda_prefill_graphs.py)
                 self._prefill_work = batch.prefill_work
             else:
                 d = leading_single_rows(batch.num_new) if self.attention_kernel else 0
@@ -188,7 +209,7 @@ class CudaBackend:
                 starts = np.cumsum([0] + batch.num_new[:-1]).tolist()
                 self._whole_prompts = [(b, starts[b], batch.num_new[b]) for b in whole]
                 self._prefill_work = prefill_work(batch.num_new, batch.context_lens_host, self.prefill_rows,
-                                                  self.cache.device, batch.slots[:d], batch.context_lens[:d], skip=d,
+                                                  self.store.device, batch.slots[:d], batch.context_lens[:d], skip=d,
                                                   elsewhere=whole, split_tiles=self.prefill_split_tiles)
             if self._prefill_work.decode_slots.shape[0]:
                 self.shapes.scratch_for(self._prefill_work.decode_slots.shape[0])
@@ -199,7 +220,7 @@ class CudaBackend:
         if not self.rope.static:  # the kernel reads fixed cos/sin tables
             return self.reference.rope_write_kv(layer, q, k, v, batch)
         T = q.shape[0]
-        kv_heads = self.cache.geometry.num_kv_heads
+        kv_heads = self.store.geometry.num_kv_heads
         if q.shape[1:] != (self.num_heads, self.head_dim) or k.shape[1:] != (kv_heads, self.head_dim) \
                 or v.shape != k.shape or k.shape[0] != T:
             raise ValueError(f"rope_write_kv: unexpected shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -208,11 +229,11 @@ class CudaBackend:
         if T == 0:
             return q_out
         # a work item: `vec` rotary pairs of a q or k head, or `vec` elements of V
-        geo = self.cache.geometry
+        geo = self.store.geometry
         elements = (self.num_heads + geo.num_kv_heads) * self.head_dim // 2 + geo.kv_dim
         vec = self.rope_vec  # (the plan's: kv_write.cu's ROPE_VEC)
         if not (vec > 1 and T * -(-elements // (vec * KV_WRITE_THREADS)) >= ROPE_VEC_MIN_CTAS_PER_SM * self.num_sms
-                and aligned(q, k, v, q_out, self.cache.pool, self.cos, self.sin)
+                and aligned(q, k, v, q_out, self.store.pool, self.cos, self.sin)
                 and all(x.stride(0) % vec == 0 for x in (q, k, v))):
             vec = 1
         items = elements // vec
@@ -225,7 +246,7 @@ class CudaBackend:
     def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None, normed=None):
         # gemv.cu adds no bias, and its epilogue reads fixed cos/sin tables
         if bias is None and self.rope.static:
-            geo = self.cache.geometry
+            geo = self.store.geometry
             T = x.shape[0] if x.dim() == 2 else 0
             if T == batch.positions.shape[0] and qkv.shape[0] == (self.num_heads + 2 * geo.num_kv_heads) * self.head_dim:
                 q = gemv(self, "rms_norm_rope_kv", x, qkv, norm_weight, eps, rope_kv=(layer, batch))
@@ -237,7 +258,7 @@ class CudaBackend:
         """kv_write.cu's arguments after q, k and v (gemv.cu's qkv epilogue takes the same)."""
         table, slot_stride, max_blocks = self._layer_table(layer)
         return (  # the batch's index tensors have the kernels' types (StepBatch's declared dtypes)
-            ptr(q_out), ptr(self.cache.pool), table, slot_stride, max_blocks,
+            ptr(q_out), ptr(self.store.pool), table, slot_stride, max_blocks,
             ptr(batch.positions), ptr(batch.token_seq), ptr(batch.slots),
             ptr(self.cos), ptr(self.sin), np.int32(self.cos.shape[0]),
         ) + self._kv_scale_args(layer)
@@ -247,7 +268,7 @@ class CudaBackend:
         [kv_heads] float32 each (geometry.cuh's KV_SCALE_PARAMS); none for a pool in the model dtype."""
         if not self.kv_fp8:
             return ()
-        scales = self.cache.kv_scales
+        scales = self.store.kv_scales
         return ptr(scales.k[layer]), ptr(scales.v[layer])
 
     def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -259,8 +280,8 @@ class CudaBackend:
         if q.shape[0] != B:
             raise ValueError(f"decode attend: {q.shape[0]} queries for {B} sequences")
         if not self.attention_kernel:
-            scales = self.cache.kv_scales
-            return decode_attention_full_width(q, self.cache.pool, self.cache.device_table[:, layer], batch.slots,
+            scales = self.store.kv_scales
+            return decode_attention_full_width(q, self.store.pool, self.store.device_table[:, layer], batch.slots,
                                                batch.context_lens, self.max_context,
                                                *((scales.k[layer], scales.v[layer]) if scales is not None else ()))
         q = q.contiguous()
@@ -291,13 +312,13 @@ class CudaBackend:
         table, slot_stride, _ = self._layer_table(layer)
         kernel = self.decode_kernel(B)
         if kernel == "paged_attention_decode_mma":  # one CTA per (sequence, kv head)
-            self.launch(kernel, (self.cache.geometry.num_kv_heads, B), (DECODE_MMA_WARPS * 32,), (
-                ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(slots), ptr(context_lens),
+            self.launch(kernel, (self.store.geometry.num_kv_heads, B), (DECODE_MMA_WARPS * 32,), (
+                ptr(out), ptr(q), ptr(self.store.pool), table, slot_stride, ptr(slots), ptr(context_lens),
                 np.int32(self.max_context), self.scale_log2,
             ) + self._kv_scale_args(layer), shared_mem=self.decode_mma_shared)
             return
         self.launch(kernel, (self.num_heads // self.heads_per_cta, B, splits), (ATTN_THREADS,), (
-            ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(slots), ptr(context_lens),
+            ptr(out), ptr(q), ptr(self.store.pool), table, slot_stride, ptr(slots), ptr(context_lens),
             np.int32(self.max_context), ptr(part_out), ptr(part_max), ptr(part_sum), ptr(counters),
             self.scale_log2,
         ) + self._kv_scale_args(layer))
@@ -319,22 +340,32 @@ class CudaBackend:
             part_out, part_max, part_sum, counters = self._prefill_scratch
             grid = (work.tile_seq.shape[0] * self.num_heads,)
             self.launch("paged_prefill_attention", grid, (PREFILL_WARPS * 32,), (
-                ptr(out), ptr(q), ptr(self.cache.pool), table, slot_stride, ptr(work.tile_seq), ptr(work.tile_row),
+                ptr(out), ptr(q), ptr(self.store.pool), table, slot_stride, ptr(work.tile_seq), ptr(work.tile_row),
                 ptr(work.tile_part), ptr(work.tile_parts), ptr(work.seq_start), ptr(work.num_new),
                 ptr(batch.context_lens), ptr(batch.slots), ptr(part_out), ptr(part_max), ptr(part_sum), ptr(counters),
                 self.scale_log2,
             ) + self._kv_scale_args(layer), shared_mem=self.prefill_shared)
         for b, first, n in self._whole_prompts:
-            out[first:first + n] = attend_whole_prompt(self.cache, layer, q[first:first + n], batch.slots[b:b + 1])
+            out[first:first + n] = attend_whole_prompt(self.store, layer, q[first:first + n], batch.slots[b:b + 1])
         return out
+
+    def prefill_graphs(self, model, max_tokens: int):
+        """CUDA graphs for prefill-kind steps of up to `max_tokens` new tokens (cuda_prefill_graphs.py),
+        or None where this model's prefill step cannot be captured (no prefill kernel, dynamic RoPE,
+        fp8 weights' per-step quantization)."""
+        if not self.captures_prefill:
+            return None
+        from pagedcli.backends.cuda_prefill_graphs import PrefillGraphs
+
+        return PrefillGraphs(model, self.store, max_tokens)
 
     def plan_whole_prompts(self, max_tokens: int) -> int:
         """cuDNN's plans for every shape whole prompts of up to `max_tokens` tokens take (none where
         they do not take cuDNN): how many."""
         if not self.cudnn_prefill:
             return 0
-        geo = self.cache.geometry
-        return warm_up(self.cache.device, self.dtype, self.num_heads, geo.num_kv_heads, self.head_dim, max_tokens)
+        geo = self.store.geometry
+        return warm_up(self.store.device, self.dtype, self.num_heads, geo.num_kv_heads, self.head_dim, max_tokens)
 
     def rms_norm(self, x, weight, eps):
         hidden = x.shape[-1]

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedcli.backends import NOT_FINITE
 from pagedcli.backends.cuda_compile import Defines
-from pagedcli.model.config import CacheGeometry, ModelConfig
-from pagedcli.model.fp8 import FP8_DTYPE, FP8_MMA_MULTIPLE, W8A16_MAX_ROWS
+from pagedcli.core.batch import NOT_FINITE
+from pagedcli.core.fp8 import FP8_DTYPE
+from pagedcli.core.geometry import CacheGeometry
+from pagedcli.model.config import ModelConfig
+from pagedcli.model.fp8 import FP8_MMA_MULTIPLE, W8A16_MAX_ROWS
 
 PARTITION_SIZE = 512  # tokens per split-KV chunk of the decode kernel (a multiple of every block size)
 ATTN_THREADS = 128  # threads of a decode CTA
@@ -28,14 +30,15 @@ ATTN_STAGES = 4  # load steps of the decode kernel in flight per lane (cp.async 
 # serving <= 4 query heads, and more (q and the sums then take more registers).
 UNROLL_SMALL_Q, MIN_CTAS_SMALL_Q = 4, 5
 UNROLL_LARGE_Q, MIN_CTAS_LARGE_Q = 2, 3
-MAX_HEADS_PER_CTA = 4  # query heads one decode CTA serves (docs/performance.md: 8 was slower at GQA 8)
+# Query heads one decode CTA serves (8 was slower at GQA 8: docs/performance-log.md, "Every preset").
+MAX_HEADS_PER_CTA = 4
 # An fp8 pool's decode loads: 8 e4m3 bytes a lane, as many elements as a 16-byte load of bf16, so the
 # lane's q slice and sums are the same size (16-byte loads, 16 elements a lane, spill at
 # MIN_CTAS_SMALL_Q: ptxas gives 96 registers and ~270 bytes of spill loads at Llama-3.2-1B).
 ATTN_FP8_VEC_BYTES = 8
 ATTN_STATIC_SHARED = 48 * 1024  # static shared memory a CTA may declare (CUDA's limit)
-# Cap on decode CTAs (per SM) when choosing the number of splits (docs/performance.md: the splits a
-# short context does not need still launch CTAs that find no work and leave).
+# Cap on decode CTAs (per SM) when choosing the number of splits (the splits a short context does
+# not need still launch CTAs that find no work and leave: docs/performance-log.md, "What won").
 SPLIT_CTAS_PER_SM = 4
 MIN_SPAN = 128  # fewest context tokens a decode split takes (shorter ones cost more than they save)
 # Small batches on sm_90+: splits in thread-block clusters of this many CTAs, which merge in shared
@@ -69,7 +72,7 @@ DECODE_MMA_KEYS = 16
 DECODE_MMA_STAGES = 2
 DECODE_MMA_MAX_GQA = 16  # the group's query heads are the rows of one 16-row mma tile
 # sm_90+ with a CUDA 12.3+ driver: each of our kernels may start while the one before it still runs
-# (programmatic dependent launch, csrc/common.cuh), so that a chain of short kernels overlaps each
+# (programmatic dependent launch, kernels/common.cuh), so that a chain of short kernels overlaps each
 # launch and first load with the previous kernel's end; off: every launch waits for the previous
 # kernel to finish.
 PROGRAMMATIC_LAUNCH = True
@@ -77,13 +80,15 @@ H100_MAX_SHARED = 227 * 1024  # shared memory a CTA may opt in to on sm_90 (the 
 KV_WRITE_THREADS = 128
 # rope_write_kv reads and writes 16-byte vectors where its grid then has at least this many CTAs an
 # SM; with fewer (decode at batch 64 and below on the H200), the kernel of one element a thread,
-# with 8 times the threads, finishes sooner (docs/performance.md)
+# with 8 times the threads, finishes sooner
+# (docs/performance-log.md, "RoPE and the K/V write in 16-byte vectors, at large grids")
 ROPE_VEC_MIN_CTAS_PER_SM = 2
 SILU_THREADS = 256
 ARGMAX_THREADS = 256
 ARGMAX_CHUNK = 4096  # logits per argmax CTA
 # gemv.cu is compiled for these row counts; a batch takes the next one up. Larger batches: cuBLAS,
-# which is faster from 3 rows on (docs/performance.md), while gemv.cu wins at 1 and 2.
+# which is faster from 3 rows on, while gemv.cu wins at 1 and 2 (docs/performance-log.md,
+# "Each GEMM at batch 1").
 GEMV_ROW_BUCKETS = (1, 2)
 GEMV_MAX_ROWS = GEMV_ROW_BUCKETS[-1]
 GEMV_THREADS = 256

@@ -6,31 +6,32 @@ from __future__ import annotations
 
 import functools
 import re
-from importlib import resources
 from pathlib import Path
 
 import torch
 
-from pagedcli.errors import RunError
+from pagedcli.core.errors import RunError
 
 COMPILE_OPTIONS = ("-std=c++17",)  # no fast math: expf/rsqrtf/division keep their accuracy
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 Defines = tuple[tuple[str, object], ...]
 
 
-def kernel_folder():
-    """The .cu/.cuh files. Installed, they are the package pagedcli.kernels (pyproject's package-dir
-    maps it to the top-level csrc/). Run from a checkout without installing it (PYTHONPATH), that
-    mapping does not exist, and another install's pagedcli.kernels may answer instead: the
-    checkout's own csrc/, beside pagedcli/, comes first."""
-    checkout = Path(__file__).resolve().parents[2] / "csrc"
-    if (checkout / "__init__.py").is_file() and (checkout / "geometry.cuh").is_file():
-        return checkout
-    return resources.files("pagedcli.kernels")
+def kernel_folder() -> Path:
+    """The .cu/.cuh files: the top-level kernels/ folder beside pagedcli/ in a checkout (an editable
+    install runs from it too), or pagedcli/kernels/ where a wheel installed them (pyproject's
+    package-dir maps the one to the other). Looked up by path, not imported: kernels/ has no
+    __init__.py, so that it never shadows an installed package named `kernels`."""
+    package = Path(__file__).resolve().parents[1]
+    for folder in (package.parent / "kernels", package / "kernels"):
+        if (folder / "geometry.cuh").is_file():
+            return folder
+    raise RunError(f"the CUDA sources are missing (looked in {package.parent / 'kernels'} and {package / 'kernels'})",
+                   "reinstall pagedcli")
 
 
 def kernel_source(name: str) -> str:
-    """The text of csrc/<name>, with each `#include "x.cuh"` replaced by that file: NVRTC then
+    """The text of kernels/<name>, with each `#include "x.cuh"` replaced by that file: NVRTC then
     needs no include path, and CuPy's disk cache (keyed by the source text) sees header edits."""
     folder = kernel_folder()
     seen: set[str] = set()
@@ -69,7 +70,7 @@ def cuda_available() -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def compile_kernels(name: str, defines: tuple[tuple[str, object], ...], kernels: tuple[str, ...], device: int) -> dict:
-    """Compile csrc/<name> with `defines` (NVRTC through CuPy), load it on `device`, and return
+    """Compile kernels/<name> with `defines` (NVRTC through CuPy), load it on `device`, and return
     {kernel name: cupy.RawKernel}. Cached: one build per file, geometry, dtype and device."""
     import cupy
 

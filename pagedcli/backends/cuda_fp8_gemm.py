@@ -6,9 +6,9 @@ multiplies the two e4m3 operands and applies both scales in its epilogue: model/
 fp8_linear, whose torch ops serve where this cannot (no fp8 tensor cores before sm_89, widths
 not multiples of 16, a torch without the rowwise GEMM for the model dtype).
 
-On the H200 this pays from a few hundred rows on (a 2,048-row GEMM 1.4 to 1.7 times faster than
-bf16's, docs/performance.md); at 64 rows only gate/up and the LM head's shapes beat bf16, and
-qkv, o and down are slower, but each is far faster than the float32 product it replaces."""
+This pays from a few hundred rows on, where the fp8 GEMMs are well ahead of bf16's; at 64 rows only
+gate/up and the LM head's shapes beat bf16, and qkv, o and down are slower, but each is far faster
+than the float32 product it replaces (docs/performance-log.md, "FP8")."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from pagedcli.backends.cuda_launch import aligned, ptr, row_threads
-from pagedcli.model.fp8 import FP8_DTYPE, FP8_MMA_MULTIPLE, W8A16_MAX_ROWS, Fp8Weight
+from pagedcli.core.fp8 import FP8_DTYPE
+from pagedcli.model.fp8 import FP8_MMA_MULTIPLE, W8A16_MAX_ROWS, Fp8Weight
 
 
 def scaled_mm_missing(device_index: int, dtype: torch.dtype) -> str | None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedcli.backends.cuda_build import (GEMV_MAX_ROWS, GEMV_MAX_SHARED, GEMV_ROW_BUCKETS, GEMV_THREADS,
-                                          VEC_BYTES)
+from pagedcli.backends.cuda_build import GEMV_MAX_ROWS, GEMV_MAX_SHARED, GEMV_ROW_BUCKETS, GEMV_THREADS, VEC_BYTES
 from pagedcli.backends.cuda_launch import aligned, ptr
-from pagedcli.model.fp8 import FP8_DTYPE, W8A16_MAX_ROWS, Fp8Weight
+from pagedcli.core.fp8 import FP8_DTYPE
+from pagedcli.model.fp8 import W8A16_MAX_ROWS, Fp8Weight
 
 
 def gemv(be, op: str, x, weight, norm_weight=None, eps=0.0, residual=None,

@@ -6,7 +6,7 @@ on torch's current stream.
 Every decode choice depends on the batch size and the model (never on the contexts), so one CUDA
 graph per batch size serves every context length; the scratch is allocated once per batch size and
 reused by every layer and step. A prefill step's tiles follow its prompts: the host lists them each
-step (a prefill graph stages them as its inputs, engine/prefill_graphs.py).
+step (a prefill graph stages them as its inputs, cuda_prefill_graphs.py).
 """
 
 from __future__ import annotations
@@ -24,11 +24,20 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pagedcli.backends.cuda_build import (GEMV_CTAS_PER_SM, GEMV_SPLITS, GEMV_THREADS, GEMV_UNROLL, PARTITION_SIZE,
-                                          PREFILL_BLOCK_N, PREFILL_MAX_PARTS, PREFILL_SPLIT_MIN_TILES,
-                                          SPLIT_CTAS_PER_SM, VEC_BYTES)
-from pagedcli.engine.batch import to_device
-from pagedcli.engine.cache import KVCache
+from pagedcli.backends.cuda_build import (
+    GEMV_CTAS_PER_SM,
+    GEMV_SPLITS,
+    GEMV_THREADS,
+    GEMV_UNROLL,
+    PARTITION_SIZE,
+    PREFILL_BLOCK_N,
+    PREFILL_MAX_PARTS,
+    PREFILL_SPLIT_MIN_TILES,
+    SPLIT_CTAS_PER_SM,
+    VEC_BYTES,
+)
+from pagedcli.core.batch import to_device
+from pagedcli.core.kv_store import KVStore
 
 
 def ptr(t: torch.Tensor | None) -> np.uint64:
@@ -133,8 +142,8 @@ class Launcher:
     def __call__(self, kernel: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
         import cupy
 
-        # the raw handle: torch.cuda.current_stream() builds a Stream object, ~10 us a launch, which
-        # an eager prefill step's ~80 launches felt (docs/performance.md, "Under arrivals")
+        # the raw handle: torch.cuda.current_stream() builds a Stream object at every call, a cost
+        # each launch of an eager prefill step paid (docs/performance-log.md, "Under arrivals")
         handle = torch._C._cuda_getCurrentRawStream(self.device_index)
         if self.programmatic:
             self._launch_programmatic(kernel, grid, block, args, shared_mem, handle)
@@ -287,10 +296,10 @@ def resident_ctas(kernel, threads: int, device_index: int, fallback: int, dynami
 
 
 class LaunchShapes:
-    def __init__(self, cache: KVCache, num_heads: int, heads_per_cta: int, vec: int, num_sms: int, cluster: int):
-        self.cache = cache
+    def __init__(self, store: KVStore, num_heads: int, heads_per_cta: int, vec: int, num_sms: int, cluster: int):
+        self.store = store
         self.num_heads, self.heads_per_cta = num_heads, heads_per_cta
-        self.head_dim = cache.geometry.head_dim
+        self.head_dim = store.geometry.head_dim
         self.vec = vec  # elements in a 16-byte vector
         self.num_sms = num_sms
         self.cluster = cluster  # CTAs a decode cluster has (1: no clusters, before sm_90)
@@ -303,7 +312,7 @@ class LaunchShapes:
         clusters, a multiple of the cluster size. Depends on nothing else (not the contexts), so one
         CUDA graph per batch size serves every context length: the kernel cuts each actual context
         into this many spans."""
-        chunks = math.ceil(self.cache.max_model_len / PARTITION_SIZE)
+        chunks = math.ceil(self.store.max_model_len / PARTITION_SIZE)
         splits = max(1, min(chunks, self._split_budget(batch_size)))
         if self.uses_clusters(batch_size):
             splits = self.cluster * max(1, splits // self.cluster)
@@ -326,14 +335,14 @@ class LaunchShapes:
         s = self.split_scratch.get(batch_size)
         if s is None:
             splits = self.num_splits(batch_size)
-            f32 = dict(dtype=torch.float32, device=self.cache.device)
+            f32 = dict(dtype=torch.float32, device=self.store.device)
             s = self.split_scratch[batch_size] = (
                 splits,
                 torch.empty((batch_size, self.num_heads, splits, self.head_dim), **f32),
                 torch.empty((batch_size, self.num_heads, splits), **f32),
                 torch.empty((batch_size, self.num_heads, splits), **f32),
                 torch.zeros((batch_size, self.num_heads // self.heads_per_cta), dtype=torch.int32,
-                            device=self.cache.device),
+                            device=self.store.device),
             )
         return s
 

@@ -1,9 +1,9 @@
 """Whole long prompts through cuDNN's fused attention (torch SDPA's cuDNN backend), beside
-csrc/paged_prefill.cu.
+kernels/paged_prefill.cu.
 
-On an H200 cuDNN's causal attention over one 16,000-token prompt at Llama-3.2-1B's shapes ran at
-~460 TFLOP/s, where paged_prefill.cu (mma.sync tiles, FlashAttention-2's scheme) reaches ~230:
-cuDNN's Hopper kernels run on wgmma and TMA (docs/performance.md, "Prefill"). So on sm_90+ a
+cuDNN's causal attention over a whole long prompt measured far faster than paged_prefill.cu
+(mma.sync tiles, FlashAttention-2's scheme): cuDNN's Hopper kernels run on wgmma and TMA
+(docs/performance-log.md, "Prefill"). So on sm_90+ a
 sequence whose step holds every token it has (no cached prefix: a whole prompt, or the first chunk
 of one) and at least CUDNN_MIN_TOKENS of them takes this path; the rest of the step (cached
 prefixes, later chunks, short prompts, the decoding rows) stays with our kernels, which read K/V
@@ -26,12 +26,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-# The fewest new tokens a sequence takes through cuDNN: at 2,048 paged_prefill.cu measured as fast,
-# at 4,000 slower (docs/performance.md, "Prefill"). Steps
+# The fewest new tokens a sequence takes through cuDNN: shorter prompts measured as fast through
+# paged_prefill.cu, longer ones slower (docs/performance-log.md, "Prefill"). Steps
 # replayed from a prefill graph (up to prefill_graphs.MAX_GRAPH_TOKENS tokens) always run our
 # kernel: their work is staged, not decided.
 CUDNN_MIN_TOKENS = 3072
-# cuDNN builds an execution plan for each new shape (tens of ms, once a process), so a
+# cuDNN builds an execution plan for each new shape (slow, once a process), so a
 # prompt's rows are padded up to one of 2^PAD_OCTAVE_SPLITS_LOG2 lengths an octave: at most 1/8 more
 # rows, and few shapes. The padding is exact: with the causal mask a real row never sees a padded
 # key, and the padded rows' outputs are dropped.
@@ -118,17 +118,17 @@ def whole_prompt_rows(num_new: list[int], context_lens: list[int], first: int) -
     return [b for b in range(first, len(num_new)) if num_new[b] == context_lens[b] >= CUDNN_MIN_TOKENS]
 
 
-def gather_kv(cache, layer: int, slot: torch.Tensor, n: int,
+def gather_kv(store, layer: int, slot: torch.Tensor, n: int,
               length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The first n keys and values of the sequence in `slot` (a one-element device tensor), from its
     blocks in this layer, as `length` >= n rows (zeros past n): [length, kv_heads, head_dim] each,
     contiguous, copied once (what _causal takes as it lies). No host sync."""
     length = length or n
-    geo = cache.geometry
-    blocks = cache.device_table[slot.long(), layer, :-(-n // geo.block_size)].view(-1).long()
+    geo = store.geometry
+    blocks = store.device_table[slot.long(), layer, :-(-n // geo.block_size)].view(-1).long()
     # the pool as halves of blocks, [num_blocks * 2, block_size, kv_heads, head_dim]: block b's K
     # rows are half 2b, its V rows half 2b + 1
-    halves = cache.pool.view(-1, geo.block_size, geo.num_kv_heads, geo.head_dim)
+    halves = store.pool.view(-1, geo.block_size, geo.num_kv_heads, geo.head_dim)
     whole = blocks.shape[0] * geo.block_size  # the blocks' rows, the last block's stale ones too
     k, v = (halves.new_empty(max(length, whole), geo.num_kv_heads, geo.head_dim) for _ in range(2))
     for out, half in ((k, 0), (v, 1)):
@@ -137,11 +137,11 @@ def gather_kv(cache, layer: int, slot: torch.Tensor, n: int,
     return k[:length], v[:length]
 
 
-def attend_whole_prompt(cache, layer: int, q: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+def attend_whole_prompt(store, layer: int, q: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """Causal attention of a sequence's every token so far, q [n, heads, d] (its rows of the step),
     over its K/V in the pool (already written this step): [n, heads, d]."""
     length = padded_length(q.shape[0])
-    k, v = gather_kv(cache, layer, slot, q.shape[0], length)
+    k, v = gather_kv(store, layer, slot, q.shape[0], length)
     return _cudnn_causal(q, k, v, length)
 
 
@@ -152,8 +152,8 @@ def planned_lengths(max_tokens: int) -> list[int]:
 
 def warm_up(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
             max_tokens: int) -> int:
-    """Have cuDNN plan every shape whole prompts of up to `max_tokens` tokens take (zeros; a few
-    tens of ms a shape, once a process), so that none is planned while other requests decode.
+    """Have cuDNN plan every shape whole prompts of up to `max_tokens` tokens take (zeros; slow for
+    each shape, once a process), so that none is planned while other requests decode.
     Returns how many."""
     lengths = planned_lengths(max_tokens)
     for n in lengths:

@@ -11,7 +11,7 @@ owner left) are zeroed after the gather, not only masked: a masked score weighs 
 of query rows, so the mask and the scores stay within ATTENTION_CHUNK_ELEMENTS, not [Lq, Lk]; a
 chunked-prefill step runs its decode rows apart from its prompt chunks, unpadded.
 
-An fp8 pool (`cache.kv_scales` set) is written as e4m3(x / scale) and read as stored * scale in the
+An fp8 pool (`store.kv_scales` set) is written as e4m3(x / scale) and read as stored * scale in the
 model dtype (model/fp8.py), the scale the layer's per KV head; the gathered keys are dequantized
 before the unowned ones are zeroed, so a stray NaN byte is zeroed too.
 """
@@ -21,13 +21,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedcli.backends import NOT_FINITE
-
 from pagedcli.backends import composed
-from pagedcli.engine.batch import StepBatch
-from pagedcli.engine.cache import KVCache
+from pagedcli.core.batch import NOT_FINITE, StepBatch
+from pagedcli.core.fp8 import dequantize_kv, quantize_kv, raw
+from pagedcli.core.kv_store import KVStore
 from pagedcli.model.config import ModelConfig
-from pagedcli.model.fp8 import dequantize_kv, quantize_kv, raw
 from pagedcli.model.rope import RotaryTable, apply_rope
 
 # Most mask entries times heads (the scores SDPA may materialize) one attention call handles:
@@ -36,13 +34,17 @@ ATTENTION_CHUNK_ELEMENTS = 1 << 26
 
 
 class TorchBackend:
-    def __init__(self, cache: KVCache, config: ModelConfig):
-        self.cache = cache
+    def __init__(self, store: KVStore, config: ModelConfig):
+        self.store = store
         self.config = config
-        self.block_size = cache.geometry.block_size
-        self.rope = RotaryTable(config, cache.max_model_len, cache.device, cache.geometry.dtype)
+        self.block_size = store.geometry.block_size
+        self.rope = RotaryTable(config, store.max_model_len, store.device, store.geometry.dtype)
         self.cos, self.sin = self.rope.cos, self.rope.sin  # the static types' tables (None for dynamic)
         self._step: dict = {}  # per-step index tensors shared by all layers
+
+    def prefill_graphs(self, model, max_tokens: int) -> None:
+        """No CUDA graphs for prefill-kind steps here: they run eagerly (CudaBackend's capture them)."""
+        return None
 
     # --- the layer's steps around its GEMMs ------------------------------------------------------
     def rms_norm(self, x, weight, eps):
@@ -164,7 +166,7 @@ class TorchBackend:
         owned = key_pos[None, :] < ctx[:, None]  # [B, Lk]: the sequence's own, written keys
         chunk = max(1, ATTENTION_CHUNK_ELEMENTS // (B * Lk * self.config.num_heads))
         s = {
-            "key_block": (key_pos // self.block_size).clamp(max=self.cache.max_blocks_per_seq - 1),
+            "key_block": (key_pos // self.block_size).clamp(max=self.store.max_blocks_per_seq - 1),
             "key_offset": key_pos % self.block_size,
             "slots": batch.slots.long(),
             "owned": owned[:, :, None, None],  # [B, Lk, 1, 1], against the gathered [B, Lk, kv_heads, head_dim]
@@ -195,10 +197,10 @@ class TorchBackend:
     def rope_write_kv(self, layer: int, q, k, v, batch: StepBatch):
         s = self._step
         q, k = apply_rope(q, s["cos"], s["sin"]), apply_rope(k, s["cos"], s["sin"])
-        physical = self.cache.device_table[s["token_slot"], layer, s["token_block"]].long()
-        pool, offset, row, keep = raw(self.cache.pool), s["token_offset"], s["write_row"], s["write_nothing"]
+        physical = self.store.device_table[s["token_slot"], layer, s["token_block"]].long()
+        pool, offset, row, keep = raw(self.store.pool), s["token_offset"], s["write_row"], s["write_nothing"]
         k, v = k[row], v[row]
-        scales = self.cache.kv_scales
+        scales = self.store.kv_scales
         if scales is not None:
             k, v = raw(quantize_kv(k, scales.k[layer])), raw(quantize_kv(v, scales.v[layer]))
         pool[physical, 0, offset] = torch.where(keep, pool[physical, 0, offset], k)
@@ -214,12 +216,12 @@ class TorchBackend:
         return out
 
     def _attend(self, layer: int, q: torch.Tensor, s: dict) -> torch.Tensor:
-        table = self.cache.device_table[:, layer]
+        table = self.store.device_table[:, layer]
         physical = table[s["slots"][:, None], s["key_block"][None, :]].long().clamp(min=0)  # [B, Lk]
-        pool = raw(self.cache.pool)
+        pool = raw(self.store.pool)
         k = pool[physical, 0, s["key_offset"][None, :]]  # [B, Lk, kv_heads, head_dim]
         v = pool[physical, 1, s["key_offset"][None, :]]
-        scales = self.cache.kv_scales
+        scales = self.store.kv_scales
         if scales is not None:
             k, v = dequantize_kv(k, scales.k[layer], q.dtype), dequantize_kv(v, scales.v[layer], q.dtype)
         # keys the sequence does not own become exact zeros: masked out, and 0 x 0 is 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedcli.model.fp8 import dequantize_kv, raw
+from pagedcli.core.fp8 import dequantize_kv, raw
 
 
 def decode_attention_full_width(q: torch.Tensor, pool: torch.Tensor, layer_table: torch.Tensor,

@@ -8,8 +8,9 @@ from dataclasses import replace
 
 from pagedcli.bench.arrivals import arrival_times
 from pagedcli.bench.measure import Workload, check_lengths, requests_for
-from pagedcli.engine.sequence import SamplingParams
-from pagedcli.model.loader import EngineOptions, Model, build_engine
+from pagedcli.core.options import EngineOptions, SamplingParams
+from pagedcli.engine.build import build_engine
+from pagedcli.model.loader import Model
 
 ANNOUNCE_S = 30.0  # a run estimated to take longer than this is announced before it starts
 PROBE_TOKENS = 32  # the prompt timed for the estimate: long enough that its arithmetic shows

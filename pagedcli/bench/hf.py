@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from pagedcli.errors import UsageError
+from pagedcli.core.errors import UsageError
 from pagedcli.model.fp8 import Fp8Weight
 from pagedcli.model.loader import Model
 

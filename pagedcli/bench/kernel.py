@@ -26,10 +26,11 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from pagedcli.engine.batch import StepBatch
+from pagedcli.core.batch import StepBatch
+from pagedcli.core.fp8 import raw, to_fp8
+from pagedcli.core.geometry import CacheGeometry
 from pagedcli.engine.cache import KVCache
-from pagedcli.model.config import CacheGeometry, ModelConfig
-from pagedcli.model.fp8 import raw, to_fp8
+from pagedcli.model.config import ModelConfig
 
 ROTATE_BYTES = 256 * 2**20  # aim for at least this much K/V across the copies used in turn
 MAX_COPIES = 32
@@ -113,13 +114,13 @@ def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads
                                 cache_dtype)
             cache = KVCache(geo, max_slots=copies * batch, max_model_len=limit, device=device, shuffle_seed=0)
             if geo.kv_fp8:  # e4m3 of normal numbers (scales 1.0)
-                raw(cache.pool).copy_(raw(to_fp8(torch.randn(cache.pool.shape, device=device))))
+                raw(cache.store.pool).copy_(raw(to_fp8(torch.randn(cache.store.pool.shape, device=device))))
             else:
-                cache.pool.normal_()
+                cache.store.pool.normal_()
             for slot in range(copies * batch):
                 cache.grow(slot, context)
             cache.sync_device_table()
-            backend = CudaBackend(cache, config)
+            backend = CudaBackend(cache.store, config)
             kernel = backend.decode_kernel(batch) if backend.attention_kernel else None  # None: torch ops
 
             steps, sdpa_inputs = [], []
@@ -130,8 +131,8 @@ def bench_decode_kernel(batch_sizes, context_lens, head_dim: int = 64, num_heads
                 steps.append((step, q))
                 # the same K/V, gathered through the table into the contiguous layout SDPA reads
                 physical = torch.as_tensor(cache.table[slots, 0, :blocks_per_seq], device=device).long()
-                kv = raw(cache.pool)[physical]  # [B, blocks, 2, block_size, kv_heads, head_dim]
-                kv = kv.view(cache.pool.dtype).to(dtype) if geo.kv_fp8 else kv  # (the scales are 1.0)
+                kv = raw(cache.store.pool)[physical]  # [B, blocks, 2, block_size, kv_heads, head_dim]
+                kv = kv.view(cache.store.pool.dtype).to(dtype) if geo.kv_fp8 else kv  # (the scales are 1.0)
                 kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, num_kv_heads, -1, head_dim)[..., :context, :]
                 sdpa_inputs.append((q.unsqueeze(2), kv[0].contiguous(), kv[1].contiguous()))
                 del kv

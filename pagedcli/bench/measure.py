@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from pagedcli.bench.arrivals import Arrivals, arrival_times
+from pagedcli.core.errors import RunError, UsageError, plural
+from pagedcli.core.options import EngineOptions, SamplingParams
+from pagedcli.engine.build import build_engine
 from pagedcli.engine.engine import Engine
-from pagedcli.errors import RunError, UsageError, plural
-from pagedcli.model.loader import EngineOptions, Model, build_engine
-from pagedcli.engine.sequence import SamplingParams
-
+from pagedcli.model.loader import Model
 
 
 # --- the workload --------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def make_requests(w: Workload, n: int, vocab_size: int, avoid: set[int], tokeniz
     rng = random.Random(w.seed)
     out_lo, out_hi = parse_len(w.output_len, "--output-len")
     if w.prompt_file is not None:
-        from pagedcli.commands.prompts import read_prompts
+        from pagedcli.console.prompts import read_prompts
 
         if tokenizer is None:
             raise UsageError("--prompt-file needs a model with a tokenizer")

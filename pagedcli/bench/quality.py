@@ -19,11 +19,11 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from pagedcli.engine.batch import StepBatch
-from pagedcli.engine.sequence import SamplingParams
-from pagedcli.errors import UsageError, plural
+from pagedcli.core.batch import StepBatch
+from pagedcli.core.errors import UsageError, plural
+from pagedcli.core.options import EngineOptions, SamplingParams
+from pagedcli.engine.build import build_engine, load_model
 from pagedcli.model.files import read_given_text
-from pagedcli.model.loader import EngineOptions, build_engine, load_model
 from pagedcli.model.source import DEMO_FOLDER, ModelSource, resolve_model
 
 WINDOW_TOKENS = 256  # tokens a perplexity window holds (the demo model's training windows)

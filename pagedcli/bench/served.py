@@ -31,15 +31,15 @@ from urllib.parse import urlsplit
 
 from pagedcli.bench.arrivals import arrival_times
 from pagedcli.bench.measure import Request, Workload, requests_for, summarize
-from pagedcli.errors import RunError, UsageError, plural
+from pagedcli.core.errors import RunError, UsageError, plural
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # the longest wait for a stream's next chunk: a long queue before the first token is no fault
-PROGRESS_EVERY_S = 0.25  # the progress callback's period (not a call per token: 40k tokens/s on a GPU)
+PROGRESS_EVERY_S = 0.25  # the progress callback's period (not a call per token: a GPU streams far too many)
 WARM_UP_TOKENS = 4
-# Parsing the streams is Python, some 30 us a chunk through httpx on a slow core: more streams than
-# this are spread over processes, each its share (a GPU server writes more chunks than one parses;
-# at 16 a process, 64 streams from the H200's server kept the busiest one 60-75% busy)
+# Parsing the streams is Python, through httpx, on one core a process: more streams than this are
+# spread over processes, each its share (a GPU server writes more chunks than one parses; at twice
+# this a process the busiest one was mostly busy: docs/performance-log.md, "The host's own work")
 STREAMS_PER_PROCESS = 8
 # a client process's CPU time over the run's wall time past which the figures may be the client's limit
 CLIENT_BUSY = 0.9

@@ -14,7 +14,7 @@ import typer
 from pagedcli.commands import bench_plot
 from pagedcli.commands.exits import err, friendly_errors, notice
 from pagedcli.commands.options import EngineFlags, flag_group
-from pagedcli.errors import UsageError, plural
+from pagedcli.core.errors import UsageError, plural
 
 
 @friendly_errors
@@ -54,7 +54,7 @@ def bench(
     from pagedcli.bench import measure as b
     from pagedcli.bench.bandwidth import measure_bandwidth
     from pagedcli.commands.bench_view import Progress, print_tables, results_table
-    from pagedcli.model.loader import load_model
+    from pagedcli.engine.build import load_model
 
     batches = _int_list(batch, "--batch")
     if compare not in (None, "hf"):
@@ -232,9 +232,9 @@ def _kernel_bench(loaded, json_output: bool, bandwidth: float | None, kv_cache_d
     if loaded.device.type != "cuda":
         raise UsageError("--kernel times our CUDA kernel", "run it on a machine with an NVIDIA GPU and CuPy")
     from pagedcli.bench.bandwidth import measure_bandwidth
-    from pagedcli.commands.bench_view import kernel_table, print_tables
     from pagedcli.bench.kernel import bench_decode_kernel
-    from pagedcli.model.fp8 import FP8_DTYPE
+    from pagedcli.commands.bench_view import kernel_table, print_tables
+    from pagedcli.core.fp8 import FP8_DTYPE
 
     c = loaded.source.config
     rows = bench_decode_kernel([1, 8, 64], [512, 4096], head_dim=c.head_dim, num_heads=c.num_heads,

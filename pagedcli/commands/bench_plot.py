@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pagedcli.errors import UsageError
+from pagedcli.core.errors import UsageError
 
 
 def plot_path(path: Path) -> Path:

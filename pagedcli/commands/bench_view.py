@@ -12,7 +12,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from pagedcli.commands.drawing import human_bytes
+from pagedcli.console.drawing import human_bytes
 
 PLAIN_EVERY_S = 10.0  # without a terminal, a progress line at most this often (and one as each batch size ends)
 

@@ -19,13 +19,14 @@ from rich.console import Console
 
 from pagedcli.commands.exits import Terminated, err, friendly_errors, notice
 from pagedcli.commands.generate import load_for_text, request_params, sampling_defaults, stream_answers
-from pagedcli.commands.prompts import check_text, stdin_is_terminal
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group, with_flags
-from pagedcli.errors import RunError, UsageError
+from pagedcli.console.prompts import check_text, stdin_is_terminal
+from pagedcli.core.errors import RunError, UsageError
 
 if TYPE_CHECKING:
+    from pagedcli.core.options import SamplingParams
     from pagedcli.engine.engine import Engine
-    from pagedcli.engine.sequence import SamplingParams, Sequence
+    from pagedcli.engine.sequence import Sequence
     from pagedcli.engine.snapshot import CacheSnapshot
     from pagedcli.model.tokenizer import Tokenizer
 
@@ -211,7 +212,7 @@ class Chat:
     def open_view(self):
         if not self.live_next:
             return None
-        from pagedcli.commands.live_view import open_live_view
+        from pagedcli.console.live_view import open_live_view
 
         self.live_next = False
         view = open_live_view(self.engine, self.tokenizer.decode, json_output=False)
@@ -221,7 +222,7 @@ class Chat:
 
     def room_hint(self) -> str:
         """What can make room for a longer conversation: the engine's length limit is the least of
-        the model's positions, what the pool holds and --max-model-len (loader.build_engine), and
+        the model's positions, what the pool holds and --max-model-len (engine/build.py build_engine), and
         only the last two can grow."""
         cache = self.engine.cache
         if cache.max_model_len == self.engine.runner.model.config.context_length:

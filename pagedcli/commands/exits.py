@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from pagedcli.commands.options import with_flags
-from pagedcli.errors import PagedCliError, RunError, allocation_failure
+from pagedcli.core.errors import PagedCliError, RunError, allocation_failure
+from pagedcli.core.signals import signals_handled
 
 
 class Stderr(Console):
@@ -80,23 +81,6 @@ class Terminated(KeyboardInterrupt):
 
 
 ENDED_BY = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}
-
-
-@contextlib.contextmanager
-def signals_handled(signums, handler):
-    """`handler` for these signals while the block runs, the handlers before it afterwards (one
-    that Python did not install comes back as the default)."""
-    previous = {}
-    try:
-        for signum in signums:
-            previous[signum] = signal.signal(signum, handler)
-    except ValueError:  # not the main thread: signals cannot be handled here
-        pass
-    try:
-        yield
-    finally:
-        for signum, old in previous.items():
-            signal.signal(signum, old if old is not None else signal.SIG_DFL)
 
 
 @contextlib.contextmanager

@@ -11,13 +11,14 @@ import typer
 
 from pagedcli.commands.exits import exit_for_failures, friendly_errors, notice, report_failures
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
-from pagedcli.commands.prompts import prompt_separator, read_prompts
-from pagedcli.errors import RunError, UsageError, plural
+from pagedcli.console.prompts import prompt_separator, read_prompts
+from pagedcli.core.errors import RunError, UsageError, plural
 
 if TYPE_CHECKING:  # the engine and torch load once a command runs, not for --help
     from pagedcli.commands.output import JsonPrinter, TextPrinter
+    from pagedcli.core.options import SamplingParams
     from pagedcli.engine.engine import Engine
-    from pagedcli.engine.sequence import SamplingParams, Sequence
+    from pagedcli.engine.sequence import Sequence
 
 
 def sampling_defaults(params: SamplingParams, generation_config: dict, given: set[str],
@@ -122,7 +123,7 @@ def length_cut(seqs: list[Sequence], engine: Engine) -> str | None:
 
 def request_params(requests: RequestFlags) -> tuple[SamplingParams, set[str]]:
     """The sampling the options ask for (the rest: SamplingParams' defaults), and which they gave."""
-    from pagedcli.engine.sequence import SamplingParams
+    from pagedcli.core.options import SamplingParams
 
     sampling = requests.sampling()
     given = {k for k, v in sampling.items() if v is not None}
@@ -135,8 +136,8 @@ def load_for_text(engine_flags: EngineFlags, requests: RequestFlags, command: st
                   **overrides):
     """Load the model for a command that needs its tokenizer (and, `chat` True, a chat template:
     --chat-template's, else the folder's), refusing one that lacks them before its weights are read.
-    `say`: where the loader's notices go (nowhere with --quiet)."""
-    from pagedcli.model.loader import load
+    `say`: where the model's and the build's notices go (nowhere with --quiet)."""
+    from pagedcli.engine.build import load
 
     opts = engine_flags.options(**overrides)
 
@@ -165,7 +166,7 @@ def load_for_text(engine_flags: EngineFlags, requests: RequestFlags, command: st
 def start_requests(engine_flags: EngineFlags, requests: RequestFlags, command: str, say=notice, **overrides):
     """Everything generate and inspect-cache share: check the input, load the model, queue the
     requests. Returns the loaded model, the sequences and whether the chat template is used.
-    `say`: where the loader's notices go (nowhere with --quiet)."""
+    `say`: where the model's and the build's notices go (nowhere with --quiet)."""
     params, given = request_params(requests)
     if requests.samples < 1:
         raise UsageError(f"--n {requests.samples}: needs at least one answer per prompt")
@@ -203,7 +204,7 @@ def generate(
     engine, samples = loaded.engine, requests.samples
     view = None
     if live:
-        from pagedcli.commands.live_view import open_live_view
+        from pagedcli.console.live_view import open_live_view
 
         view = open_live_view(engine, loaded.tokenizer.decode, json_output)
         if view is None and not json_output:

@@ -20,12 +20,13 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from pagedcli.commands.drawing import human_bytes, prefill_progress, request_label
 from pagedcli.commands.exits import exit_for_failures, friendly_errors, report_failures
 from pagedcli.commands.generate import start_requests
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
-from pagedcli.errors import UsageError, plural
-from pagedcli.json_lines import one_line
+from pagedcli.console.cache_json import block_texts, block_token_ids, shared_with, to_json
+from pagedcli.console.drawing import human_bytes, prefill_progress, request_label
+from pagedcli.core.errors import UsageError, plural
+from pagedcli.core.json_lines import one_line
 
 if TYPE_CHECKING:  # the engine and torch load once the command runs, not for --help
     from pagedcli.engine.engine import Engine
@@ -105,25 +106,6 @@ def last_step_at_most(engine: Engine) -> int | None:
     return engine.num_steps + steps if blocks <= geo.num_blocks else None
 
 
-# --- what a block holds -------------------------------------------------------------------------
-def block_token_ids(view: SlotView, block_size: int) -> list[list[int]]:
-    """The token ids in each logical block: only those whose K/V are in the cache."""
-    ids = view.token_ids[: view.num_cached]
-    return [list(ids[i * block_size:(i + 1) * block_size]) for i in range(view.num_blocks)]
-
-
-def block_texts(decode, blocks: list[list[int]]) -> list[str]:
-    """Each block's text, cut from the decoded text of the whole sequence so far, so a block keeps
-    the leading spaces a tokenizer only shows in context."""
-    texts, ids, before = [], [], ""
-    for block in blocks:
-        ids += block
-        text = decode(ids)
-        texts.append(text[len(before):])
-        before = text
-    return texts
-
-
 def ranges(numbers: list[int]) -> str:
     """[1, 2, 3, 5] -> '1-3, 5'."""
     parts, start = [], None
@@ -153,50 +135,7 @@ def other_layers_note(view: SlotView, layer: int) -> str:
     return "; ".join(note)
 
 
-def shared_with(snap: CacheSnapshot, view: SlotView) -> list[dict[int, list[int]]]:
-    """For each layer: which other running slots hold each of this slot's blocks too (a cached
-    prefix, or parallel samples of one prompt)."""
-    mine = [set(row) for row in view.table]
-    shared: list[dict[int, list[int]]] = [{} for _ in view.table]
-    for other in snap.slots:
-        if other.slot != view.slot:
-            for layer, row in enumerate(other.table):
-                for block in mine[layer].intersection(row):
-                    shared[layer].setdefault(block, []).append(other.slot)
-    return shared
-
-
 # --- the two outputs ----------------------------------------------------------------------------
-def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
-    """Every layer's blocks with their byte offsets into the pool, and what they hold."""
-    geo = snap.geometry
-    token_blocks = block_token_ids(view, geo.block_size)
-    texts = block_texts(decode, token_blocks)
-    shared = shared_with(snap, view)
-    return {
-        "slot": view.slot,
-        "step": snap.step,
-        "geometry": {"block_size": geo.block_size, "block_bytes": geo.block_bytes, "v_offset": geo.v_offset,
-                     "num_blocks": geo.num_blocks, "num_layers": geo.num_layers, "pool_bytes": geo.pool_bytes,
-                     "dtype": str(geo.dtype).removeprefix("torch."),
-                     "kv_dtype": str(geo.kv_dtype).removeprefix("torch.")},
-        "free_blocks": snap.num_free_blocks,
-        "used_blocks": snap.num_used_blocks,
-        "request": {"id": view.seq_id, "prompt": view.prompt},
-        "prompt_token_ids": list(view.token_ids[: view.num_prompt_tokens]),
-        "output_token_ids": list(view.token_ids[view.num_prompt_tokens:]),
-        "num_cached": view.num_cached,
-        "prefill": {"computed": view.num_cached, "of": view.prefill_len} if view.is_prefilling else None,
-        "layers": [
-            {"layer": layer, "blocks": [
-                {"logical": i, "physical": p, "k_offset": p * geo.block_bytes,
-                 "v_offset": p * geo.block_bytes + geo.v_offset, "token_ids": token_blocks[i], "text": texts[i],
-                 "ref_count": 1 + len(shared[layer].get(p, [])), "shared_with": shared[layer].get(p, [])}
-                for i, p in enumerate(row)]}
-            for layer, row in enumerate(view.table)],
-    }
-
-
 def escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
 

@@ -1,6 +1,8 @@
-"""The options more than one command takes, each declared once: the engine's (EngineFlags) and the
-requests' and their sampling (RequestFlags). `flag_group` adds a group's fields to a command's
-options and hands them to the command as one object."""
+"""The options more than one command takes, as Typer flags: the engine's (EngineFlags) and the
+requests' and their sampling (RequestFlags). The engine's and the sampling options are declared once,
+in core/options.py (EngineOptions, SamplingParams): their flags are made from those fields here.
+What only the command line has (where prompts come from, --chat, --n) is declared here. `flag_group`
+adds a group's fields to a command's options and hands them to the command as one object."""
 
 from __future__ import annotations
 
@@ -13,115 +15,81 @@ from typing import Annotated, Optional
 
 import typer
 
-from pagedcli.defaults import (CPU_MAX_BATCHED_TOKENS, DEFAULT_CACHE, DEFAULTS, GPU_MAX_BATCHED_TOKENS,
-                                GPU_SERVING_MAX_BATCHED_TOKENS, LARGE_GPU_MAX_BATCHED_TOKENS,
-                                LARGE_GPU_SERVING_MAX_BATCHED_TOKENS)
-from pagedcli.errors import UsageError, name_settings
+from pagedcli.core.errors import name_settings
+from pagedcli.core.options import EngineOptions, SamplingParams, declared
 from pagedcli.model.presets import RANDOM_PRESETS
 
+# what a flag's help adds to its declaration's, where the command line knows more
+EXTRA_HELP = {"model": f" Presets (public checkpoints' shapes): {', '.join(RANDOM_PRESETS)}."}
 
-@dataclasses.dataclass
-class EngineFlags:
-    model: Annotated[Optional[str], typer.Option(
-        "--model", "-m", help="Model folder, Hub id, `demo`, or random weights: `random:<preset>` or "
-        "`random:<folder with config.json>`. Default: Llama-3.2-1B-Instruct if cached, else the built-in demo model. "
-        f"Presets (public checkpoints' shapes): {', '.join(RANDOM_PRESETS)}.")] = None
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = DEFAULTS.device
-    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")] = DEFAULTS.dtype
-    batch: Annotated[int, typer.Option("--batch", "-b", help="Concurrent sequences (slots).")] = DEFAULTS.batch
-    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = DEFAULTS.block_size
-    num_blocks: Annotated[Optional[int], typer.Option(help="Physical blocks in the pool (overrides --cache-size).")] = None
-    cache_size: Annotated[Optional[str], typer.Option(
-        help=f"Pool size, e.g. 2GiB. Default: {DEFAULT_CACHE['cuda']} on CUDA, {DEFAULT_CACHE['cpu']} on CPU.")] = None
-    gpu_memory_utilization: Annotated[Optional[float], typer.Option(
-        help="Size the pool so the process uses this share of the GPU's memory (e.g. 0.9): what is left after "
-        "the weights and the largest step's activations, measured by a profiling pass. Instead of --cache-size.")] = None
-    max_model_len: Annotated[Optional[int], typer.Option(
-        help="Longest sequence, prompt included. Default: the model's, capped by what the pool holds.")] = None
-    eager: Annotated[bool, typer.Option(help="No CUDA graphs (slower; for debugging).")] = DEFAULTS.eager
-    prefix_caching: Annotated[bool, typer.Option(help="Reuse the cached blocks of prompt prefixes seen before.")] = DEFAULTS.prefix_caching
-    chunked_prefill: Annotated[bool, typer.Option(
-        help="Steps carry every running sequence's next token plus chunks of prompts, up to "
-        "--max-num-batched-tokens, so decoding never waits for a long prompt's prefill.")] = DEFAULTS.chunked_prefill
-    max_num_batched_tokens: Annotated[Optional[int], typer.Option(
-        help="New tokens one step feeds at most (the chunk budget). "
-        f"Default (vLLM's): on a GPU of 70 GiB or more but an A100 {LARGE_GPU_MAX_BATCHED_TOKENS}, serve "
-        f"{LARGE_GPU_SERVING_MAX_BATCHED_TOKENS}; on another GPU {GPU_MAX_BATCHED_TOKENS}, serve "
-        f"{GPU_SERVING_MAX_BATCHED_TOKENS}; on CPU {CPU_MAX_BATCHED_TOKENS}.")] = None
-    kv_cache_dtype: Annotated[str, typer.Option(
-        help="auto (the model's dtype) or fp8 (also fp8_e4m3): K and V stored as float8 e4m3, 1 byte an element, "
-        "so the same pool holds twice the tokens of bf16; scaled per layer and KV head by the checkpoint's "
-        "k_scale/v_scale, else 1.0 (vLLM's default).")] = DEFAULTS.kv_cache_dtype
-    quantization: Annotated[str, typer.Option(
-        help="none or fp8: the linear layers' and the LM head's weights as float8 e4m3 with a scale per output "
-        "channel, quantized at load (the embeddings stay in --dtype for their lookups); over 2 rows (prefill, "
-        "larger batches) the activations too, per token, for fp8 tensor cores (W8A8), so a greedy text can "
-        "depend on the batch. "
-        "A checkpoint that ships fp8 weights (quant_method fp8) has its fp8 tensors read as they are; "
-        "with none they are dequantized to --dtype.")] = DEFAULTS.quantization
-    overlap: Annotated[bool, typer.Option(help="On a GPU, queue the next decode step before this one's tokens reach "
-                                          "the host, so Python's work per step hides behind the GPU's.")] = DEFAULTS.overlap
 
-    def options(self, **overrides):
+def typer_option(field: dataclasses.Field, annotation, default=dataclasses.MISSING):
+    """(name, Annotated[type, typer.Option], default) of a declared option, as a flag group's field."""
+    help_text = field.metadata["help"] + EXTRA_HELP.get(field.name, "")
+    info = typer.Option(*field.metadata["flags"], help=help_text, show_default=default is not None)
+    default = field.default if default is dataclasses.MISSING else default
+    return field.name, Annotated[annotation, info], dataclasses.field(default=default)
+
+
+class _EngineFlags:
+    def options(self, **overrides) -> EngineOptions:
         """The EngineOptions these flags ask for (`overrides`: what the command decides itself)."""
-        from pagedcli.model.loader import EngineOptions
-
-        if self.model is not None and not self.model.strip():
-            raise UsageError("--model is empty", "pass a model folder, a Hub id, or `demo`")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise UsageError(f"--max-model-len {self.max_model_len}: must be at least 1", "leave it out for the model's own")
         return EngineOptions(**(dataclasses.asdict(self) | overrides))
 
 
-@dataclasses.dataclass
-class RequestFlags:
-    prompts: Annotated[Optional[list[str]], typer.Argument(
-        help="Prompts; several run together. `-`: read them from standard input, as with none and input piped in.",
-        show_default=False)] = None
-    prompt_file: Annotated[Optional[Path], typer.Option(
-        help="A UTF-8 file with one prompt per line (`-`: standard input).")] = None
-    prompt_separator: Annotated[str, typer.Option(
-        help=r"What ends a prompt in a prompt file or standard input, with \n, \t, \r and \\ read as escapes: "
-        r"'\n\n' for prompts of several lines between blank lines, '' for the whole input as one prompt.")] = r"\n"
-    chat: Annotated[Optional[bool], typer.Option(
-        "--chat/--raw", help="Wrap prompts in the model's chat template (default when it has one) or feed them as is.")] = None
-    system: Annotated[Optional[str], typer.Option(help="A system message before each prompt, in the chat template.",
-                                                  show_default=False)] = None
-    chat_template: Annotated[Optional[Path], typer.Option(
-        help="A Jinja chat template file (as vLLM's --chat-template), in place of the model folder's.",
-        show_default=False)] = None
-    max_tokens: Annotated[int, typer.Option(help="New tokens per prompt, at most.")] = DEFAULTS.max_tokens
-    temperature: Annotated[Optional[float], typer.Option(
-        help="0 is greedy. Default: the model's generation_config.json when it samples, else 0.", show_default=False)] = None
-    top_k: Annotated[Optional[int], typer.Option(help="Sample from the k likeliest tokens (0: off).", show_default=False)] = None
-    top_p: Annotated[Optional[float], typer.Option(
-        help="Sample from the smallest set holding this probability (1: off).", show_default=False)] = None
-    min_p: Annotated[Optional[float], typer.Option(
-        help="Drop tokens less likely than this times the likeliest (0: off).", show_default=False)] = None
-    repetition_penalty: Annotated[Optional[float], typer.Option(
-        help="Divide the logits of tokens in the prompt or answer so far by this (1: off; >1 repeats less).",
-        show_default=False)] = None
-    presence_penalty: Annotated[Optional[float], typer.Option(
-        help="Lower the logit of every token the answer holds by this, -2 to 2 (0: off).", show_default=False)] = None
-    frequency_penalty: Annotated[Optional[float], typer.Option(
-        help="Lower a token's logit by this times its count in the answer, -2 to 2 (0: off).",
-        show_default=False)] = None
-    stop: Annotated[Optional[list[str]], typer.Option(
-        help="End the answer before this text (repeatable).", show_default=False)] = None
-    logprobs: Annotated[Optional[int], typer.Option(
-        help="With --json: each token's log-probability and the N likeliest tokens' (0 to 20).",
-        show_default=False)] = None
-    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (the i-th answer uses seed + i).")] = None
-    ignore_eos: Annotated[bool, typer.Option(help="Keep going past the model's stop tokens.")] = DEFAULTS.ignore_eos
-    samples: Annotated[int, typer.Option("--n", help="Answers per prompt; they share the prompt's blocks "
-                                         "(copy-on-write).")] = 1
+_ENGINE_HINTS = typing.get_type_hints(EngineOptions)
+# EngineOptions' fields the command line sets, with their declared types, defaults and help
+EngineFlags = dataclasses.make_dataclass("EngineFlags", [
+    typer_option(f, _ENGINE_HINTS[f.name]) for f in declared(EngineOptions) if f.metadata["cli"]], bases=(_EngineFlags,))
+EngineFlags.__module__ = __name__  # (where pickle finds it: serve sends the flags to its engine process)
 
+
+class _RequestFlags:
     def sampling(self) -> dict:
         """The sampling options as given (None: not given)."""
-        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                    repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                    frequency_penalty=self.frequency_penalty, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
-                    seed=self.seed, stop=tuple(self.stop) if self.stop else None, logprobs=self.logprobs)
+        given = {name: getattr(self, name) for name in SAMPLING_FLAGS}
+        given["stop"] = tuple(self.stop) if self.stop else None
+        return given
+
+
+_SAMPLING_HINTS = typing.get_type_hints(SamplingParams)
+# The flags of SamplingParams' fields: each None (not given) by default, so that the model's
+# generation_config.json fills in what the user leaves out, but for those whose declared default
+# stands as the flag's; --stop is repeatable (a list), --logprobs a count.
+FLAG_DEFAULTS_AS_DECLARED = ("max_tokens", "ignore_eos")
+SAMPLING_FLAGS = [f.name for f in declared(SamplingParams)]
+
+
+def _sampling_flag(field: dataclasses.Field):
+    if field.name in FLAG_DEFAULTS_AS_DECLARED:
+        return typer_option(field, _SAMPLING_HINTS[field.name])
+    annotation = Optional[list[str]] if field.name == "stop" else Optional[_SAMPLING_HINTS[field.name]]
+    return typer_option(field, annotation, default=None)
+
+
+RequestFlags = dataclasses.make_dataclass("RequestFlags", [
+    ("prompts", Annotated[Optional[list[str]], typer.Argument(
+        help="Prompts; several run together. `-`: read them from standard input, as with none and input piped in.",
+        show_default=False)], dataclasses.field(default=None)),
+    ("prompt_file", Annotated[Optional[Path], typer.Option(
+        help="A UTF-8 file with one prompt per line (`-`: standard input).")], dataclasses.field(default=None)),
+    ("prompt_separator", Annotated[str, typer.Option(
+        help=r"What ends a prompt in a prompt file or standard input, with \n, \t, \r and \\ read as escapes: "
+        r"'\n\n' for prompts of several lines between blank lines, '' for the whole input as one prompt.")],
+     dataclasses.field(default=r"\n")),
+    ("chat", Annotated[Optional[bool], typer.Option(
+        "--chat/--raw", help="Wrap prompts in the model's chat template (default when it has one) or feed them as is.")],
+     dataclasses.field(default=None)),
+    ("system", Annotated[Optional[str], typer.Option(help="A system message before each prompt, in the chat template.",
+                                                     show_default=False)], dataclasses.field(default=None)),
+    ("chat_template", Annotated[Optional[Path], typer.Option(
+        help="A Jinja chat template file (as vLLM's --chat-template), in place of the model folder's.",
+        show_default=False)], dataclasses.field(default=None)),
+    *(_sampling_flag(f) for f in declared(SamplingParams)),
+    ("samples", Annotated[int, typer.Option("--n", help="Answers per prompt; they share the prompt's blocks "
+                                            "(copy-on-write).")], dataclasses.field(default=1)),
+], bases=(_RequestFlags,))
+RequestFlags.__module__ = __name__
 
 
 def flag_group(group: type, param: str, leave_out: dict | None = None, first: bool = False):
@@ -152,7 +120,7 @@ def flag_group(group: type, param: str, leave_out: dict | None = None, first: bo
 
 
 def _flags() -> dict[str, str]:
-    """Each setting's flag, by the field name core messages give it (pagedcli.errors.name_settings)."""
+    """Each setting's flag, by the field name core messages give it (pagedcli.core.errors.name_settings)."""
     flags = {"raw": "--raw"}  # the off side of --chat/--raw
     for group in (EngineFlags, RequestFlags):
         for name, hint in typing.get_type_hints(group, include_extras=True).items():

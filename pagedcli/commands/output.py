@@ -8,8 +8,8 @@ import sys
 from typing import TextIO
 
 from pagedcli.commands.options import with_flags
+from pagedcli.core.json_lines import one_line
 from pagedcli.engine.sequence import Sequence
-from pagedcli.json_lines import one_line
 from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
 
 ERROR_MARK = " [error]"  # ends the text of an answer that failed (stderr says why); not with --quiet

@@ -27,11 +27,12 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from pagedcli.commands.exits import friendly_errors, notice, signals_handled
+from pagedcli.commands.exits import friendly_errors, notice
 from pagedcli.commands.generate import load_for_text, request_params, sampling_defaults
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
-from pagedcli.errors import PagedCliError, RunError, UsageError, plural
-from pagedcli.heap import frozen_heap
+from pagedcli.core.errors import PagedCliError, RunError, UsageError, plural
+from pagedcli.core.heap import frozen_heap
+from pagedcli.core.signals import signals_handled
 from pagedcli.serve import DEFAULT_MAX_WAITING, LOG_FORMAT, STOP_SIGNALS, ignore_stop_signals, stop_signals_ignored
 
 GRACE_S = 10.0  # seconds the requests in flight get to finish once a signal stops the server
@@ -228,7 +229,7 @@ def load_model(engine_flags: EngineFlags, requests: RequestFlags):
     """The model as generate loads it, in the engine's process, with its CUDA graphs captured and the
     server's default step budget; but one without a tokenizer (random weights, for a benchmark
     through the server) is served too, for prompts of token ids."""
-    from pagedcli.model.loader import load
+    from pagedcli.engine.build import load
 
     if engine_flags.model is not None and engine_flags.model.startswith("random:"):
         if requests.chat_template is not None:
@@ -259,8 +260,8 @@ def capture_graphs(runner) -> None:
 
 def plan_long_prompts(engine) -> None:
     """cuDNN's plan for every padded length a whole long prompt can take (backends/cudnn_prefill.py)
-    before the first request, for the same reason as the graphs: each is made on first use, tens of
-    ms in which every running stream would wait."""
+    before the first request, for the same reason as the graphs: each is made on first use, while
+    every running stream waits (docs/performance-log.md, "Prefill")."""
     plan = getattr(engine.runner.model.backend, "plan_whole_prompts", None)
     if plan is None:
         return

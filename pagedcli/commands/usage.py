@@ -8,7 +8,7 @@ import contextlib
 import difflib
 
 from pagedcli.commands.exits import fail
-from pagedcli.errors import RunError, UsageError
+from pagedcli.core.errors import RunError, UsageError
 
 try:  # newer Typer carries its own copy of Click
     from typer._click import exceptions as click_errors

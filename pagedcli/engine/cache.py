@@ -1,6 +1,7 @@
 """tiny-vllm's three pieces of a paged KV cache:
 
-- the pool: one tensor of `num_blocks` physical blocks (layout in `CacheGeometry`);
+- the pool: one tensor of `num_blocks` physical blocks (layout in `CacheGeometry`), on the device
+  (core/kv_store.py: `KVCache.store`);
 - the free-block list: physical block ids, with a reference count per block;
 - the block table: `table[slot][layer][logical block]` -> physical block, -1 where unassigned.
   Every layer owns its own blocks, so a sequence of n blocks holds n * num_layers physical blocks.
@@ -9,7 +10,7 @@ Beyond tiny-vllm, blocks can be shared: a prompt reuses the cached blocks of a p
 (`prefix_cache.py`), and parallel samples share their prompt's blocks (`fork`), copying a shared
 block only before writing into it (copy-on-write).
 
-An fp8 pool (`geometry.kv_fp8`) holds e4m3 values, with `kv_scales` (model/fp8.py: float32
+An fp8 pool (`geometry.kv_fp8`) holds e4m3 values, with `store.kv_scales` (core/fp8.py: float32
 [num_layers, num_kv_heads] for K and for V) beside it; blocks are copied and shared as raw bytes,
 so prefix caching and copy-on-write need nothing of their own.
 
@@ -24,13 +25,12 @@ import random
 import numpy as np
 import torch
 
-from pagedcli.model.config import CacheGeometry
-from pagedcli.model.fp8 import KVScales, raw
-from pagedcli.errors import allocation_failure
+from pagedcli.core.fp8 import KVScales
+from pagedcli.core.geometry import CacheGeometry
+from pagedcli.core.kv_store import KVStore
 from pagedcli.engine.prefix_cache import PrefixCache, extend_block_hashes
 
 UNASSIGNED = -1
-MAX_ID = int(np.iinfo(np.int32).max)  # block ids and slots are int32 (the table, the step's batch): at most this
 
 
 class BlockAllocator:
@@ -44,14 +44,15 @@ class BlockAllocator:
     Every call takes or gives a whole sequence's blocks at once (a block per layer: an 8,000-token
     prompt of Llama-3.2-1B is 8,000 blocks), so each is a few numpy operations, not a loop over
     the blocks in Python (which held up every running sequence for several steps' time whenever
-    a long one finished or was admitted: docs/performance.md, "Under arrivals"). The queue is an array of block ids in
+    a long one finished or was admitted: docs/performance-log.md, "A mixed step's decoding rows,
+    and the host's bookkeeping of long prompts"). The queue is an array of block ids in
     the order they were freed, read from `head` and appended at `tail`; a block that leaves the
     free list for another reason (a cached prefix shared again) keeps its entry, which is then
     stale: an entry counts only while its block is free and it is the block's latest (`position`).
     Stale entries are squeezed out when the array fills. Arrays, not a Python container of the
-    blocks: a pool sized to the GPU holds millions (4 million 32 KiB blocks in 90% of an H200),
-    and a container of them is walked at every full garbage collection (an OrderedDict of 4
-    million: 140 ms, in which the engine queues nothing). A block is free exactly when its
+    blocks: a pool sized to a large GPU holds millions, and a container of them is walked at every
+    full garbage collection, long enough that the engine queues nothing meanwhile
+    (docs/performance-log.md, "The host's own work"). A block is free exactly when its
     reference count is 0."""
 
     def __init__(self, num_blocks: int, shuffle_seed: int | None = None, on_reuse=None):
@@ -137,7 +138,9 @@ class BlockAllocator:
 
 
 class KVCache:
-    """The pool, the allocator and the block table, for `max_slots` concurrent sequences."""
+    """The host's side of the cache for `max_slots` concurrent sequences: the allocator, the block
+    table and the prefix cache; `store` is the device side (the pool, the table's device mirror,
+    an fp8 pool's scales: core/kv_store.py), which the backends read and write."""
 
     def __init__(self, geometry: CacheGeometry, max_slots: int, max_model_len: int,
                  device: torch.device | str = "cpu", shuffle_seed: int | None = None, prefix_caching: bool = True,
@@ -147,35 +150,17 @@ class KVCache:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = geometry.blocks_for(max_model_len)
         self.device = torch.device(device)
-        try:  # zeros, not empty: never-written token slots must hold finite numbers
-            # (an fp8 pool is made as zero bytes and viewed as e4m3: +0.0 is all zero bits)
-            self.pool = torch.zeros(geometry.pool_shape, dtype=torch.uint8 if geometry.kv_fp8 else geometry.kv_dtype,
-                                    device=self.device).view(geometry.kv_dtype)
-        except (RuntimeError, MemoryError) as e:
-            oom = allocation_failure(e, f"the KV pool ({geometry.pool_bytes / 2**30:,.1f} GiB)",
-                                     "use a smaller `cache_size` or `num_blocks`")
-            if oom is None:
-                raise
-            raise oom from None
-        # the fp8 pool's scales (None for a pool in the model dtype): the checkpoint's, or 1.0
-        self.kv_scales = None
-        if geometry.kv_fp8:
-            given = kv_scales or KVScales.default(geometry.num_layers, geometry.num_kv_heads, self.device)
-            self.kv_scales = given.to(self.device)
+        self.table = np.full((max_slots, geometry.num_layers, self.max_blocks_per_seq), UNASSIGNED, np.int32)
+        self.store = KVStore(geometry, self.table, max_model_len, self.device, kv_scales)
         self.prefix_cache = PrefixCache(geometry.num_blocks) if prefix_caching else None
         self.allocator = BlockAllocator(geometry.num_blocks, shuffle_seed,
                                         on_reuse=self.prefix_cache.forget if prefix_caching else None)
-        self.table = np.full((max_slots, geometry.num_layers, self.max_blocks_per_seq), UNASSIGNED, np.int32)
         self.num_blocks_of_slot = [0] * max_slots  # logical blocks held, the same in every layer
         self.num_offered = [0] * max_slots  # the slot's full blocks offered to the prefix cache so far
         self.shares_tail = [False] * max_slots  # the slot's partial last block may be shared (after a fork)
         self.pending_copies: list[tuple[np.ndarray, list[int]]] = []  # copy-on-write: (from, to) blocks
         self.num_copied_blocks = 0  # copy-on-write copies so far (all layers)
         self._changed: list[tuple[int, int, int]] = []  # (slot, start, stop) of blocks changed since the last device sync
-        if self.device.type == "cpu":
-            self.device_table = torch.from_numpy(self.table)  # shares memory: nothing to sync
-        else:
-            self.device_table = torch.full(self.table.shape, UNASSIGNED, dtype=torch.int32, device=self.device)
 
     # --- allocation -----------------------------------------------------------------------
     @property
@@ -195,7 +180,7 @@ class KVCache:
         """grow() for each (slot, num_tokens), each slot at most once, the blocks taken in one go:
         at a block boundary a decode step grows every sequence that crosses it (16 blocks each at
         Llama-3.2-1B), and taken one sequence at a time the host's work kept the GPU waiting
-        (docs/performance.md)."""
+        (docs/performance-log.md, "The host at a block boundary")."""
         layers, spans = self.geometry.num_layers, []
         for slot, num_tokens in requests:
             have, want = self.num_blocks_of_slot[slot], self.geometry.blocks_for(num_tokens)
@@ -347,17 +332,15 @@ class KVCache:
         """Carry out the copies copy-on-write asked for (before the forward pass writes)."""
         if not self.pending_copies:
             return
-        src = torch.tensor(np.concatenate([s for s, _ in self.pending_copies]), dtype=torch.long)
-        dst = torch.tensor([b for _, d in self.pending_copies for b in d], dtype=torch.long)
+        src = np.concatenate([s for s, _ in self.pending_copies])
+        dst = np.asarray([b for _, d in self.pending_copies for b in d], dtype=np.int64)
         self.pending_copies.clear()
-        # non_blocking, as in sync_device_table; raw bytes, whatever the pool's dtype
-        pool = raw(self.pool)
-        pool[dst.to(self.device, non_blocking=True)] = pool[src.to(self.device, non_blocking=True)]
+        self.store.copy_blocks(src, dst)
 
     # --- the device mirror ----------------------------------------------------------------
     def _mark_changed(self, slot: int, start: int, stop: int) -> None:
         """Blocks [start, stop) of `slot`, in every layer, are to be copied to the device mirror."""
-        if self.device.type != "cpu" and stop > start:
+        if not self.store.mirrors_host and stop > start:
             self._changed.append((slot, start, stop))
 
     def _changed_indices(self) -> np.ndarray:
@@ -372,17 +355,9 @@ class KVCache:
         return (rows[:, None] + np.arange(layers)[None, :] * width).ravel()
 
     def sync_device_table(self) -> None:
-        """Copy the table entries that changed since the last call to the device mirror: one small
-        host-to-device copy per step, instead of tiny-vllm's whole table for every layer."""
+        """Send the table entries that changed since the last call to the device mirror."""
         if not self._changed:
             return
         index = self._changed_indices()
         self._changed.clear()
-        # from pinned memory, so that the copy waits in the stream behind the step in flight and the
-        # host goes on: from pageable memory the host waited for the GPU's queue to drain (batch.
-        # to_device says why), and the GPU then sat idle while the host queued the next step
-        host = torch.empty((2, index.shape[0]), dtype=torch.int64, pin_memory=True)
-        pair = host.numpy()
-        pair[0], pair[1] = index, self.table.ravel()[index]
-        packed = host.to(self.device, non_blocking=True)
-        self.device_table.view(-1)[packed[0]] = packed[1].to(torch.int32)
+        self.store.write_table(index, self.table.ravel()[index])

@@ -27,59 +27,19 @@ feeds on the device (sampler.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from pagedcli.core.errors import UsageError
+from pagedcli.core.options import SamplingParams
 from pagedcli.engine.cache import KVCache
+from pagedcli.engine.outputs import QueuedStep, StepCounts, StepOutput
 from pagedcli.engine.runner import ModelRunner
-from pagedcli.engine.sampler import Sampler, StepLogprobs
+from pagedcli.engine.sampler import Sampler
 from pagedcli.engine.scheduler import Schedule, Scheduler
-from pagedcli.engine.sequence import SamplingParams, Sequence
+from pagedcli.engine.sequence import Sequence
 from pagedcli.engine.snapshot import CacheSnapshot, take_snapshot
 from pagedcli.engine.stop_strings import MakeDetokenizer, StopStrings
-from pagedcli.errors import UsageError
-
-
-@dataclass
-class StepOutput:
-    is_prefill: bool  # prompt tokens ran: prompts or chunks of them, maybe beside decoding sequences' tokens
-    seqs: list[Sequence]  # the sequences that ran and sampled
-    tokens: list[int]  # the token each sampled (a stop token is sampled but not appended)
-    finished: list[Sequence] = field(default_factory=list)
-    num_tokens: int = 0  # tokens fed through the network
-    num_decode: int = 0  # of those, the tokens of sequences decoding (in a prefill step: beside prompt chunks)
-    used_blocks: int = 0  # blocks in use during the step (before finished sequences give theirs back)
-    num_running: int = 0  # sequences holding a slot during the step
-    prefilling: list[Sequence] = field(default_factory=list)  # ran a prompt chunk short of the prompt's end
-
-    @property
-    def idle(self) -> bool:
-        """Nothing ran (nothing could be scheduled)."""
-        return not self.seqs and not self.prefilling
-
-
-@dataclass
-class QueuedStep:
-    """A step queued on the device: its sampled tokens exist there, and are on their way to the host."""
-
-    is_prefill: bool
-    seqs: list[Sequence]  # the rows that sample
-    tokens: torch.Tensor  # [len(seqs)] int64 on the device: what the next step feeds without a round trip
-    host_tokens: torch.Tensor  # the same on the host (pinned memory on a GPU), once `ready` has passed
-    ready: torch.cuda.Event | None  # None on the CPU: the tokens are there already
-    num_tokens: int
-    num_decode: int
-    used_blocks: int
-    num_running: int
-    chunks: tuple[list[Sequence], list[int]] = field(default_factory=lambda: ([], []))  # rows that fed a
-    # prompt chunk short of their prompt's end: they sample nothing
-    logprobs: StepLogprobs | None = None  # on their way to the host with the tokens
-
-    def tokens_on_host(self) -> list[int]:
-        if self.ready is not None:
-            self.ready.synchronize()  # this step only: a step queued after it keeps running
-        return self.host_tokens.tolist()
 
 
 class Engine:
@@ -130,60 +90,78 @@ class Engine:
         return self.scheduler.has_unfinished
 
     def step(self) -> StepOutput:
+        """Run one step (or finish the one queued ahead), and with the overlap queue the next decode
+        step before waiting for this one's tokens."""
         step, self.in_flight = self.in_flight, None
         if step is None:
             plan = self.scheduler.schedule()
             if not plan.seqs:
-                return StepOutput(plan.is_prefill, [], [])
+                return StepOutput(is_prefill=plan.is_prefill, seqs=[], tokens=[])
             step = self._queue_step(plan)
-        if self.overlap and not step.is_prefill:
+        if self.overlap and not step.counts.is_prefill:
             ahead = self.scheduler.schedule_ahead(step.seqs)
             if ahead:
                 self.in_flight = self._queue_step(Schedule(ahead, [1] * len(ahead), False), after=step)
                 self.num_launched_ahead += 1
         return self._finish(step)
 
+    # --- queueing a step on the device ---------------------------------------------------------
     def _queue_step(self, plan: Schedule, after: QueuedStep | None = None) -> QueuedStep:
         """Queue the forward pass and the sampling of one step. `after`: the decode step still in
         flight whose tokens this (decode) step feeds, taken from the device."""
-        seqs, is_prefill = plan.seqs, plan.is_prefill
-        num_tokens = sum(plan.num_new)
-        # a decoding row feeds the one token it generated last (a recomputed sequence's last prompt token counts too)
-        num_decode = sum(n == 1 and bool(s.output_token_ids) and s.num_cached == len(s) - 1
-                         for s, n in zip(seqs, plan.num_new)) if is_prefill else len(seqs)
-        chunks: tuple[list[Sequence], list[int]] = ([], [])
-        if is_prefill:  # rows whose chunk stops short of their prompt's end get no logits
+        counts = self._count(plan)
+        seqs, chunks = plan.seqs, ([], [])
+        if plan.is_prefill:  # rows whose chunk stops short of their prompt's end get no logits
             samples = plan.samples
             chunks = ([s for s, ok in zip(seqs, samples) if not ok], [n for n, ok in zip(plan.num_new, samples) if not ok])
-        used_blocks = self.cache.geometry.num_blocks - self.cache.num_free_blocks
-        num_running = len(self.scheduler.running)
-        feed = None
-        if after is not None:  # `seqs` are `after.seqs` less the ones that end with it, in order
-            if len(seqs) == len(after.seqs):
-                feed = after.tokens
-            else:
-                row = {s.id: i for i, s in enumerate(after.seqs)}
-                feed = after.tokens[torch.tensor([row[s.id] for s in seqs]).to(after.tokens.device, non_blocking=True)]
-        logits, greedy = self.runner.execute(seqs, is_prefill, feed, plan.num_new if is_prefill else None)
+        logits, greedy = self.runner.execute(seqs, plan.is_prefill, self._feed(seqs, after),
+                                             plan.num_new if plan.is_prefill else None)
         if chunks[0]:
             seqs = [s for s, ok in zip(seqs, samples) if ok]
-        if is_prefill:  # parallel samples join their prompt's parent, and sample from its row
+        if plan.is_prefill:  # parallel samples join their prompt's parent, and sample from its row
             seqs, rows = self.scheduler.fork(seqs)
             if rows is not None:
                 index = torch.tensor(rows).to(logits.device)
                 logits, greedy = logits[index], greedy[index]
         tokens, logprobs = self.sampler.sample(logits, greedy, seqs)
-        if tokens.is_cuda:
-            host, ready = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True), torch.cuda.Event()
-            host.copy_(tokens, non_blocking=True)
-            if logprobs is not None:
-                logprobs.to_host()
-            ready.record()
-        else:
-            host, ready = tokens, None
-        return QueuedStep(is_prefill, seqs, tokens, host, ready, num_tokens, num_decode, used_blocks, num_running,
-                          chunks, logprobs)
+        host_tokens, ready = self._send_to_host(tokens, logprobs)
+        return QueuedStep(counts=counts, seqs=seqs, tokens=tokens, host_tokens=host_tokens, ready=ready,
+                          chunks=chunks, logprobs=logprobs)
 
+    def _count(self, plan: Schedule) -> StepCounts:
+        """The step's size and the cache's use as it is queued."""
+        # a decoding row feeds the one token it generated last (a recomputed sequence's last prompt token counts too)
+        num_decode = (sum(n == 1 and bool(s.output_token_ids) and s.num_cached == len(s) - 1
+                          for s, n in zip(plan.seqs, plan.num_new)) if plan.is_prefill else len(plan.seqs))
+        return StepCounts(is_prefill=plan.is_prefill, num_tokens=sum(plan.num_new), num_decode=num_decode,
+                          used_blocks=self.cache.geometry.num_blocks - self.cache.num_free_blocks,
+                          num_running=len(self.scheduler.running))
+
+    @staticmethod
+    def _feed(seqs: list[Sequence], after: QueuedStep | None) -> torch.Tensor | None:
+        """The tokens a step queued ahead feeds, from the device: `seqs` are `after.seqs` less the ones
+        that end with it, in order. None: the runner takes them from the sequences."""
+        if after is None:
+            return None
+        if len(seqs) == len(after.seqs):
+            return after.tokens
+        row = {s.id: i for i, s in enumerate(after.seqs)}
+        return after.tokens[torch.tensor([row[s.id] for s in seqs]).to(after.tokens.device, non_blocking=True)]
+
+    @staticmethod
+    def _send_to_host(tokens: torch.Tensor, logprobs) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start the tokens' (and logprobs') copy to the host: pinned memory and an event to wait on,
+        on a GPU; on the CPU they are there."""
+        if not tokens.is_cuda:
+            return tokens, None
+        host, ready = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True), torch.cuda.Event()
+        host.copy_(tokens, non_blocking=True)
+        if logprobs is not None:
+            logprobs.to_host()
+        ready.record()
+        return host, ready
+
+    # --- finishing a step on the host ----------------------------------------------------------
     def _finish(self, step: QueuedStep) -> StepOutput:
         """Wait for a step's tokens; append them, finish sequences, give blocks back."""
         tokens = step.tokens_on_host()
@@ -192,21 +170,18 @@ class Engine:
             kept = [i for i, s in enumerate(seqs) if not s.is_finished]
             seqs, tokens = [seqs[i] for i in kept], [tokens[i] for i in kept]
         self.scheduler.advance(*step.chunks)
-        now = time.perf_counter()
-        for seq in seqs:
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.token_times.append(now)
+        _stamp_times(seqs)
         finished = self.scheduler.update(seqs, tokens)
         if step.logprobs is not None:
             step.logprobs.attach(step.seqs)
         finished += self._stop_strings(seqs)
+        self._drop_void_step_ahead()
+        self.num_steps += 1
+        return StepOutput(**vars(step.counts), seqs=seqs, tokens=tokens, finished=finished, prefilling=step.chunks[0])
+
+    def _drop_void_step_ahead(self) -> None:
         if self.in_flight is not None and all(s.is_finished for s in self.in_flight.seqs):
             self.in_flight = None  # every row of the step ahead is void: nobody waits for it
-        self.num_steps += 1
-        return StepOutput(step.is_prefill, seqs, tokens, finished, step.num_tokens, step.num_decode, step.used_blocks,
-                          step.num_running,
-                          step.chunks[0])
 
     def _stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
         """End the sequences whose text now holds a stop string, as a stop token would: those that
@@ -250,8 +225,7 @@ class Engine:
         the next step() drops them, as it does for a stop token."""
         for seq in seqs:
             self.scheduler.abort(seq)
-        if self.in_flight is not None and all(s.is_finished for s in self.in_flight.seqs):
-            self.in_flight = None  # every row of the step ahead is void: nobody waits for it
+        self._drop_void_step_ahead()
 
     def forget(self) -> None:
         """Let go of the requests that ended (a server runs for ever; its requests must not pile
@@ -265,3 +239,12 @@ class Engine:
 
     def snapshot(self) -> CacheSnapshot:
         return take_snapshot(self)
+
+
+def _stamp_times(seqs: list[Sequence]) -> None:
+    """When each sequence's new token reached the host (TTFT and ITL are measured from these)."""
+    now = time.perf_counter()
+    for seq in seqs:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_times.append(now)

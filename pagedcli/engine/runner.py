@@ -4,20 +4,19 @@ On a GPU with our CUDA backend, decode steps replay CUDA graphs captured per bat
 the step's inputs go to the graph's static tensors in one host-to-device copy (the tensors are views
 of one staging buffer, so nothing inside the graph copies them), the graph replays every kernel of
 the forward pass and the greedy argmax at once, and the logits and tokens of the real rows come out.
-Prefill-kind steps of up to prefill_graphs.MAX_GRAPH_TOKENS tokens do the same per token bucket
-(prefill_graphs.py); larger ones run eagerly.
+Prefill-kind steps of up to cuda_prefill_graphs.MAX_GRAPH_TOKENS tokens do the same per token
+bucket, through graphs the backend makes (backends/cuda_prefill_graphs.py); larger ones run eagerly.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedcli.engine.batch import StepBatch
+from pagedcli.backends.graph_capture import CapturedGraphs
+from pagedcli.core.batch import StepBatch
 from pagedcli.engine.cache import KVCache
-from pagedcli.engine.graph_capture import CapturedGraphs
-from pagedcli.engine.prefill_graphs import PrefillGraphs
-from pagedcli.model.network import Llama
 from pagedcli.engine.sequence import Sequence
+from pagedcli.model.network import Llama
 
 
 def graph_buckets(max_slots: int) -> list[int]:
@@ -33,9 +32,8 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.device
         self.graphs = DecodeGraphs(model, cache) if use_graphs else None
-        self.prefill_graphs = (PrefillGraphs(model, cache, max_step_tokens)
-                               if use_graphs and max_step_tokens and getattr(model.backend, "captures_prefill", False)
-                               else None)
+        # the backend's graphs for prefill-kind steps, where it has them (CUDA: cuda_prefill_graphs.py)
+        self.prefill_graphs = model.backend.prefill_graphs(model, max_step_tokens) if use_graphs and max_step_tokens else None
 
     def capture_graphs(self) -> None:
         """Capture every bucket's graph now rather than on first use (benchmarks: keep capture
@@ -60,7 +58,7 @@ class ModelRunner:
         than its host copy says, and that token is the one fed."""
         # Before the batch's copy to the device, which the stream starts only once everything
         # ahead of it is done: the split-KV decode kernel reads the block table before its
-        # programmatic-launch wait (with fp8 weights), safe only behind such a copy (csrc/common.cuh).
+        # programmatic-launch wait (with fp8 weights), safe only behind such a copy (kernels/common.cuh).
         self.cache.sync_device_table()
         self.cache.copy_pending_blocks()  # copy-on-write, before this step writes K/V
         slots = [s.slot for s in seqs]

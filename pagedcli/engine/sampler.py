@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedcli.backends import NOT_FINITE
+from pagedcli.core.batch import NOT_FINITE
 from pagedcli.engine.logits_processors import Penalties, warp
 from pagedcli.engine.sequence import Sequence
 

@@ -30,10 +30,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedcli.core.batch import NOT_FINITE
+from pagedcli.core.errors import plural
+from pagedcli.core.options import UNCHUNKED_MAX_BATCHED_TOKENS
 from pagedcli.engine.cache import KVCache
-from pagedcli.backends import NOT_FINITE
 from pagedcli.engine.sequence import Sequence, Status
-from pagedcli.errors import plural
 
 
 @dataclass
@@ -49,12 +50,6 @@ class Schedule:
         """Whether each row samples a token: its new tokens reach its end (a prompt chunk that stops
         short of the prompt's end does not)."""
         return [s.num_cached + n == len(s) for s, n in zip(self.seqs, self.num_new)]
-
-
-# Prompt tokens one step prefills without chunked prefill (the first prompt admitted goes whole):
-# the scheduler's own cap, as before chunking, not the chunked budget's default by device
-# (defaults.default_max_batched_tokens).
-UNCHUNKED_MAX_BATCHED_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -81,7 +76,7 @@ class PromptLimits:
     def unknown_token(self, token_ids: list[int]) -> str | None:
         """A token id the model has no embedding for: the tokenizer is not the model's."""
         if not self.vocab_size or not token_ids or 0 <= min(token_ids) and max(token_ids) < self.vocab_size:
-            return None  # (min and max: a 128k-token prompt checked in C, not a Python loop of 4 ms)
+            return None  # (min and max: a 128k-token prompt checked in C, not in a Python loop a token)
         bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
         return (f"token id {bad} is outside the model's vocabulary of {self.vocab_size:,} (ids 0 to "
                 f"{self.vocab_size - 1:,}; ids from a tokenizer that is not this model's)")

@@ -3,81 +3,11 @@
 from __future__ import annotations
 
 import enum
-import math
 import time
-from dataclasses import dataclass
 
 import torch
 
-from pagedcli.defaults import DEFAULTS
-
-
-# Temperatures below this sample as greedy (vLLM's choice): dividing the logits by a temperature
-# near zero overflows them, and the distribution is the argmax's long before that.
-GREEDY_BELOW = 1e-5
-MAX_LOGPROBS = 20  # the most top tokens a step reports (vLLM's default cap)
-MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range, vLLM's check)
-# The repetition penalty lies in [1/R, R]: a logit divided by one near 0 overflows float32 (inf, then a
-# NaN distribution that no draw takes), and one past float32's range is inf (0 * inf is NaN)
-MAX_REPETITION_PENALTY = 1e4
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """What a request asks of sampling, with vLLM's names and meanings (logits_processors.py)."""
-
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    min_p: float = 0.0  # 0: off
-    repetition_penalty: float = 1.0  # 1: off; prompt and output tokens
-    presence_penalty: float = 0.0  # 0: off; output tokens
-    frequency_penalty: float = 0.0  # 0: off; output tokens
-    max_tokens: int = DEFAULTS.max_tokens
-    ignore_eos: bool = DEFAULTS.ignore_eos
-    seed: int | None = None
-    stop: tuple[str, ...] = ()  # the text ends before the first of these it contains
-    logprobs: int | None = None  # None: off; N: the chosen token's log-probability and the N likeliest
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    def problem(self) -> tuple[str, object, str, str | None] | None:
-        """The first setting no sampler can use, as (field, value, why, hint); None if all are fine."""
-        def finite(x) -> bool:
-            return isinstance(x, (int, float)) and math.isfinite(x)
-
-        checks = [
-            ("temperature", finite(self.temperature) and self.temperature >= 0,
-             "must be 0 (greedy) or a positive number", None),
-            ("top_p", finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]", "1 turns it off"),
-            ("top_k", self.top_k >= 0, "must be 0 (off) or more", None),
-            ("min_p", finite(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]", "0 turns it off"),
-            ("repetition_penalty", finite(self.repetition_penalty)
-             and 1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
-             f"must be a positive number from {1 / MAX_REPETITION_PENALTY:g} to {MAX_REPETITION_PENALTY:g}",
-             "1 turns it off; above 1 discourages repeats"),
-            ("presence_penalty", finite(self.presence_penalty) and abs(self.presence_penalty) <= MAX_PENALTY,
-             f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", "0 turns it off"),
-            ("frequency_penalty", finite(self.frequency_penalty) and abs(self.frequency_penalty) <= MAX_PENALTY,
-             f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", "0 turns it off"),
-            ("max_tokens", self.max_tokens >= 1, "must be at least 1", None),
-            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit in 64 bits",
-             "use a number from -2**63 to 2**63 - 1"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"must be from 0 to {MAX_LOGPROBS}", "0 gives only the chosen token's"),
-        ]
-        for name, ok, why, hint in checks:
-            if not ok:
-                return name, getattr(self, name), why, hint
-        if "" in self.stop:
-            return "stop", "''", "a stop string must not be empty", None
-        return None
+from pagedcli.core.options import SamplingParams
 
 
 class Status(enum.Enum):

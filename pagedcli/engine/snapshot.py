@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedcli.model.config import CacheGeometry
+from pagedcli.core.geometry import CacheGeometry
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Stop strings: a request ends as soon as its text contains one, and its text ends before it
 (vLLM's meaning; the token that completed it stays in the token ids).
 
-The engine does not know the tokenizer: it is given a `detokenizer` (the loader's: a StreamDecoder
+The engine does not know the tokenizer: it is given a `detokenizer` (engine/build.py's: a StreamDecoder
 over the model's tokenizer) and makes one per request that has stop strings. Each step decodes
 only the new tokens, and only the new text and the len(stop) - 1 characters before it are
 searched, as vLLM does: the host's work per step does not grow with the answer.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from pagedcli.errors import RunError, show_value
+from pagedcli.core.errors import RunError, show_value
 
 # config.json: sizes that must be whole numbers of at least 1 (None: the field may be absent or null)
 POSITIVE_INTS = {"vocab_size": False, "hidden_size": False, "intermediate_size": False, "num_hidden_layers": False,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pagedcli.errors import RunError, UsageError
+from pagedcli.core.errors import RunError, UsageError
 
 
 def read_bytes(path: Path) -> bytes:

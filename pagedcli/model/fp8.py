@@ -1,22 +1,12 @@
-"""FP8 (float8 e4m3, vLLM's `fp8`): the one definition of how pagedcli stores K/V and weights in 8 bits.
+"""FP8 weights (`quantization` fp8, vLLM's name), on the e4m3 format of core/fp8.py.
 
-Both use torch.float8_e4m3fn (1 sign, 4 exponent, 3 mantissa bits; finite up to ±448, no inf) with
-float32 scales:
-
-- K/V (`kv_cache_dtype` fp8): stored = e4m3(x / scale), read = float(stored) * scale, one scale per
-  layer and KV head (`KVScales`: k and v, [num_layers, num_kv_heads]); 1.0 unless the checkpoint
-  ships k_scale / v_scale (vLLM's default and its names).
-- weights (`quantization` fp8): the linear layers' [out, in] matrices as e4m3 values with a scale per
-  output row (`Fp8Weight`), amax(|row|) / 448 when quantized at load. A product of up to
-  W8A16_MAX_ROWS rows (decode at batches 1 and 2, where reading the weights is all the time there
-  is) keeps the activations in the model dtype: y = (x . values_row) * scale_row, the dot in float32.
-  More rows (prefill, larger batches) quantize the activations too, with a scale per row (token)
-  computed from its values as vLLM's dynamic per-token scheme does (`quantize_rows`): both operands
-  are e4m3 and the product runs on fp8 tensor cores where the GPU has them (W8A8).
-
-torch's float8 cast does not promise to saturate (out-of-range values may become NaN), so every
-cast here clamps to ±FP8_MAX first. Gathers, scatters and copies of fp8 tensors go through their
-uint8 view (`raw`): the same bytes, and ops every torch version has for every device.
+The linear layers' [out, in] matrices as e4m3 values with a scale per output row (`Fp8Weight`),
+amax(|row|) / 448 when quantized at load. A product of up to W8A16_MAX_ROWS rows (decode at batches
+1 and 2, where reading the weights is all the time there is) keeps the activations in the model
+dtype: y = (x . values_row) * scale_row, the dot in float32. More rows (prefill, larger batches)
+quantize the activations too, with a scale per row (token) computed from its values as vLLM's
+dynamic per-token scheme does (`quantize_rows`): both operands are e4m3 and the product runs on fp8
+tensor cores where the GPU has them (W8A8).
 """
 
 from __future__ import annotations
@@ -26,56 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype
-QUANTIZATIONS = ("none", "fp8")
-DEFAULT_KV_SCALE = 1.0  # vLLM's, when the checkpoint has none
+from pagedcli.core.fp8 import FP8_MAX, to_fp8
+
 # torch._scaled_mm, the W8A8 GEMM past W8A16_MAX_ROWS rows on CUDA, takes K and N in multiples of this
 FP8_MMA_MULTIPLE = 16
 # Fp8Weight products of at most this many rows read 16-bit activations (gemv.cu's gemv8_ kernels on
 # CUDA); more rows quantize them per token (fp8 tensor cores on CUDA: cuda_fp8_gemm.py)
 W8A16_MAX_ROWS = 2
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """An fp8 tensor's bytes as uint8 (a view: writes go through); any other tensor as it is."""
-    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
-
-
-def to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """x (already divided by its scale) as e4m3, saturated at ±448."""
-    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
-# --- the KV cache --------------------------------------------------------------------------------
-@dataclass
-class KVScales:
-    """The fp8 pool's scales: float32 [num_layers, num_kv_heads] each, on the pool's device."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @classmethod
-    def default(cls, num_layers: int, num_kv_heads: int, device) -> "KVScales":
-        ones = torch.full((num_layers, num_kv_heads), DEFAULT_KV_SCALE, dtype=torch.float32, device=device)
-        return cls(ones, ones.clone())
-
-    def to(self, device) -> "KVScales":
-        return KVScales(self.k.to(device), self.v.to(device))
-
-
-def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x: [T, kv_heads, head_dim] in the compute dtype; scale: [kv_heads] (one layer's). The e4m3
-    values the pool stores."""
-    return to_fp8(x.float() / scale[:, None])
-
-
-def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """stored: [..., kv_heads, head_dim] e4m3 (or its uint8 bytes); scale: [kv_heads]. The values in `dtype`."""
-    if stored.dtype == torch.uint8:
-        stored = stored.view(FP8_DTYPE)
-    return (stored.float() * scale[:, None]).to(dtype)
 
 
 # --- weights -------------------------------------------------------------------------------------
@@ -117,7 +64,7 @@ def scale_of(amax: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [..., K] (in the model dtype) per row: e4m3 values [..., K] and float32 scales
-    [..., 1], scale = amax(|row|) / 448 (csrc/fp8_quant.cu computes the same bytes; for a row
+    [..., 1], scale = amax(|row|) / 448 (kernels/fp8_quant.cu computes the same bytes; for a row
     holding a NaN, whose product is NaN either way, its scale comes from the row's other values,
     this one's is 1)."""
     scale = scale_of(x.float().abs().amax(dim=-1, keepdim=True))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedcli.engine.batch import StepBatch
+from pagedcli.core.batch import StepBatch
 from pagedcli.model.config import ModelConfig
 from pagedcli.model.weights import Weights
 

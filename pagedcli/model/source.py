@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from pagedcli.core.errors import RunError, UsageError
 from pagedcli.model.config import ModelConfig, token_ids
 from pagedcli.model.config_checks import check_generation_config
-from pagedcli.errors import RunError, UsageError
 from pagedcli.model.files import read_json
 from pagedcli.model.presets import RANDOM_PRESETS
 

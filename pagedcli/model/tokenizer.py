@@ -13,8 +13,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from pagedcli.core.errors import RunError, UsageError
 from pagedcli.model.config_checks import check_chat_template, check_tokenizer_config
-from pagedcli.errors import RunError, UsageError
 from pagedcli.model.files import read_given_text, read_json, read_text
 
 # A chat template is a program from the model folder: its render is stopped past these (the

@@ -6,7 +6,7 @@ never held twice in memory.
 
 FP8 (model/fp8.py): with `quantization` fp8 the linear layers (q/k/v, o, gate/up, down) and the LM
 head become `Fp8Weight`s, quantized as they are read (a tied LM head as an fp8 copy of the
-embedding table, which stays for lookups: docs/performance.md, "FP8", measured that it pays; a
+embedding table, which stays for lookups: docs/performance-log.md, "FP8", measured that it pays; a
 vocabulary that is not a multiple of FP8_MMA_MULTIPLE keeps its LM head in the model dtype, which
 the fp8 GEMMs past 2 rows could not serve). A checkpoint whose config.json has a
 quantization_config of quant_method fp8 (or compressed-tensors' fp8) ships them as e4m3 values
@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagedcli.core.errors import RunError, plural, show_value
+from pagedcli.core.fp8 import FP8_DTYPE, KVScales
 from pagedcli.model.config import ModelConfig
-from pagedcli.errors import RunError, plural, show_value
 from pagedcli.model.files import read_json
-from pagedcli.model.fp8 import FP8_DTYPE, FP8_MMA_MULTIPLE, Fp8Weight, KVScales, quantize_weight
-from pagedcli.model.memory import check_weights_fit
+from pagedcli.model.fp8 import FP8_MMA_MULTIPLE, Fp8Weight, quantize_weight
+from pagedcli.model.host_memory import check_weights_fit
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of what a weight may be stored as
 FP8_STORED = "F8_E4M3"  # safetensors' name of float8_e4m3fn: an fp8 checkpoint's linear weights

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from pagedcli.engine.sequence import SamplingParams
+from pagedcli.core.options import SamplingParams
 from pagedcli.serve import DEFAULT_MAX_WAITING, cache_view
 from pagedcli.serve.asgi import Endpoint, EventStream, watch_for_hang_up
 from pagedcli.serve.engine_client import ClientGone, EngineClient, Job
@@ -208,7 +208,8 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
 class BearerKey:
     """The API key, checked on /v1 before a route runs, as a plain ASGI middleware: Starlette's
     `@app.middleware("http")` passes every streamed chunk through a memory stream and a task of its
-    own: on the H200 it cost the served path a third of its tokens/s at 64 streams (docs/serve.md)."""
+    own, which cost the served path much of its tokens/s under many streams
+    (docs/performance-log.md, "The host's own work")."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, f"bearer {key}".encode()  # the scheme's case does not count

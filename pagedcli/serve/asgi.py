@@ -2,11 +2,12 @@
 plain ASGI apps in FastAPI's router (its 404s and 405s, and its exception handlers for what a route
 raises before its answer starts, still apply).
 
-Why not FastAPI's routes and Starlette's StreamingResponse: timed on this project's CPU, FastAPI's
-handling of a request (its dependency solving and response wrapping) cost ~75 us, the streaming
-response's task group ~70 us more and ~1 us an event. With 64 requests arriving at once, the last
-prompt reached the engine tens of milliseconds after its request (docs/serve.md), and a stream's
-job was only submitted once the response's task first ran, after every request queued behind it."""
+Why not FastAPI's routes and Starlette's StreamingResponse: FastAPI's handling of a request (its
+dependency solving and response wrapping), the streaming response's task group, and that task
+group's work for every event all fall on the one core the event loop has
+(docs/performance-log.md, "The host's own work"). With a burst of requests arriving at once, the
+last prompt reached the engine long after its request, and a stream's job was only submitted once
+the response's task first ran, after every request queued behind it."""
 
 from __future__ import annotations
 

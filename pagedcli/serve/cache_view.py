@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from pagedcli.commands.inspect_cache import to_json as slot_json
+from pagedcli.console.cache_json import to_json as slot_json
 
 
 def no_text(_ids) -> str:  # a model without a tokenizer (random weights): token ids only

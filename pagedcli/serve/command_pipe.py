@@ -8,8 +8,9 @@ timer), or from a signal handler that interrupted a write, is handed to the loop
 pipe.
 
 Why not a thread that sends them, as before: with the event loop busy streaming, that thread had to
-take the GIL back from it for every send, and a burst of 64 requests reached the engine 20-25 ms
-after their routes had submitted them (this project's CPU), every first token that much later.
+take the GIL back from it for every send, so a burst of requests reached the engine well after their
+routes had submitted them, every first token that much later
+(docs/performance-log.md, "The host's own work").
 
 The engine reads the pipe as a multiprocessing Connection (Connection.recv), so the bytes written
 here are that Connection's framing: a 4-byte big-endian length, then the pickle (pickle.dumps:

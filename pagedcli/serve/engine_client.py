@@ -24,7 +24,7 @@ import select
 import time
 from dataclasses import dataclass, field
 
-from pagedcli.errors import RunError
+from pagedcli.core.errors import RunError
 from pagedcli.model.tokenizer import StreamDecoder
 from pagedcli.serve import engine_process, stop_signals_ignored
 from pagedcli.serve.command_pipe import CommandPipe, frame, widen

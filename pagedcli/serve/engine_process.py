@@ -24,8 +24,8 @@ multiprocessing's Connection.recv reads: its own pickler copies a dispatch table
 a delta: (key, index, token_ids, text, logprobs, finish_reason, error), what answer `index` of
 request `key` gained (text None: the API process decodes it); tokens: the common case, an answer
 that gained one token and nothing else, as (key, index, token) triples in one flat array('q'),
-which pickles as one string of bytes (64 tuples of lists took 8 us to pickle and 12 to unpickle,
-the array 2.5 and 2); report: metrics.StepReport.
+which pickles as one string of bytes (several times faster both ways than a tuple of lists an
+answer: docs/performance-log.md, "The host's own work"); report: metrics.StepReport.
 
 One link an API process (`pagedcli serve --api-server-count N`: N of them, one engine): each link's
 request keys are its own, its messages carry its own answers, and every link gets each turn's
@@ -47,11 +47,11 @@ import traceback
 from array import array
 from dataclasses import dataclass
 
+from pagedcli.core.errors import PagedCliError, RunError, allocation_failure
+from pagedcli.core.geometry import CacheGeometry
+from pagedcli.core.heap import frozen_heap
 from pagedcli.engine.scheduler import PromptLimits
 from pagedcli.engine.sequence import Sequence, Status
-from pagedcli.errors import PagedCliError, RunError, allocation_failure
-from pagedcli.heap import frozen_heap
-from pagedcli.model.config import CacheGeometry
 from pagedcli.model.tokenizer import Tokenizer
 from pagedcli.serve import LOG_FORMAT, ignore_stop_signals
 from pagedcli.serve.metrics import Tally

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedcli.errors import plural
+from pagedcli.core.errors import plural
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`serve --live`: generate's live view (commands/live_view.py) drawn for the server's traffic,
+"""`serve --live`: generate's live view (console/live_view.py) drawn for the server's traffic,
 one row per running request named by its client's request id, and the server's log (the access
 log: a line per request) printed above the frame.
 
@@ -13,7 +13,7 @@ import logging
 
 from rich.console import Console
 
-from pagedcli.commands.live_view import LiveView
+from pagedcli.console.live_view import LiveView
 
 
 class ServerView(LiveView):

@@ -14,7 +14,7 @@ from array import array
 from collections import deque
 from typing import NamedTuple
 
-from pagedcli.errors import plural
+from pagedcli.core.errors import plural
 
 # vLLM's buckets (its v1 metrics), with finer ones below 10 ms for inter-token latency on a GPU
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import re
+import typing
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model, model_validator
 
+from pagedcli.core.options import SamplingParams, declared
 from pagedcli.serve.errors import APIError, bad_request
 
 
@@ -33,25 +35,22 @@ class StreamOptions(Body):
     # several tokens when its client fell behind: this counts them)
 
 
-class Sampling(Body):
-    """What completions and chat share; None: the server's default (its flags, the model's
-    generation_config.json)."""
+class Request(Body):
+    """What completions and chat share besides sampling."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
     n: int = 1
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    ignore_eos: Optional[bool] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+
+
+_HINTS = typing.get_type_hints(SamplingParams)
+# SamplingParams' fields that a request may set (declared with api=True, core/options.py), each
+# None by default: the server's default (its flags, the model's generation_config.json)
+SAMPLING_FIELDS = tuple(f.name for f in declared(SamplingParams) if f.metadata["api"])
+Sampling = create_model("Sampling", __base__=Request, __module__=__name__,
+                        **{name: (Optional[_HINTS[name]], None) for name in SAMPLING_FIELDS})
 
 
 class CompletionRequest(Sampling):

@@ -8,7 +8,7 @@ import random
 import time
 from json.encoder import encode_basestring as json_string  # a str as JSON, as json.dumps(ensure_ascii=False)
 
-from pagedcli.json_lines import one_line
+from pagedcli.core.json_lines import one_line
 from pagedcli.serve.engine_client import Delta
 from pagedcli.serve.errors import APIError, server_error
 

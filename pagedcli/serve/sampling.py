@@ -11,18 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pagedcli.core.errors import PagedCliError, plural
+from pagedcli.core.options import SamplingParams
 from pagedcli.engine.scheduler import PromptLimits
-from pagedcli.engine.sequence import SamplingParams
-from pagedcli.errors import PagedCliError, plural
 from pagedcli.model.tokenizer import Tokenizer
 from pagedcli.serve.errors import bad_request
-from pagedcli.serve.protocol import ChatRequest, CompletionRequest, Sampling
+from pagedcli.serve.protocol import SAMPLING_FIELDS, ChatRequest, CompletionRequest, Sampling
 
 MAX_N = 128  # answers per prompt at most: more would only queue behind one another
 
-# request field -> SamplingParams field (the same name, but for chat's logprobs)
-FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "ignore_eos")
 
 
 @dataclass
@@ -94,7 +91,7 @@ def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits
     with seed + i, as generate's answers do, so that it does not depend on its batch mates.
     `room`: the server's slots and --max-waiting; a request with more answers than both hold is
     refused (it would queue past --max-waiting)."""
-    given = {f: getattr(req, f) for f in FIELDS if getattr(req, f) is not None}
+    given = {f: getattr(req, f) for f in SAMPLING_FIELDS if getattr(req, f) is not None}
     if req.stream_options is not None and not req.stream:  # (vLLM's 400 too: it would be silently ignored)
         raise bad_request("`stream_options` is for a streamed answer: send `stream: true` too, or leave it out",
                           "stream_options")

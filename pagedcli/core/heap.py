@@ -1,7 +1,8 @@
 """The garbage collector kept off what a running command holds.
 
-A full collection walks every object the process holds: torch's and the model's, ~200,000 of them,
-60-90 ms on this project's CPU, in which no step is queued, no frame drawn and no token streamed.
+A full collection walks every object the process holds: torch's and the model's, hundreds of
+thousands of them, long enough that no step is queued, no frame drawn and no token streamed
+meanwhile (docs/performance-log.md, "The host's own work").
 Frames of the live view and the server's stream chunks allocate short-lived objects fast enough to
 set such collections off. Frozen (moved to the collector's permanent generation, as vLLM's server
 and engine do), what is held when the work starts is left out of collections; what is made after

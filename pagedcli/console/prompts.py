@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from pagedcli.errors import UsageError
+from pagedcli.core.errors import UsageError
 from pagedcli.model.files import read_given_text
 
 STDIN = "-"  # a prompt argument or --prompt-file that stands for standard input

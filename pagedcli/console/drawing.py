@@ -19,7 +19,7 @@ from rich.console import Group
 from rich.panel import Panel
 from rich.text import Text
 
-from pagedcli.errors import plural
+from pagedcli.core.errors import plural
 
 if TYPE_CHECKING:
     from pagedcli.engine.snapshot import CacheSnapshot, SlotView

@@ -13,7 +13,6 @@ import contextlib
 import signal
 import sys
 import time
-
 from typing import Callable
 
 try:
@@ -25,9 +24,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from pagedcli.commands.drawing import Decode, render
-from pagedcli.commands.exits import signals_handled
-from pagedcli.heap import frozen_heap
+from pagedcli.console.drawing import Decode, render
+from pagedcli.core.heap import frozen_heap
+from pagedcli.core.signals import signals_handled
 
 REFRESH_S = 0.2  # seconds between frames: five a second reads as live
 MAX_SHARE = 0.03  # of the wall time, at most, spent taking snapshots and drawing them
@@ -87,8 +86,8 @@ class LiveView:
         self.num_frames = 0
 
     def __enter__(self) -> "LiveView":
-        # frames allocate thousands of short-lived objects: full collections would walk the
-        # model's and torch's objects (60-80 ms each, measured) between two frames (heap.py)
+        # frames allocate thousands of short-lived objects: full collections would walk all of the
+        # model's and torch's objects between two frames, a visible stall each (heap.py)
         self.frozen = frozen_heap(collect=False)
         self.frozen.__enter__()
         self.keys = no_echoed_control_keys(self.console.file)

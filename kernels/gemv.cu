@@ -3,8 +3,8 @@
 //
 // At batch 1 a decode step is a chain of matrix-vector products: each weight byte is read once and
 // used M times, so the step costs the weights' read time plus whatever the chain wastes between
-// reads. At batch 1 on an H200, cuBLAS with separate norm/SiLU/add kernels reads qkv, o and down at
-// 1.3 to 2.4 TB/s. This kernel tries to keep the memory system busy from the first to the last byte:
+// reads. At batch 1, cuBLAS with separate norm/SiLU/add kernels reads qkv, o and down well below the
+// memory's bandwidth (docs/performance-log.md, "Each GEMM at batch 1"). This kernel tries to keep the memory system busy from the first to the last byte:
 //   - one warp per weight row at a time (or 2 to 4 warps, each over a slice of K, when the rows are
 //     too few to give every warp slot of the GPU one), 16-byte loads, GEMV_UNROLL of them per lane
 //     in flight, and the next tile's loads issued before the current tile's arithmetic (double
@@ -21,7 +21,7 @@
 // L2: a weight byte is read once a step, and the weights (2.5 GB at Llama-3.2-1B) stream through
 // an L2 of 50 MB. With GEMV_EVICT_FIRST=1 the weight loads mark their lines first to go, so what is
 // read again soon (the K/V cache, the block table, activations) stays in L2 between kernels and
-// steps: attention's latency-bound reads hit L2 (2 to 5% of a batch-1 step on an H200).
+// steps: attention's latency-bound reads hit L2 (docs/performance-log.md, "What won").
 //
 // Rounding is the torch reference's: the input is rounded to the dtype after each elementwise step
 // as torch stores it (common.cuh's formulas, as in elementwise.cu), products accumulate in fp32 (as cuBLAS),

@@ -675,7 +675,8 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
     // the newest K/V row) still runs, so the chain length -> block table -> K starts at the K
     // loads. Only what was written before the step's batch copy may be read there (host_written).
     // The plan sets it with fp8 weights, where it measured faster; with bf16 weights waiting first
-    // measured faster (docs/performance.md, "Each kernel started before").
+    // measured faster (docs/performance-log.md, "Each kernel started before the one ahead of it ends
+    // (programmatic dependent launch)").
     allow_next_kernel();
     if constexpr (!ATTN_READ_BATCH_EARLY) wait_for_previous_kernels();
     const int context = min(max(host_written(context_lens + seq), 0), max_context);

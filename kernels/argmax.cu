@@ -1,7 +1,7 @@
 // argmax.cu: greedy decoding's argmax over each row of the float32 logits.
 //
-// torch's argmax reduces a 128k-wide row in one CTA (36 us on an H200 at batch 1, longer than
-// a transformer layer). Here each row is cut into gridDim.x chunks, one CTA each: the CTA reduces
+// torch's argmax reduces a 128k-wide row in one CTA, longer than a transformer layer at batch 1
+// (docs/performance-log.md, "Where a batch-1 step goes"). Here each row is cut into gridDim.x chunks, one CTA each: the CTA reduces
 // its chunk to a key, and folds it into the row's key with one 64-bit atomicMax. The key orders by
 // value, then by the smaller index (torch returns the first maximum): (ordered float bits << 32) |
 // (0xffffffff - index). The last CTA of a row to finish writes the token and zeroes the row's key

@@ -1,10 +1,10 @@
 """CUDA graphs for prefill-kind steps: a prompt chunk beside the decoding sequences' tokens.
 
 With chunked prefill most steps under load carry a chunk, and such a step, run eagerly, spends
-~6 ms of host time launching its ~150 kernels and GEMMs (docs/performance.md, "Under arrivals"):
-far more than its GPU time at small chunks, and every decoding sequence waits for it. So a
-prefill-kind step of up to MAX_GRAPH_TOKENS new tokens replays a graph captured for the next
-token bucket up, as vLLM does, with the step's inputs padded to the bucket:
+most of its time on the host launching its kernels and GEMMs one by one (docs/performance-log.md,
+"Under arrivals"): far more than its GPU time at small chunks, and every decoding sequence waits
+for it. So a prefill-kind step of up to MAX_GRAPH_TOKENS new tokens replays a graph captured for
+the next token bucket up, as vLLM does, with the step's inputs padded to the bucket:
 
 - tokens past the step's own sit at position -1 (no K/V written, as the decode graphs' padding)
   and belong to a padding sequence, row `max_slots` of the per-sequence arrays, with no new tokens
@@ -30,19 +30,19 @@ from __future__ import annotations
 import torch
 
 from pagedcli.backends.cuda_launch import PrefillWork, leading_single_rows, max_prefill_tiles, prefill_tile_lists
-from pagedcli.engine.batch import StepBatch, pack
-from pagedcli.engine.cache import KVCache
-from pagedcli.engine.graph_capture import CapturedGraphs
+from pagedcli.backends.graph_capture import CapturedGraphs
+from pagedcli.core.batch import StepBatch, pack
+from pagedcli.core.kv_store import KVStore
 
 MAX_GRAPH_TOKENS = 2048  # beyond, a step's GPU time exceeds its eager host time (see the docstring)
 BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
 class PrefillGraphs(CapturedGraphs):
-    def __init__(self, model, cache: KVCache, max_tokens: int):
-        self.model, self.cache = model, cache
+    def __init__(self, model, store: KVStore, max_tokens: int):
+        self.model, self.store = model, store
         self.rows = model.backend.prefill_rows  # new tokens a tile of the prefill kernel covers
-        self.max_seqs = cache.max_slots
+        self.max_seqs = store.max_slots
         self.decode_kernel = model.backend.attention_kernel  # serves the one-token sequences
         self.split_tiles = model.backend.prefill_split_tiles  # the work list's splits (cuda_launch.key_parts)
         self.pad = self.max_seqs  # the padding sequence's row
@@ -58,7 +58,7 @@ class PrefillGraphs(CapturedGraphs):
         nbytes = sum(_aligned(n * dtype.itemsize) for _, dtype, n in self.layout)
         self.host = torch.zeros(nbytes, dtype=torch.uint8).pin_memory()
         self.host_np = {name: t.numpy() for name, t in self._views(self.host).items()}
-        self.staged = torch.zeros(nbytes, dtype=torch.uint8, device=cache.device)
+        self.staged = torch.zeros(nbytes, dtype=torch.uint8, device=store.device)
         self.inputs = self._views(self.staged)
         self.pool = torch.cuda.graph_pool_handle()
         self.captured: dict[int, tuple[torch.cuda.CUDAGraph, StepBatch, torch.Tensor, torch.Tensor]] = {}

@@ -1,5 +1,5 @@
 """One forward pass captured into a CUDA graph, and a graph a bucket captured on first use: what
-both kinds of graph share (runner.DecodeGraphs, prefill_graphs.PrefillGraphs)."""
+both kinds of graph share (engine/runner.py DecodeGraphs, cuda_prefill_graphs.PrefillGraphs)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""StepBatch: the new tokens of one forward pass, packed, and where they go in the cache."""
+"""What one forward pass is: StepBatch, the new tokens packed and where they go in the cache, and
+NOT_FINITE, the greedy token of a row whose logits are not finite."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+NOT_FINITE = -1  # argmax's token for a row of logits that holds a NaN or an inf (argmax.cu: -1 too)
 
 
 @dataclass
@@ -30,8 +33,9 @@ class StepBatch:
     last_index: torch.Tensor  # [S] int64, S <= B: the sampling rows' last tokens
     num_new: list[int]  # host copies, for shapes
     context_lens_host: list[int]
-    # the prefill attention's work (cuda_launch.PrefillWork) when the caller staged it in tensors of
-    # its own (a captured prefill step, prefill_graphs.py); None: the backend makes it
+    # the prefill attention's work list, in the backend's own form, where the backend staged it in
+    # tensors of its own (the CUDA backend's captured prefill steps: cuda_launch.PrefillWork); None:
+    # the backend plans it from the fields above. Nothing outside the backend reads or sets it.
     prefill_work: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
@@ -52,7 +56,7 @@ def pack(token_ids: list[list[int]], num_cached: list[int], samples: list[bool] 
     """The packed arrays of a step (int64): every new token, its position, its sequence, and the
     index of each sampling sequence's last token (StepBatch's fields of the same names). In numpy
     calls, not a Python loop a token: a long prompt's chunk is up to 16,384 tokens, and the GPU idled
-    while the host packed them (docs/performance.md, "Prefill")."""
+    while the host packed them (docs/performance-log.md, "Prefill")."""
     lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
     total = int(lens.sum())
     flat = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=total)
@@ -70,7 +74,7 @@ def to_device(arrays: dict[str, tuple[list[int] | np.ndarray, torch.dtype]],
     """Lists (or arrays) of ints as tensors of the given dtypes on `device`, in one host-to-device
     copy: packed into one buffer, pinned on a GPU. A copy from pageable memory makes the host wait
     for the GPU's queue before the driver stages it, so each prefill step's index lists (16k entries
-    each for a long prompt) left the GPU idle ~1 ms per copy (docs/performance.md, "Prefill"); from
+    each for a long prompt) left the GPU idle at every copy (docs/performance-log.md, "Prefill"); from
     pinned memory the copy is queued behind the step before, and the host goes on."""
     offsets, total = {}, 0
     for name, (values, dtype) in arrays.items():

@@ -1,0 +1,147 @@
+"""The engine, assembled (nano-vllm's LLMEngine.__init__): from options to a ready Engine. Pick the
+device, read the model (model/loader.py), size the pool, choose the backend, and put the cache,
+the network, the runner and the engine together. The commands, the server, the benchmarks and the
+tests all build engines here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from pagedcli.backends import TorchBackend
+from pagedcli.core.errors import UsageError
+from pagedcli.core.fp8 import FP8_DTYPE
+from pagedcli.core.geometry import CacheGeometry, parse_size
+from pagedcli.core.options import DEFAULT_CACHE, MAX_ID, EngineOptions, SamplingParams
+from pagedcli.engine.cache import KVCache
+from pagedcli.engine.engine import Engine
+from pagedcli.engine.memory import MemoryProfile, device_memory, pool_bytes_for
+from pagedcli.engine.runner import ModelRunner
+from pagedcli.model.loader import Model, pick_dtype, read_model
+from pagedcli.model.network import Llama
+from pagedcli.model.source import ModelSource
+from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
+
+
+def pick_device(requested: str) -> torch.device:
+    """auto, cpu or cuda (EngineOptions.device, checked there): auto is CUDA where it can run."""
+    if requested == "cpu":
+        return torch.device("cpu")
+    from pagedcli.backends.cuda_compile import cuda_available  # imports CuPy only when asked
+
+    ok, why = cuda_available()
+    if requested == "cuda" and not ok:
+        raise UsageError(f"`device` cuda: {why}", "use `device` cpu, or install pagedcli[cuda] on a machine with an NVIDIA GPU")
+    return torch.device("cuda") if ok else torch.device("cpu")
+
+
+def check_device_options(opts: EngineOptions, device: torch.device) -> None:
+    # A share of the CPU's RAM would be a poor rule (the OS and other programs share it, and swap
+    # hides the limit): on a CPU the pool is sized in bytes or blocks.
+    if opts.gpu_memory_utilization is not None and device.type != "cuda":
+        raise UsageError("`gpu_memory_utilization` sizes the pool to a share of a GPU, and this run is on the CPU",
+                         "size it with `cache_size` or `num_blocks` instead")
+
+
+def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None,
+               check: Callable[[ModelSource, Tokenizer | None], None] = lambda *_: None) -> Model:
+    """The model the options name, on their device. `check(source, tokenizer)` may refuse the model
+    before its weights are read."""
+    device = pick_device(opts.device)
+    check_device_options(opts, device)
+    return read_model(opts.model, device, pick_dtype(opts.dtype, device), opts.quantization, opts.seed, notice, check)
+
+
+def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None] = lambda _: None) -> Engine:
+    """A fresh cache, backend and engine around already loaded weights. `notice` hears of each op
+    the CUDA kernels cannot serve for this model (it runs as torch ops instead)."""
+    config, device = model.source.config, model.device
+    check_device_options(opts, device)
+    if opts.gpu_memory_utilization is not None:
+        free, total = device_memory(device)
+        usage = MemoryProfile(total, free, model.weights.nbytes, profile_activations(model, opts))
+        cache_bytes = pool_bytes_for(opts.gpu_memory_utilization, usage)
+    else:
+        cache_bytes = parse_size(opts.cache_size or DEFAULT_CACHE[device.type])
+    cache_dtype = FP8_DTYPE if opts.kv_cache_dtype == "fp8" else None
+    geometry = CacheGeometry.build(config, model.dtype, opts.block_size, opts.num_blocks, cache_bytes, cache_dtype)
+    if geometry.num_blocks > MAX_ID:
+        option = f"`num_blocks` {opts.num_blocks}" if opts.num_blocks is not None else f"`cache_size` {opts.cache_size}"
+        raise UsageError(f"{option}: {geometry.num_blocks:,} blocks, more than the {MAX_ID:,} a block table can number",
+                         "use a smaller `cache_size` or `num_blocks`")
+    pool_len = geometry.pool_tokens
+    max_model_len = min(config.context_length, pool_len, opts.max_model_len or pool_len)
+    if opts.max_model_len is not None and opts.max_model_len > max_model_len:  # said, not silently cut
+        what = ("the model's positions (max_position_embeddings)" if max_model_len == config.context_length
+                else "what the pool holds: a larger `cache_size` makes room")
+        notice(f"`max_model_len` {opts.max_model_len:,} is more than {what}: sequences stop at {max_model_len:,} tokens")
+    cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks, opts.prefix_caching,
+                    kv_scales=model.weights.kv_scales)
+    if device.type == "cuda":
+        from pagedcli.backends.cuda import CudaBackend
+
+        backend = CudaBackend(cache.store, config, fp8_weights=model.weights.quantized)
+        for op, why in backend.fallbacks.items():
+            notice(f"CUDA: {op} runs as torch ops on the GPU ({why})")
+    else:
+        backend = TorchBackend(cache.store, config)
+    llama = Llama(config, model.weights, backend)
+    runner = ModelRunner(llama, cache, use_graphs=device.type == "cuda" and not opts.eager,
+                         max_step_tokens=opts.batched_tokens(device))
+    tokenizer = model.tokenizer
+    detokenizer = (lambda prompt_ids: StreamDecoder(tokenizer, prompt_ids)) if tokenizer is not None else None
+    return Engine(runner, cache, model.source.stop_ids, overlap=opts.overlap and device.type == "cuda",
+                  chunked_prefill=opts.chunked_prefill, max_num_batched_tokens=opts.batched_tokens(device),
+                  detokenizer=detokenizer)
+
+
+def largest_step(opts: EngineOptions, device: torch.device, context_length: int) -> list[int]:
+    """The prompt lengths of the largest step the engine may run, as a profiling pass feeds it:
+    a token for each slot but one (their rows of logits; first, as the scheduler puts decoding
+    sequences) and one long prompt (the attention's widest). Chunked, the step's budget;
+    unchunked, a whole prompt of the longest length too."""
+    tokens = opts.batched_tokens(device)
+    if not opts.chunked_prefill:
+        tokens = max(tokens, opts.max_model_len or context_length)
+    rows = min(opts.batch, tokens)
+    longest = min(tokens - (rows - 1), context_length - 1)  # room for the token it samples
+    return [1] * (rows - 1) + [longest]
+
+
+def profile_activations(model: Model, opts: EngineOptions) -> int:
+    """Peak bytes the largest step allocates beyond the weights and the pool, measured: one forward
+    pass of it in an engine of its own whose pool holds just that step (vLLM's profiling run).
+    CUDA only: torch's allocator counts the bytes."""
+    config, device = model.source.config, model.device
+    lengths = largest_step(opts, device, config.context_length)
+    block_size = opts.block_size
+    blocks = sum(-(-(n + 1) // block_size) for n in lengths) * config.num_layers
+    probe = replace(opts, batch=len(lengths), num_blocks=blocks, cache_size=None, gpu_memory_utilization=None,
+                    eager=True, overlap=False, prefix_caching=False, chunked_prefill=False,
+                    max_num_batched_tokens=sum(lengths), max_model_len=None)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    engine = build_engine(model, probe)
+    for n in lengths:  # one step: every prompt admitted, prefilled, and done after its one token
+        engine.add_request([i % config.vocab_size for i in range(n)], SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before - engine.cache.geometry.pool_bytes
+    del engine
+    return max(peak, 0)
+
+
+@dataclass
+class Loaded(Model):
+    """A model and an engine built around it."""
+
+    engine: Engine
+
+
+def load(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None,
+         check: Callable[[ModelSource, Tokenizer | None], None] = lambda *_: None) -> Loaded:
+    model = load_model(opts, notice, check)
+    return Loaded(**vars(model), engine=build_engine(model, opts, notice))
