@@ -1,3 +1,3 @@
-from pagedcli.commands.app import main
+from pagedcli.commands import main
 
 main()

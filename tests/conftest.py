@@ -58,9 +58,10 @@ def _threads():
     torch.set_num_threads(1)  # tiny models: threads only add overhead on a 2-core runner
 
 
-def hf_checkpoint(folder: Path, seed: int = 0, **overrides) -> Path:
-    """A random LlamaForCausalLM saved by transformers (safetensors + config.json)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_checkpoint(folder: Path, seed: int = 0, model_type: str = "llama", **overrides) -> Path:
+    """A random checkpoint of transformers' class for `model_type` (LlamaForCausalLM by default;
+    qwen2, qwen3, mistral), saved by transformers (safetensors + config.json)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
@@ -68,7 +69,7 @@ def hf_checkpoint(folder: Path, seed: int = 0, **overrides) -> Path:
                initializer_range=0.15)  # sharper than the default 0.02: no near-ties between top tokens
     cfg.update(overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg)).eval()
     with torch.no_grad():  # default init leaves norms at 1 and biases at 0; vary them so a misplaced one shows
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -36,9 +36,10 @@ def fake_gpu(monkeypatch, name: str, memory: int) -> None:
 
 
 def hf_model(folder, dtype=torch.float32, device="cpu"):
-    from transformers import LlamaForCausalLM
+    """transformers' own class for the checkpoint (LlamaForCausalLM, Qwen2ForCausalLM, ...)."""
+    from transformers import AutoModelForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
 
 
 @torch.no_grad()
@@ -86,10 +87,12 @@ def check_block_accounting(engine) -> None:
     refs: Counter = Counter()
     where: dict[int, set] = {}
     for slot in range(cache.max_slots):
-        n = cache.num_blocks_of_slot[slot]
+        n, slid = cache.num_blocks_of_slot[slot], cache.num_slid[slot]
         assert (cache.table[slot, :, n:] == -1).all(), "table entries past the slot's blocks"
+        assert (cache.table[slot, :, :slid] == -1).all(), "a block behind the sliding window is still held"
+        assert (cache.table[slot, :, slid:n] >= 0).all(), "a block within the window was given back"
         for layer in range(cache.geometry.num_layers):
-            for logical, b in enumerate(cache.table[slot, layer, :n].tolist()):
+            for logical, b in enumerate(cache.table[slot, layer, slid:n].tolist(), start=slid):
                 refs[b] += 1
                 where.setdefault(b, set()).add((layer, logical))
     assert not any(in_free[b] for b in refs), "the table points at a free block"

@@ -44,7 +44,7 @@ class Served:
         self.metrics = Metrics()
         self.engine = EngineClient(serve_build, (model, batch, engine, str(TEMPLATE), poison), self.metrics)
         self.ready = self.engine.start()
-        settings = Settings(model, SamplingParams(), api_key)
+        self.settings = settings = Settings(model, SamplingParams(), api_key)  # (read at each request: a test may change it)
         if max_waiting is not None:
             settings.max_waiting = max_waiting
         app = create_app(self.engine, self.ready, settings, self.metrics)

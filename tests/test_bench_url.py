@@ -72,6 +72,9 @@ def make_app(b: Behaviour):
         b.bodies.append(body)
         b.received.append(time.perf_counter())
         fault = b.faults.get(k)
+        if fault == "hang":  # no answer at all, not even its status, until the client gives up
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.05)
         if fault in ("400", "500"):
             return JSONResponse({"error": {"message": f"the test refuses request {k}", "type": "invalid_request_error"}},
                                 int(fault))
@@ -272,6 +275,32 @@ def test_a_server_that_refuses_the_requests_shape_is_one_line(server):
 def test_no_server_is_one_line():
     code, _, err = bench_url(f"http://127.0.0.1:{free_port()}")
     assert_one_line(code, err, 1, "no server answers at http://127.0.0.1:", "pagedcli serve")
+
+
+def test_a_server_that_takes_connections_but_never_answers_is_one_line_saying_what_it_waited_for(monkeypatch):
+    """It waited 600 s (the streams' read timeout covered GET /v1/models too), then said it "did not
+    answer within 10 s". The timeouts are shortened here; what they wait for is not timed."""
+    from pagedcli.bench import served
+
+    monkeypatch.setattr(served, "CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(served, "READ_TIMEOUT_S", 5.0)  # (what the old code waited for GET /v1/models)
+    with socket.socket() as silent:  # the kernel accepts its connections; nothing ever reads or answers them
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        code, _, err = bench_url(f"http://127.0.0.1:{silent.getsockname()[1]}")
+    assert_one_line(code, err, 1, "took the connection but sent no answer to GET /v1/models within 0.5 s")
+
+
+@pytest.mark.parametrize("behaviour, waited_for", [
+    (Behaviour(faults={0: "hang"}), "no answer to POST /v1/completions (not even its status) within 0.5 s"),
+    (Behaviour(first_delay=3600), "no first token within 0.5 s of the answer's start"),
+])
+def test_a_completion_that_never_comes_says_what_it_waited_for(server, monkeypatch, behaviour, waited_for):
+    from pagedcli.bench import served
+
+    monkeypatch.setattr(served, "READ_TIMEOUT_S", 0.5)
+    code, _, err = bench_url(server(behaviour))
+    assert_one_line(code, err, 1, f"the bench's first request: {waited_for}", "/health")
 
 
 def test_a_server_that_is_not_openai_shaped_is_one_line(server):

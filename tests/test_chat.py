@@ -252,7 +252,7 @@ def test_no_prompt_with_a_terminal_for_stdin_is_the_usual_error(stories, monkeyp
     ([], "", "no prompt given, and standard input is empty"),
     (["-", "--prompt-file", "-"], "x\n", "standard input (`-`) is named twice"),
     (["--prompt-separator", r"\q", "-"], "x\n", r"--prompt-separator '\\q': unknown escape \q"),
-    (["-"], b"caf\xe9\n", "-: not UTF-8 text (byte 3)"),
+    (["-"], b"caf\xe9\n", "-: standard input: not UTF-8 text (byte 3)"),
     (["--prompt-file", "-"], " \n\n", "--prompt-file -: has no prompts (standard input is empty)"),
     (["x", "-"], "\n", "-: standard input has no prompts"),
     (["--system", "Be kind.", "--raw", "x"], "", "--system goes in the chat template, which --raw leaves out"),

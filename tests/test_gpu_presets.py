@@ -10,7 +10,7 @@ import torch
 
 from helpers import check_block_accounting
 from test_oracle import prompts
-from test_presets import preset_checkpoint
+from test_presets import LLAMA_PRESETS, preset_checkpoint
 from pagedcli.model.source import RANDOM_PRESETS
 from pagedcli.core.options import SamplingParams
 
@@ -64,7 +64,7 @@ def each_token_is_the_references_choice_or_a_near_tie(hf, prompt: list[int], our
 
 
 @pytest.mark.parametrize("batch", [4, 1], ids=["cublas", "gemv"])
-@pytest.mark.parametrize("name", sorted(RANDOM_PRESETS))
+@pytest.mark.parametrize("name", LLAMA_PRESETS)  # (the other families': test_gpu_families.py)
 def test_preset_heads_on_cuda_match_transformers(tmp_path, make_engine, name, batch):
     from transformers import LlamaForCausalLM
 

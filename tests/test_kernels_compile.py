@@ -168,11 +168,17 @@ def test_plan_sends_to_torch_only_what_the_kernel_cannot_serve():
     for name, config in preset_configs().items():
         for dtype in DTYPES:
             plan = plan_kernels(config, geometry(config, dtype), clusters=True)
-            expected = {"prefill attention"} if dtype == torch.float32 else set()
-            assert plan.attention_decode and set(plan.fallbacks) == expected, (name, dtype, plan.fallbacks)
-            assert plan.attention_prefill == (dtype != torch.float32)
+            expected = ({"prefill attention"} if dtype == torch.float32 else set()) | family_fallbacks(config)
+            assert set(plan.fallbacks) == expected, (name, dtype, plan.fallbacks)
+            if config.sliding_window:
+                assert not plan.attention_decode and not plan.attention_prefill
+                assert all(f"sliding_window {config.sliding_window}" in plan.fallbacks[op]
+                           for op in ("decode attention", "prefill attention"))
+                continue
+            assert plan.attention_decode and plan.attention_prefill == (dtype != torch.float32)
         plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=False, tensor_cores=False)
-        assert "sm_80" in plan.fallbacks["prefill attention"] and not plan.attention_prefill
+        assert ("sliding_window" if config.sliding_window else "sm_80") in plan.fallbacks["prefill attention"]
+        assert not plan.attention_prefill
     odd = synthetic_config(32, 32, 100)
     width = {dt: dict(plan_kernels(odd, geometry(odd, dt), clusters=True).files["paged_attention.cu"][0])
              ["ATTN_VEC_BYTES"] for dt in DTYPES}
@@ -181,6 +187,15 @@ def test_plan_sends_to_torch_only_what_the_kernel_cannot_serve():
     plan = plan_kernels(wide, geometry(wide, torch.float32), clusters=True)
     assert not plan.attention_decode and "head_dim 256 in float32" in plan.fallbacks["decode attention"]
     assert plan_kernels(wide, geometry(wide, torch.bfloat16), clusters=True).attention_decode
+
+
+def family_fallbacks(config: ModelConfig) -> set[str]:
+    """What a family's additions send to other ops than the fused kernels (model/families/): Qwen2's
+    q/k/v biases and Qwen3's head norms (the qkv GEMV's epilogue has neither), a sliding window's
+    attention (the kernels read every key from position 0)."""
+    out = {"q/k/v projections"} if config.qkv_bias and not config.o_bias else set()
+    out |= {"q/k head norms"} if config.qk_norm else set()
+    return out | ({"decode attention", "prefill attention"} if config.sliding_window else set())
 
 
 def test_decode_on_tensor_cores_where_the_model_is_bf16_or_fp16():
@@ -194,7 +209,8 @@ def test_decode_on_tensor_cores_where_the_model_is_bf16_or_fp16():
             for pool in (None, FP8_DTYPE):
                 plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True)
                 built = "paged_decode_mma.cu" in plan.files
-                expected = dtype != torch.float32 and (pool is None or config.head_dim % 8 == 0)
+                expected = (dtype != torch.float32 and (pool is None or config.head_dim % 8 == 0)
+                            and not config.sliding_window)
                 assert built == expected, (name, dtype, pool)
                 assert (plan.decode_mma_shared > 0) == built and (plan.attention_decode or not built)
         plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=False, tensor_cores=False)
@@ -211,12 +227,12 @@ def test_an_fp8_pool_has_its_kernels_where_the_model_dtype_has_them():
     for name, config in preset_configs().items():
         for dtype in DTYPES:
             plan = plan_kernels(config, geometry(config, dtype, cache_dtype=FP8_DTYPE), clusters=True)
-            expected = {"prefill attention"} if dtype == torch.float32 else set()
+            expected = ({"prefill attention"} if dtype == torch.float32 else set()) | family_fallbacks(config)
             if config.head_dim == 100:
                 expected = {"decode attention", "prefill attention"}
             assert set(plan.fallbacks) == expected, (name, dtype, plan.fallbacks)
             assert {"kv_write.cu", "gemv.cu"} <= set(plan.files)
-            assert plan.attention_decode == (config.head_dim != 100)
+            assert plan.attention_decode == (config.head_dim != 100 and not config.sliding_window)
             for file in ("kv_write.cu", "gemv.cu", "paged_attention.cu", "paged_prefill.cu", "paged_decode_mma.cu"):
                 if file in plan.files:
                     defines = dict(plan.files[file][0])

@@ -88,8 +88,9 @@ def test_config_reads_both_rope_formats():
 
 
 def test_unsupported_architecture_is_named():
-    with pytest.raises(RunError, match="MistralForCausalLM"):
-        ModelConfig.from_dict({"architectures": ["MistralForCausalLM"], "model_type": "mistral"})
+    with pytest.raises(RunError, match="GemmaForCausalLM is not supported") as e:
+        ModelConfig.from_dict({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"})
+    assert "MistralForCausalLM" in e.value.hint  # the supported ones are named
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):

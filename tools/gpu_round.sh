@@ -6,6 +6,7 @@
 #   TRAIN=1 tools/gpu_round.sh           # there (the device tool carries .gpu/)
 #   TUNE=1 BENCH=0 TESTS="tests/test_cuda_*.py" tools/gpu_round.sh   # kernels, tunables, profile
 #   ZOO=1 BENCH=0 TESTS=none tools/gpu_round.sh   # bench every preset at batch 1 and 16 (docs/performance.md's table)
+#   ZOO=1 ZOO_PRESETS="qwen3-8b mistral-7b-v0.3" BENCH=0 TESTS=none tools/gpu_round.sh   # only these presets
 #
 # The whole GPU suite comes close to 10 minutes on one GPU, most of it the kernels' tests and the
 # end-to-end tests against transformers (docs/performance-log.md, "How long the GPU suite takes"): where one call is
@@ -49,7 +50,7 @@ fi
 
 if [ "${ZOO:-0}" = 1 ]; then
   log "bench every preset (random weights of public checkpoints' shapes), batch 1 and 16, 128 in / 128 out"
-  for preset in $(python3 -c "from pagedcli.model.presets import RANDOM_PRESETS; print(' '.join(RANDOM_PRESETS))"); do
+  for preset in ${ZOO_PRESETS:-$(python3 -c "from pagedcli.model.presets import RANDOM_PRESETS; print(' '.join(RANDOM_PRESETS))")}; do
     timeout 120 pagedcli bench --model "random:$preset" --batch 1,16 --input-len 128 --output-len 128 --json \
       >>"$OUT/zoo.jsonl" 2>>"$OUT/zoo.err" || echo "$preset: exit $?" | tee -a "$OUT/zoo.err"
   done

@@ -1,8 +1,9 @@
 """Backends: the steps of a forward pass, behind one small interface.
 
 What model/network.py calls, layer by layer:
-- `attention_inputs(layer, x, norm_weight, qkv, eps, batch, bias=None, normed=None)`: RMSNorm(x) @
-  qkv.T (+ bias), RoPE, and k and v into their cache blocks; returns the rotated queries;
+- `attention_inputs(layer, x, norm_weight, qkv, eps, batch, bias=None, normed=None, qk_norm=None)`:
+  RMSNorm(x) @ qkv.T (+ bias), the heads' RMSNorms of q and k where `qk_norm` gives their weights
+  (Qwen3), RoPE, and k and v into their cache blocks; returns the rotated queries;
 - `attend(layer, q, batch)`: each new token's query against its sequence's K/V, read through the
   block table (causal: a token sees its own position and the ones before it);
 - `linear_add_norm(x, weight, residual, norm_weight, eps, bias=None)`: residual + (x @ weight.T +
@@ -17,7 +18,8 @@ What model/network.py calls, layer by layer:
 
 `normed`, where given, is RMSNorm(x) by norm_weight already (from linear_add_norm): the step may
 use it instead of norming x (a kernel that norms x as it loads it, gemv.cu's, leaves it). `bias` is
-None unless config.json has attention_bias / mlp_bias (fused like the weights: q|k|v, gate|up).
+None unless the model has it (ModelConfig's qkv_bias, o_bias, mlp_bias; fused like the weights:
+q|k|v, gate|up).
 RoPE's cos and sin come from `backend.rope` (pagedcli.model.rope.RotaryTable): fixed tables
 `backend.cos`, `backend.sin` for the static types, per-token rows for dynamic NTK.
 

@@ -31,19 +31,23 @@ def add_norm(be, residual, product, norm_weight, eps):
     return total, (None if norm_weight is None else be.rms_norm(total, norm_weight, eps))
 
 
-def attention_inputs(be, layer: int, x, norm_weight, qkv, eps, batch, bias=None, normed=None):
-    """RMSNorm(x) @ qkv.T (+ bias), then RoPE on q and k and k, v into the cache: the rotated
-    queries, [T, heads, head_dim]."""
-    return rope_write_qkv(be, layer, norm_matmul(be, x, norm_weight, qkv, eps, bias, normed), batch)
+def attention_inputs(be, layer: int, x, norm_weight, qkv, eps, batch, bias=None, normed=None, qk_norm=None):
+    """RMSNorm(x) @ qkv.T (+ bias), then (Qwen3) RMSNorm over each head of q and of k, RoPE on q and
+    k, and k, v into the cache: the rotated queries, [T, heads, head_dim]."""
+    qkv_out = norm_matmul(be, x, norm_weight, qkv, eps, bias, normed)
+    return rope_write_qkv(be, layer, qkv_out, batch, qk_norm, eps)
 
 
-def rope_write_qkv(be, layer: int, qkv_out, batch):
-    """The qkv projection's output split into q, k and v, then RoPE on q and k, and k, v into the
-    cache: the rotated queries, [T, heads, head_dim]."""
+def rope_write_qkv(be, layer: int, qkv_out, batch, qk_norm=None, eps=None):
+    """The qkv projection's output split into q, k and v, then the heads' norms where `qk_norm`
+    gives their weights (q's, k's: [head_dim] each), RoPE on q and k, and k, v into the cache: the
+    rotated queries, [T, heads, head_dim]."""
     T, c = qkv_out.shape[0], be.config
     q, k, v = qkv_out.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
-    return be.rope_write_kv(layer, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim),
-                            v.view(T, c.num_kv_heads, c.head_dim), batch)
+    q, k, v = (x.view(T, -1, c.head_dim) for x in (q, k, v))
+    if qk_norm is not None:
+        q, k = be.rms_norm(q, qk_norm[0], eps), be.rms_norm(k, qk_norm[1], eps)
+    return be.rope_write_kv(layer, q, k, v, batch)
 
 
 def norm_linear_silu(be, x, norm_weight, gate_up, eps, bias=None, normed=None):

@@ -243,16 +243,18 @@ class CudaBackend:
         ) + self.rope_kv_args(layer, batch, q_out))
         return q_out
 
-    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None, normed=None):
-        # gemv.cu adds no bias, and its epilogue reads fixed cos/sin tables
-        if bias is None and self.rope.static:
+    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None, normed=None,
+                         qk_norm=None):
+        # gemv.cu adds no bias, norms no heads, and its epilogue reads fixed cos/sin tables
+        if bias is None and qk_norm is None and self.rope.static:
             geo = self.store.geometry
             T = x.shape[0] if x.dim() == 2 else 0
             if T == batch.positions.shape[0] and qkv.shape[0] == (self.num_heads + 2 * geo.num_kv_heads) * self.head_dim:
                 q = gemv(self, "rms_norm_rope_kv", x, qkv, norm_weight, eps, rope_kv=(layer, batch))
                 if q is not None:
                     return q
-        return composed.rope_write_qkv(self, layer, self.norm_linear(x, norm_weight, qkv, eps, bias, normed), batch)
+        return composed.rope_write_qkv(self, layer, self.norm_linear(x, norm_weight, qkv, eps, bias, normed), batch,
+                                       qk_norm, eps)
 
     def rope_kv_args(self, layer: int, batch: StepBatch, q_out: torch.Tensor) -> tuple:
         """kv_write.cu's arguments after q, k and v (gemv.cu's qkv epilogue takes the same)."""
@@ -281,9 +283,10 @@ class CudaBackend:
             raise ValueError(f"decode attend: {q.shape[0]} queries for {B} sequences")
         if not self.attention_kernel:
             scales = self.store.kv_scales
+            k_scale, v_scale = (scales.k[layer], scales.v[layer]) if scales is not None else (None, None)
             return decode_attention_full_width(q, self.store.pool, self.store.device_table[:, layer], batch.slots,
-                                               batch.context_lens, self.max_context,
-                                               *((scales.k[layer], scales.v[layer]) if scales is not None else ()))
+                                               batch.context_lens, self.max_context, k_scale, v_scale,
+                                               self.config.sliding_window)
         q = q.contiguous()
         out = torch.empty_like(q)
         self._decode_attend(layer, q, out, batch.slots, batch.context_lens)

@@ -328,15 +328,23 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
                                ("argmax_rows", "argmax_rows_widen"))
 
     # what gemv.cu and kv_write.cu have no epilogue or table for (the CUDA backend checks the same)
-    if config.attention_bias:
-        plan.fallbacks["q/k/v and o projections"] = "attention_bias: gemv.cu adds no bias; cuBLAS, then torch's add"
+    biased = {(True, True): "q/k/v and o projections", (True, False): "q/k/v projections",
+              (False, True): "o projection"}.get((config.qkv_bias, config.o_bias))
+    if biased:
+        plan.fallbacks[biased] = "attention biases: gemv.cu adds no bias; cuBLAS, then torch's add"
+    if config.qk_norm:
+        plan.fallbacks["q/k head norms"] = ("gemv.cu's qkv epilogue norms no heads: cuBLAS, then RMSNorm kernels, then "
+                                            "RoPE and the K/V write")
     if config.mlp_bias:
         plan.fallbacks["gate/up and down projections"] = "mlp_bias: gemv.cu adds no bias; cuBLAS, then torch's add"
     if config.rope_type == "dynamic":
         plan.fallbacks["RoPE and the K/V write"] = ("dynamic NTK RoPE rotates each token by its sequence's length, "
                                                     "not by one fixed table")
 
-    why = prefill_unsupported(geometry, tensor_cores, max_shared)
+    # our attention kernels read every key from position 0 (a sliding window's freed blocks included)
+    window = (f"sliding_window {config.sliding_window}: the kernels read every key from position 0"
+              if config.sliding_window else None)
+    why = window or prefill_unsupported(geometry, tensor_cores, max_shared)
     if why is None:
         plan.prefill_shared = prefill_shared_bytes(geometry.head_dim, geometry.dtype.itemsize, geometry.kv_fp8)
         plan.prefill_rows = prefill_rows(geometry.head_dim)
@@ -357,10 +365,10 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
     shape = AttentionShape(geometry.head_dim, geometry.itemsize, plan.heads_per_cta, geometry.block_size, unroll,
                            geometry.kv_fp8)
     why = shape.unsupported()
-    if why is not None:
+    if window or why is not None:
         pool = " with an fp8 pool" if geometry.kv_fp8 else ""
-        plan.fallbacks["decode attention"] = (f"head_dim {geometry.head_dim} in {str(geometry.dtype).removeprefix('torch.')}"
-                                              f"{pool}: {why}")
+        plan.fallbacks["decode attention"] = window or (
+            f"head_dim {geometry.head_dim} in {str(geometry.dtype).removeprefix('torch.')}{pool}: {why}")
         return plan
     attention = model + (
         ("HEADS_PER_CTA", plan.heads_per_cta),

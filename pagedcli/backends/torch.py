@@ -6,7 +6,8 @@ is a read through the block table, done afresh in every layer; nothing is kept b
 
 Key positions a sequence does not own (padding past its context: unassigned table entries, which
 read some other block, and the unwritten rest of its own last block, which may hold what a former
-owner left) are zeroed after the gather, not only masked: a masked score weighs 0, but 0 x inf and
+owner left; with a sliding window, the keys behind it, whose blocks may be freed and reused) are
+zeroed after the gather, not only masked: a masked score weighs 0, but 0 x inf and
 0 x NaN are NaN, so one request's overflow would reach its neighbours. Long prefills run in chunks
 of query rows, so the mask and the scores stay within ATTENTION_CHUNK_ELEMENTS, not [Lq, Lk]; a
 chunked-prefill step runs its decode rows apart from its prompt chunks, unpadded.
@@ -74,8 +75,9 @@ class TorchBackend:
         hands it to that step as `normed`)."""
         return composed.add_norm(self, residual, composed.linear(x, weight, bias), norm_weight, eps)
 
-    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None, normed=None):
-        return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch, bias, normed)
+    def attention_inputs(self, layer: int, x, norm_weight, qkv, eps, batch: StepBatch, bias=None, normed=None,
+                         qk_norm=None):
+        return composed.attention_inputs(self, layer, x, norm_weight, qkv, eps, batch, bias, normed, qk_norm)
 
     def norm_linear_silu(self, x, norm_weight, gate_up, eps, bias=None, normed=None):
         return composed.norm_linear_silu(self, x, norm_weight, gate_up, eps, bias, normed)
@@ -163,14 +165,19 @@ class TorchBackend:
         num_new = torch.tensor(batch.num_new, device=dev)
         starts = torch.cumsum(num_new, 0) - num_new  # first token of each sequence in T
         row = torch.arange(Lq, device=dev)
+        q_start = ctx - num_new  # [B] position of each sequence's first query
         owned = key_pos[None, :] < ctx[:, None]  # [B, Lk]: the sequence's own, written keys
+        window = self.config.sliding_window
+        if window:  # and in its first query's window: the blocks behind it may be freed (engine/cache.py)
+            owned &= key_pos[None, :] > q_start[:, None] - window
         chunk = max(1, ATTENTION_CHUNK_ELEMENTS // (B * Lk * self.config.num_heads))
         s = {
             "key_block": (key_pos // self.block_size).clamp(max=self.store.max_blocks_per_seq - 1),
             "key_offset": key_pos % self.block_size,
             "slots": batch.slots.long(),
             "owned": owned[:, :, None, None],  # [B, Lk, 1, 1], against the gathered [B, Lk, kv_heads, head_dim]
-            "q_start": ctx - num_new,  # [B] position of each sequence's first query
+            "q_start": q_start,
+            "window": window,
             "num_new": num_new,
             "key_pos": key_pos,
             "chunk": chunk,
@@ -191,6 +198,8 @@ class TorchBackend:
         q_pos = s["q_start"][:, None] + row[None, :]  # [B, rows]
         key_pos = s["key_pos"][None, None, :]
         mask = (key_pos <= q_pos[:, :, None]) & s["owned"][:, None, :, 0, 0]
+        if s["window"]:  # a query sees its own position and the window - 1 before it (transformers' rule)
+            mask &= key_pos > q_pos[:, :, None] - s["window"]
         mask |= (row[None, :] >= s["num_new"][:, None])[:, :, None] & (key_pos == 0)
         return mask[:, None]
 

@@ -19,14 +19,19 @@ from pagedcli.core.fp8 import dequantize_kv, raw
 
 def decode_attention_full_width(q: torch.Tensor, pool: torch.Tensor, layer_table: torch.Tensor,
                                 slots: torch.Tensor, context_lens: torch.Tensor, max_context: int,
-                                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                                window: int | None = None) -> torch.Tensor:
     """q: [B, heads, head_dim], one new token per sequence; pool: [blocks, 2, block_size, kv_heads,
     head_dim]; layer_table: [slots, max_blocks] of this layer; context_lens: [B] (the new token
-    included); k_scale, v_scale: the layer's [kv_heads] scales of an fp8 pool. Returns [B, heads, head_dim]."""
+    included); k_scale, v_scale: the layer's [kv_heads] scales of an fp8 pool; window: a sliding
+    window's length (the new token sees itself and the window - 1 keys before it). Returns [B, heads,
+    head_dim]."""
     block_size = pool.shape[2]
     key_pos = torch.arange(max_context, device=q.device)
     physical = layer_table[slots.long()][:, key_pos // block_size].long()  # [B, L]
     own = (key_pos[None, :] < context_lens[:, None]) & (physical >= 0)
+    if window:
+        own &= key_pos[None, :] >= context_lens[:, None] - window
     block, offset = physical.clamp(min=0), (key_pos % block_size)[None, :]
     keep = own[:, :, None, None]
     pool = raw(pool)

@@ -43,6 +43,28 @@ class Request:
     max_tokens: int
 
 
+# A run's requests are drawn before anything runs: at most this many, with at most this many random
+# prompt tokens in all (a million prompts of 16 tokens, a thousand of 16k), so that a count mistyped
+# (--num-prompts 1000000000, --input-len 1000000000) is one line, not memory filling for minutes
+MAX_PROMPTS = 1_000_000
+MAX_PROMPT_TOKENS = 1 << 24
+
+
+def check_counts(w: Workload, batches: list[int]) -> None:
+    """Refuse a workload past MAX_PROMPTS or MAX_PROMPT_TOKENS before anything is loaded or drawn."""
+    most = w.num_prompts or max(batches)  # (default: a prompt a slot)
+    given = f"--num-prompts {most:,}" if w.num_prompts else f"--batch {most:,} (a prompt a slot)"
+    if most > MAX_PROMPTS:
+        raise UsageError(f"{given}: more than the {MAX_PROMPTS:,} prompts a run sends at most",
+                         "give fewer --num-prompts" if w.num_prompts else "give a smaller --batch, or --num-prompts")
+    if w.prompt_file is None:
+        longest = parse_len(w.input_len, "--input-len")[1]
+        if most * longest > MAX_PROMPT_TOKENS:
+            raise UsageError(f"{given} and --input-len {w.input_len}: up to {most * longest:,} random prompt tokens, "
+                             f"more than the {MAX_PROMPT_TOKENS:,} a run draws at most",
+                             "give fewer --num-prompts or a shorter --input-len")
+
+
 def parse_len(text: str, name: str) -> tuple[int, int]:
     """'128' -> (128, 128); '100:1024' -> (100, 1024)."""
     try:

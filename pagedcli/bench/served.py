@@ -33,7 +33,7 @@ from pagedcli.bench.arrivals import arrival_times
 from pagedcli.bench.measure import Request, Workload, requests_for, summarize
 from pagedcli.core.errors import RunError, UsageError, plural
 
-CONNECT_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0  # to connect; and GET /v1/models's whole answer, which a server gives at once
 READ_TIMEOUT_S = 600.0  # the longest wait for a stream's next chunk: a long queue before the first token is no fault
 PROGRESS_EVERY_S = 0.25  # the progress callback's period (not a call per token: a GPU streams far too many)
 WARM_UP_TOKENS = 4
@@ -89,10 +89,15 @@ async def served_models(client, url: str) -> list[dict]:
     import httpx
 
     try:
-        response = await client.get("/v1/models")
+        # (its own timeout: the client's read timeout is the streams', 600 s)
+        response = await client.get("/v1/models", timeout=CONNECT_TIMEOUT_S)
+    except httpx.ConnectTimeout:
+        raise RunError(f"could not connect to the server at {url} within {CONNECT_TIMEOUT_S:g} s",
+                       "is it running and reachable? check --url") from None
     except httpx.TimeoutException:
-        raise RunError(f"the server at {url} did not answer within {CONNECT_TIMEOUT_S:.0f} s",
-                       "is it still loading? try again, or check --url") from None
+        raise RunError(f"the server at {url} took the connection but sent no answer to GET /v1/models within "
+                       f"{CONNECT_TIMEOUT_S:g} s", "is it still loading, or stuck (its /health)? try again, "
+                       "or check --url") from None
     except httpx.HTTPError as e:
         raise RunError(f"no server answers at {url} ({_first_line(e)})",
                        "start one with `pagedcli serve`, or check --url") from None
@@ -158,6 +163,7 @@ class Outcome:
     token_times: list[float] = field(default_factory=list)  # each chunk that carried a token
     completion_tokens: int | None = None  # the server's count (usage), when it gives one
     error: str | None = None
+    timed_out: bool = False  # the error is a wait that ran out
 
     @property
     def output_tokens(self) -> int:
@@ -178,8 +184,10 @@ async def stream_completion(client, body: dict, arrival: float, on_token: Callab
     import httpx
 
     out = Outcome(arrival)
+    answered = False  # the response's status line came
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
+            answered = True
             if response.status_code != 200:
                 await response.aread()
                 out.error = _error_text(response)
@@ -208,11 +216,28 @@ async def stream_completion(client, body: dict, arrival: float, on_token: Callab
                     out.error = f"a stream chunk is not an OpenAI completion chunk: {data[:80]!r}"
                     return out
             out.error = "the stream ended without its [DONE]"
-    except httpx.TimeoutException:
-        out.error = f"no chunk for {READ_TIMEOUT_S:.0f} s"
+    except httpx.TimeoutException as e:
+        out.error, out.timed_out = timeout_text(e, answered, bool(out.token_times)), True
     except httpx.HTTPError as e:  # refused, reset, closed mid-stream
         out.error = f"connection lost: {_first_line(e)}"
     return out
+
+
+def timeout_text(e, answered: bool, streaming: bool) -> str:
+    """What a streamed completion waited for in vain, and how long."""
+    import httpx
+
+    if isinstance(e, httpx.ConnectTimeout):
+        return f"could not connect within {CONNECT_TIMEOUT_S:g} s"
+    if isinstance(e, httpx.PoolTimeout):
+        return f"no free connection within {READ_TIMEOUT_S:g} s"
+    if isinstance(e, httpx.WriteTimeout):
+        return f"could not send the request within {READ_TIMEOUT_S:g} s"
+    if not answered:
+        return f"no answer to POST /v1/completions (not even its status) within {READ_TIMEOUT_S:g} s"
+    if not streaming:
+        return f"no first token within {READ_TIMEOUT_S:g} s of the answer's start"
+    return f"no chunk for {READ_TIMEOUT_S:g} s after the last"
 
 
 async def event_lines(response):
@@ -424,6 +449,9 @@ async def run_batch(server: Server, batch: int, w: Workload, progress=None, noti
     # takes the bench's requests (its prompt reversed: the prefix cache holds none of the workload)
     warm = Request(requests[0].prompt_token_ids[::-1], WARM_UP_TOKENS)
     first = await stream_completion(server.client, completion_body(server.model, warm, w.ignore_eos), 0.0)
+    if first.timed_out:
+        raise RunError(f"{server.url}/v1/completions, the bench's first request: {first.error}",
+                       "is the server stuck? its /health says; try again, or check --url")
     if first.error is not None:
         raise RunError(f"{server.url}/v1/completions refused the bench's request: {first.error}",
                        "--url must name an OpenAI-compatible server that takes token ids as the prompt")

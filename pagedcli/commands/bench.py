@@ -12,8 +12,8 @@ from typing import Annotated, Optional
 import typer
 
 from pagedcli.commands import bench_plot
-from pagedcli.commands.exits import err, friendly_errors, notice
-from pagedcli.commands.options import EngineFlags, flag_group
+from pagedcli.commands.exits import err, friendly_errors, need_stdout, notice
+from pagedcli.commands.options import EngineFlags, flag_group, given_path
 from pagedcli.core.errors import UsageError, plural
 
 
@@ -26,11 +26,13 @@ def bench(
     output_len: Annotated[str, typer.Option(help="New tokens: 256, or a range.")] = "256",
     seed: Annotated[int, typer.Option(help="Seed for random prompts and lengths.")] = 0,
     ignore_eos: Annotated[bool, typer.Option(help="Generate exactly the asked lengths.")] = True,
-    prompt_file: Annotated[Optional[Path], typer.Option(help="Real prompts, one per line, instead of random ids.")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option(help="Real prompts, one per line, instead of random ids.",
+                                                        parser=given_path)] = None,
     compare: Annotated[Optional[str], typer.Option(help="`hf`: also time transformers' generate, same model and prompts.")] = None,
     kernel: Annotated[bool, typer.Option("--kernel", help="Time the decode attention kernel alone (CUDA).")] = False,
     bandwidth: Annotated[Optional[float], typer.Option(help="Device bandwidth in GB/s (default: measured once, cached).")] = None,
-    plot_file: Annotated[Optional[Path], typer.Option("--plot", help="Save tokens/s and step time against batch as PNG.")] = None,
+    plot_file: Annotated[Optional[Path], typer.Option("--plot", help="Save tokens/s and step time against batch as PNG.",
+                                                      parser=given_path)] = None,
     prefix_len: Annotated[int, typer.Option(help="Make the first P prompt tokens the same in every prompt, and time "
                                             "the first token with and without the prefix cache (hits need more "
                                             "prompts than slots: --num-prompts).")] = 0,
@@ -41,7 +43,7 @@ def bench(
                                           "fp8, --quantization fp8 and both (--num-prompts prompts, default 8, of "
                                           "--output-len greedy tokens).")] = False,
     quality_text: Annotated[Optional[Path], typer.Option(help="With --quality: the held-out text (default: the "
-                                                         "built-in model's held-out slice).")] = None,
+                                                         "built-in model's held-out slice).", parser=given_path)] = None,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per batch size on stdout.")] = False,
     url: Annotated[Optional[str], typer.Option(
         help="Drive the OpenAI-compatible server running there (`pagedcli serve`, e.g. http://127.0.0.1:8000) "
@@ -56,6 +58,7 @@ def bench(
     from pagedcli.commands.bench_view import Progress, print_tables, results_table
     from pagedcli.engine.build import load_model
 
+    need_stdout("the figures")
     batches = _int_list(batch, "--batch")
     if compare not in (None, "hf"):
         raise UsageError(f"--compare {compare!r} is not known", "use --compare hf")
@@ -73,6 +76,8 @@ def bench(
         raise UsageError(f"--bandwidth {bandwidth}: must be a positive number of GB/s", "leave it out to measure it")
     workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file, prefix_len, request_rate)
     b.parse_len(input_len, "--input-len"), b.parse_len(output_len, "--output-len")
+    if not quality:
+        b.check_counts(workload, batches)
     if quality:
         speed_only = {"--batch": batch != "2", "--input-len": input_len != "128", "--prompt-file": prompt_file,
                       "--request-rate": math.isfinite(request_rate), "--compare": compare, "--kernel": kernel,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from rich.console import Console
 
-from pagedcli.commands.exits import Terminated, err, friendly_errors, notice
+from pagedcli.commands.exits import Terminated, err, friendly_errors, need_stdout, notice
 from pagedcli.commands.generate import load_for_text, request_params, sampling_defaults, stream_answers
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group, with_flags
 from pagedcli.console.prompts import check_text, stdin_is_terminal
@@ -290,6 +290,7 @@ def chat(*, requests: RequestFlags, engine_flags: EngineFlags):
 
     From a pipe (stdin not a terminal) each line is one message, and stdout gets only the answers, one per message, each ending in a newline (an answer may hold line breaks of its own), and what /cache shows; the cache lines go to stderr. A turn that cannot run then ends the run (exit 1).
     """
+    need_stdout()
     params, given = request_params(requests)
     interactive = stdin_is_terminal()
     loaded = load_for_text(engine_flags, requests, "chat", True)

@@ -32,6 +32,13 @@ class Stderr(Console):
     def on_broken_pipe(self) -> None:
         self.quiet = True
 
+    def _check_buffer(self) -> None:
+        try:
+            super()._check_buffer()
+        except OSError:  # (its disk full): the line is lost, not written again before the next one
+            del self._buffer[:]
+            raise
+
 
 err = Stderr(stderr=True, highlight=False)
 
@@ -42,6 +49,7 @@ def friendly_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            escape_what_stdout_cannot_hold()
             with ending_signals():
                 return fn(*args, **kwargs)
         except PagedCliError as e:
@@ -95,8 +103,41 @@ def ending_signals():
 
 def fail(e: PagedCliError):
     hint = f" [dim]({escape(with_flags(e.hint))})[/dim]" if e.hint else ""  # messages may hold [brackets]
-    err.print(f"[bold red]error:[/bold red] {escape(with_flags(e.message))}{hint}", markup=True, soft_wrap=True)
+    with contextlib.suppress(OSError):  # stderr cannot take the line (its disk full): the exit code still says it
+        err.print(f"[bold red]error:[/bold red] {escape(with_flags(e.message))}{hint}", markup=True, soft_wrap=True)
     raise typer.Exit(e.exit_code)
+
+
+def need_stdout(what: str = "the answers") -> None:
+    """Refuse to run, in one line, a command whose output has nowhere to go: standard output closed
+    at the start (`>&-`; Python leaves sys.stdout None)."""
+    if sys.stdout is None:
+        raise RunError(f"standard output is closed, so {what} would go nowhere",
+                       "leave it open, or send it to a file or /dev/null")
+
+
+UNICODE_ENCODINGS = ("utf-8", "utf-8-sig", "utf-16", "utf-32", "gb18030")
+
+
+def holds_all_text(stream) -> bool:
+    """Whether `stream`'s encoding can write every character (else: ascii, latin-1, ...)."""
+    import codecs
+
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        return codecs.lookup(encoding).name in UNICODE_ENCODINGS
+    except LookupError:
+        return False
+
+
+def escape_what_stdout_cannot_hold() -> None:
+    """An output encoding that cannot hold every character (PYTHONIOENCODING=ascii, a latin-1
+    locale): the characters it cannot hold are written as Python escapes (\\u65e5), as Python
+    writes them to stderr, not a UnicodeEncodeError. (--json escapes them as JSON does: output.py.)"""
+    stdout = sys.stdout
+    if stdout is not None and not holds_all_text(stdout) and hasattr(stdout, "reconfigure"):
+        with contextlib.suppress(OSError, ValueError):
+            stdout.reconfigure(errors="backslashreplace")
 
 
 def notice(text: str) -> None:

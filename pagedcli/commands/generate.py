@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from pagedcli.commands.exits import exit_for_failures, friendly_errors, notice, report_failures
+from pagedcli.commands.exits import exit_for_failures, friendly_errors, need_stdout, notice, report_failures
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
 from pagedcli.console.prompts import prompt_separator, read_prompts
 from pagedcli.core.errors import RunError, UsageError, plural
@@ -132,6 +133,30 @@ def request_params(requests: RequestFlags) -> tuple[SamplingParams, set[str]]:
     return params, given
 
 
+def template_kwargs(text: str | None) -> dict:
+    """--chat-template-kwargs: a JSON object, or nothing."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"--chat-template-kwargs {text!r} is not JSON ({e})",
+                         "give a JSON object, e.g. '{\"enable_thinking\": false}'") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"--chat-template-kwargs {text!r} is not a JSON object",
+                         "give a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
+def check_samples(samples: int) -> None:
+    """--n within its bounds (the server's `n` has the same), before anything is read or loaded."""
+    from pagedcli.core.options import MAX_N
+
+    if not 1 <= samples <= MAX_N:
+        raise UsageError(f"--n {samples}: must be from 1 to {MAX_N} answers per prompt",
+                         "run the prompt again for more" if samples > MAX_N else None)
+
+
 def load_for_text(engine_flags: EngineFlags, requests: RequestFlags, command: str, chat: bool | None, say=notice,
                   **overrides):
     """Load the model for a command that needs its tokenizer (and, `chat` True, a chat template:
@@ -149,6 +174,7 @@ def load_for_text(engine_flags: EngineFlags, requests: RequestFlags, command: st
             raise UsageError(f"--model {source.name} has no tokenizer", f"{command} needs a model folder with tokenizer.json")
         if requests.chat_template is not None:
             tokenizer.use_chat_template(requests.chat_template)
+        tokenizer.template_kwargs = template_kwargs(requests.chat_template_kwargs)
         if tokenizer.has_chat_template:
             return
         if command == "chat":
@@ -167,9 +193,9 @@ def start_requests(engine_flags: EngineFlags, requests: RequestFlags, command: s
     """Everything generate and inspect-cache share: check the input, load the model, queue the
     requests. Returns the loaded model, the sequences and whether the chat template is used.
     `say`: where the model's and the build's notices go (nowhere with --quiet)."""
+    need_stdout()
     params, given = request_params(requests)
-    if requests.samples < 1:
-        raise UsageError(f"--n {requests.samples}: needs at least one answer per prompt")
+    check_samples(requests.samples)
     chat = requests.chat
     if chat is False and requests.system is not None:
         raise UsageError("--system goes in the chat template, which --raw leaves out", "leave out one of them")

@@ -128,8 +128,10 @@ def other_layers_note(view: SlotView, layer: int) -> str:
     note = []
     if differ:
         example = differ[0]
+        held = view.table[example][view.num_released:]
+        gone = f"{view.num_released} given back, then " if view.num_released else ""
         note.append(f"layer{'s' * (len(differ) > 1)} {ranges(differ)} hold the same tokens in other physical blocks "
-                    f"(layer {example}: {' '.join(map(str, view.table[example][:6]))}{' …' if view.num_blocks > 6 else ''})")
+                    f"(layer {example}: {gone}{' '.join(map(str, held[:6]))}{' …' if len(held) > 6 else ''})")
     if same:
         note.append(f"layer{'s' * (len(same) > 1)} {ranges(same)} map to the same physical blocks")
     return "; ".join(note)
@@ -155,6 +157,10 @@ def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0, other_la
     head.add_row("slot", f"{view.slot} after step {snap.step:,}: request {request_label(view.seq_id, view.prompt, 40)}")
     head.add_row("tokens", f"{len(view.token_ids):,} ({view.num_prompt_tokens:,} prompt + {num_output:,} output), "
                            f"{view.num_cached:,} in the cache, in {plural(view.num_blocks, 'block')} a layer")
+    if snap.sliding_window:
+        head.add_row("window", f"sliding window of {snap.sliding_window:,} tokens: "
+                               f"{plural(view.num_released, 'block')} a layer given back behind it, "
+                               f"{view.num_held:,} held; {plural(snap.num_window_freed, 'block')} given back in all")
     if view.is_prefilling:
         head.add_row("prefill", Text(f"part-way: {prefill_progress(view)} tokens computed; chunked prefill computes "
                                      "the rest in later steps, into the blocks it holds", style="yellow"))
@@ -176,6 +182,11 @@ def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0, other_la
     for i, physical in enumerate(view.table[layer]):
         first = i * geo.block_size
         fill = len(token_blocks[i])
+        if physical < 0:  # given back: every later token attends past it (the sliding window)
+            cells = [str(i), Text("-", style="grey50"), f"{first}-{first + fill - 1}",
+                     Text("given back", style="grey50"), "-", "-"] + ([""] if shared else [])
+            table.add_row(*cells, Text(escape(texts[i]), style="grey50"))
+            continue
         k = physical * geo.block_bytes
         cells = [str(i), str(physical), f"{first}-{first + fill - 1}" if fill else "-",
                  Text(f"{fill}/{geo.block_size}", style="green" if fill == geo.block_size else "yellow"),

@@ -7,6 +7,7 @@ adds a group's fields to a command's options and hands them to the command as on
 from __future__ import annotations
 
 import dataclasses
+import json
 import functools
 import inspect
 import typing
@@ -15,8 +16,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from pagedcli.core.errors import name_settings
-from pagedcli.core.options import EngineOptions, SamplingParams, declared
+from pagedcli.core.errors import UsageError, name_settings
+from pagedcli.core.options import MAX_N, EngineOptions, SamplingParams, declared
 from pagedcli.model.presets import RANDOM_PRESETS
 
 # what a flag's help adds to its declaration's, where the command line knows more
@@ -44,12 +45,44 @@ EngineFlags = dataclasses.make_dataclass("EngineFlags", [
 EngineFlags.__module__ = __name__  # (where pickle finds it: serve sends the flags to its engine process)
 
 
+def given_path(text: str) -> Path:
+    """A file option's value as a Path: an empty one is a mistake (Path('') is the folder `.`)."""
+    if not text:
+        raise typer.BadParameter("'' names no file")
+    return Path(text)
+
+
 class _RequestFlags:
     def sampling(self) -> dict:
         """The sampling options as given (None: not given)."""
         given = {name: getattr(self, name) for name in SAMPLING_FLAGS}
         given["stop"] = tuple(self.stop) if self.stop else None
+        given["structured"] = self.structured()
         return given
+
+    def structured(self) -> tuple[str, str] | None:
+        """--json-schema, --regex, --choice or --grammar as SamplingParams.structured (one at most)."""
+        from pagedcli.model.files import read_given_text
+
+        given = [flag for flag, value in (("--json-schema", self.json_schema), ("--regex", self.regex),
+                                          ("--choice", self.choice), ("--grammar", self.grammar)) if value]
+        if len(given) > 1:
+            raise UsageError(f"{given[0]} and {given[1]} both constrain the answer", "give one of them")
+        if self.json_schema is not None:
+            text = read_given_text(self.json_schema, f"--json-schema {self.json_schema}", "give a JSON schema file")
+            try:
+                json.loads(text)
+            except ValueError as e:
+                raise UsageError(f"--json-schema {self.json_schema}: not JSON ({e})", "give a JSON schema file") from None
+            return "json", text
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice:
+            return "choice", json.dumps(list(self.choice))
+        if self.grammar is not None:
+            return "grammar", read_given_text(self.grammar, f"--grammar {self.grammar}",
+                                              "give an EBNF / GBNF grammar file")
+        return None
 
 
 _SAMPLING_HINTS = typing.get_type_hints(SamplingParams)
@@ -57,7 +90,7 @@ _SAMPLING_HINTS = typing.get_type_hints(SamplingParams)
 # generation_config.json fills in what the user leaves out, but for those whose declared default
 # stands as the flag's; --stop is repeatable (a list), --logprobs a count.
 FLAG_DEFAULTS_AS_DECLARED = ("max_tokens", "ignore_eos")
-SAMPLING_FLAGS = [f.name for f in declared(SamplingParams)]
+SAMPLING_FLAGS = [f.name for f in declared(SamplingParams) if f.metadata["cli"]]
 
 
 def _sampling_flag(field: dataclasses.Field):
@@ -72,7 +105,8 @@ RequestFlags = dataclasses.make_dataclass("RequestFlags", [
         help="Prompts; several run together. `-`: read them from standard input, as with none and input piped in.",
         show_default=False)], dataclasses.field(default=None)),
     ("prompt_file", Annotated[Optional[Path], typer.Option(
-        help="A UTF-8 file with one prompt per line (`-`: standard input).")], dataclasses.field(default=None)),
+        help="A UTF-8 file with one prompt per line (`-`: standard input).", parser=given_path)],
+     dataclasses.field(default=None)),
     ("prompt_separator", Annotated[str, typer.Option(
         help=r"What ends a prompt in a prompt file or standard input, with \n, \t, \r and \\ read as escapes: "
         r"'\n\n' for prompts of several lines between blank lines, '' for the whole input as one prompt.")],
@@ -84,10 +118,25 @@ RequestFlags = dataclasses.make_dataclass("RequestFlags", [
                                                      show_default=False)], dataclasses.field(default=None)),
     ("chat_template", Annotated[Optional[Path], typer.Option(
         help="A Jinja chat template file (as vLLM's --chat-template), in place of the model folder's.",
-        show_default=False)], dataclasses.field(default=None)),
-    *(_sampling_flag(f) for f in declared(SamplingParams)),
-    ("samples", Annotated[int, typer.Option("--n", help="Answers per prompt; they share the prompt's blocks "
-                                            "(copy-on-write).")], dataclasses.field(default=1)),
+        show_default=False, parser=given_path)], dataclasses.field(default=None)),
+    ("chat_template_kwargs", Annotated[Optional[str], typer.Option(
+        help="More variables for the chat template, a JSON object (as vLLM's chat_template_kwargs), e.g. "
+        "'{\"enable_thinking\": false}' for Qwen3 to answer without thinking first. serve: each request's "
+        "chat_template_kwargs go over these.", show_default=False)], dataclasses.field(default=None)),
+    *(_sampling_flag(f) for f in declared(SamplingParams) if f.metadata["cli"]),
+    ("samples", Annotated[int, typer.Option("--n", help=f"Answers per prompt (1 to {MAX_N}); they share the prompt's "
+                                            "blocks (copy-on-write).")], dataclasses.field(default=1)),
+    # the answer held to a grammar (engine/structured.py): one of these
+    ("json_schema", Annotated[Optional[Path], typer.Option(
+        help="Hold the answer to this JSON schema (a file): it parses and validates.", show_default=False)],
+     dataclasses.field(default=None)),
+    ("regex", Annotated[Optional[str], typer.Option(help="Hold the answer to this regular expression.",
+                                                    show_default=False)], dataclasses.field(default=None)),
+    ("choice", Annotated[Optional[list[str]], typer.Option(help="The answer is one of these texts (repeatable).",
+                                                           show_default=False)], dataclasses.field(default=None)),
+    ("grammar", Annotated[Optional[Path], typer.Option(
+        help="Hold the answer to this grammar (a file, EBNF as GBNF or xgrammar writes it).", show_default=False)],
+     dataclasses.field(default=None)),
 ], bases=(_RequestFlags,))
 RequestFlags.__module__ = __name__
 

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import TextIO
 
+from pagedcli.commands.exits import holds_all_text
 from pagedcli.commands.options import with_flags
 from pagedcli.core.json_lines import one_line
 from pagedcli.engine.sequence import Sequence
@@ -15,13 +16,15 @@ from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
 ERROR_MARK = " [error]"  # ends the text of an answer that failed (stderr says why); not with --quiet
 
 
-def answer_text(seq: Sequence, decoder: StreamDecoder) -> str:
-    """The answer's text as far as it may be shown: with stop strings, the engine's cut of it (and
-    while it runs, less a tail that may begin one); else what `decoder` makes of its tokens."""
+def answer_text(seq: Sequence, decoder: StreamDecoder, start: int = 0) -> str:
+    """The answer's text as far as it may be shown, from character `start` on (what a printer has
+    not taken yet: only that is copied, so a step's work does not grow with the answer): with stop
+    strings, the engine's cut of it (and while it runs, less a tail that may begin one); else what
+    `decoder` makes of its tokens."""
     if seq.stop_strings is not None:
-        return seq.stop_strings.text(seq.is_finished)
+        return seq.stop_strings.text_since(start, seq.is_finished)
     decoder.catch_up(seq.output_token_ids)
-    return decoder.text
+    return decoder.text[start:]
 
 
 class TextPrinter:
@@ -47,9 +50,9 @@ class TextPrinter:
 
     def update(self, seq: Sequence) -> None:
         """Take in the tokens `seq` gained since the last call."""
-        text = answer_text(seq, self.decoders[seq.id])
-        self.pending[seq.id] += text[self.taken[seq.id]:]
-        self.taken[seq.id] = len(text)
+        new = answer_text(seq, self.decoders[seq.id], self.taken[seq.id])
+        self.pending[seq.id] += new
+        self.taken[seq.id] += len(new)
 
     def flush(self) -> None:
         """Print what can be printed now: the current answer's new text, then every following
@@ -99,6 +102,7 @@ class JsonPrinter:
         self.out = out or sys.stdout
         self.decoders = {s.id: StreamDecoder(tokenizer, s.prompt_token_ids) for s in seqs}
         self.current = 0
+        self.holds_all_text = holds_all_text(self.out)
 
     def update(self, seq: Sequence) -> None:
         if seq.stop_strings is None:
@@ -109,7 +113,8 @@ class JsonPrinter:
             record = self.record(self.seqs[self.current])
             if self.samples > 1:
                 record["sample"] = self.current % self.samples
-            self.out.write(one_line(json.dumps(record, ensure_ascii=False)) + "\n")
+            # (an output encoding that cannot hold every character gets JSON's \u escapes: the same JSON)
+            self.out.write(one_line(json.dumps(record, ensure_ascii=not self.holds_all_text)) + "\n")
             self.current += 1
         self.out.flush()
 
@@ -127,6 +132,9 @@ class JsonPrinter:
         }
         if seq.params.logprobs is not None:
             r["logprobs"] = [self._logprobs(t, entry) for t, entry in zip(seq.output_token_ids, seq.logprobs)]
+        if seq.params.prompt_logprobs is not None:  # the first prompt token's is null (nothing before it)
+            r["prompt_logprobs"] = [None if entry is None else self._logprobs(t, entry)
+                                    for t, entry in zip(seq.prompt_token_ids, seq.prompt_logprobs)]
         if seq.error:
             r["error"] = with_flags(seq.error)
         return r

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import math
 import os
 import signal
 import socket
@@ -33,7 +34,8 @@ from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
 from pagedcli.core.errors import PagedCliError, RunError, UsageError, plural
 from pagedcli.core.heap import frozen_heap
 from pagedcli.core.signals import signals_handled
-from pagedcli.serve import DEFAULT_MAX_WAITING, LOG_FORMAT, STOP_SIGNALS, ignore_stop_signals, stop_signals_ignored
+from pagedcli.serve import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, ENGINE_TIMEOUT_S, LOG_FORMAT, STOP_SIGNALS,
+                            ignore_stop_signals, stop_signals_ignored)
 
 GRACE_S = 10.0  # seconds the requests in flight get to finish once a signal stops the server
 CLOSE_S = 5.0  # then, after they are aborted, seconds their handlers get to write their endings
@@ -47,7 +49,7 @@ PARENT_GONE = getattr(signal, "SIGUSR2", None)
 # RequestFlags that a request gives itself (its prompt, chat or not, n, logprobs); the rest are the
 # defaults for what a request leaves out
 PER_REQUEST = {"prompts": None, "prompt_file": None, "prompt_separator": r"\n", "chat": None, "system": None,
-               "samples": 1, "logprobs": None}
+               "samples": 1, "logprobs": None, "json_schema": None, "regex": None, "choice": None, "grammar": None}
 
 
 @friendly_errors
@@ -63,7 +65,14 @@ def serve(
     live: Annotated[bool, typer.Option("--live", help="Watch the KV cache under the server's traffic, the access "
                                        "log above it (on a terminal only).")] = False,
     api_server_count: Annotated[int, typer.Option(
-        help="API processes serving HTTP for the one engine (more when one core cannot keep up with the tokens).")] = 1,
+        help="API processes serving HTTP for the one engine (more when one core cannot keep up with the tokens), "
+        "at most one a CPU core.")] = 1,
+    max_request_size: Annotated[str, typer.Option(
+        help="The largest request body taken, e.g. 8MiB; a larger one gets HTTP 413 before it is read.")]
+        = f"{DEFAULT_MAX_BODY_BYTES >> 20}MiB",
+    engine_timeout: Annotated[float, typer.Option(
+        help="Seconds the engine process may say nothing (not a step, not its heartbeat every second) before "
+        "/health answers 503 and the requests in it end with an error (vLLM's 60 s).")] = ENGINE_TIMEOUT_S,
     *, requests: RequestFlags, engine_flags: EngineFlags,
 ):
     """Serve the model with OpenAI's API (completions and chat, streamed or not) to many clients at once."""
@@ -83,6 +92,19 @@ def serve(
         raise UsageError(f"--max-waiting {max_waiting}: must be at least 1")
     if api_server_count < 1:
         raise UsageError(f"--api-server-count {api_server_count}: must be at least 1")
+    cores = os.cpu_count() or 1
+    if api_server_count > cores:  # (each is a process with its own interpreter: more than the cores only cost memory)
+        raise UsageError(f"--api-server-count {api_server_count}: more API processes than this machine's "
+                         f"{plural(cores, 'CPU core')}", f"use at most {cores}")
+    from pagedcli.core.geometry import parse_size
+
+    try:
+        max_body_bytes = parse_size(max_request_size)
+    except UsageError:
+        raise UsageError(f"--max-request-size {max_request_size!r} is not a size", "write it like 8MiB or 100MB") from None
+    if not (math.isfinite(engine_timeout) and engine_timeout > 0):  # (NaN fails it too)
+        raise UsageError(f"--engine-timeout {engine_timeout}: must be a positive number of seconds",
+                         f"leave it out for {ENGINE_TIMEOUT_S:g}")
     if live and api_server_count > 1:
         raise UsageError("--live draws one API process's log above its frame", "leave out --api-server-count, or --live")
     if api_key is not None and not api_key.strip():
@@ -114,7 +136,7 @@ def serve(
             shared = ToView(engine.log)
         name = ready.model_name
         defaults = sampling_defaults(params, ready.generation_config, given, f"{name}'s generation_config.json")
-        settings = Settings(name, defaults, api_key, max_waiting)
+        settings = Settings(name, defaults, api_key, max_waiting, max_body_bytes, engine_timeout)
         bound_host, bound_port = sock.getsockname()[:2]
         others = [start_api_process(link, (bound_host, bound_port), settings) for link in engine.other_links]
         wait_for_api_processes(others)

@@ -46,6 +46,16 @@ def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
     token_blocks = block_token_ids(view, geo.block_size)
     texts = block_texts(decode, token_blocks)
     shared = shared_with(snap, view)
+
+    def block_json(layer: int, i: int, p: int) -> dict:
+        block = {"logical": i, "token_ids": token_blocks[i], "text": texts[i]}
+        if p < 0:  # given back behind the sliding window: no physical block, no bytes
+            return block | {"physical": None, "k_offset": None, "v_offset": None, "ref_count": 0, "shared_with": [],
+                            "released": True}
+        return block | {"physical": p, "k_offset": p * geo.block_bytes, "v_offset": p * geo.block_bytes + geo.v_offset,
+                        "ref_count": 1 + len(shared[layer].get(p, [])), "shared_with": shared[layer].get(p, []),
+                        "released": False}
+
     return {
         "slot": view.slot,
         "step": snap.step,
@@ -61,10 +71,8 @@ def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
         "num_cached": view.num_cached,
         "prefill": {"computed": view.num_cached, "of": view.prefill_len} if view.is_prefilling else None,
         "layers": [
-            {"layer": layer, "blocks": [
-                {"logical": i, "physical": p, "k_offset": p * geo.block_bytes,
-                 "v_offset": p * geo.block_bytes + geo.v_offset, "token_ids": token_blocks[i], "text": texts[i],
-                 "ref_count": 1 + len(shared[layer].get(p, [])), "shared_with": shared[layer].get(p, [])}
-                for i, p in enumerate(row)]}
+            {"layer": layer, "blocks": [block_json(layer, i, p) for i, p in enumerate(row)]}
             for layer, row in enumerate(view.table)],
+        "sliding_window": snap.sliding_window,
+        "released_blocks": view.num_released,  # logical blocks given back behind the window, in each layer
     }

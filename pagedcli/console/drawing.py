@@ -76,30 +76,32 @@ def fit(text: Text | str, width: int, right: bool = False) -> Text:
 def owners_of_blocks(snap: CacheSnapshot) -> Counter | None:
     """How many running sequences hold each layer-0 block, or None when none is shared (prefix
     caching and parallel samples share blocks; then the slots hold more blocks than are used)."""
-    held = sum(s.num_blocks for s in snap.slots) * snap.geometry.num_layers
+    held = sum(s.num_held for s in snap.slots) * snap.geometry.num_layers
     if held == snap.num_used_blocks:
         return None
     owners = Counter()
     for s in snap.slots:
-        owners.update(s.table[0])
+        owners.update(s.table[0][s.num_released:])
     return owners
 
 
 def block_cells(slot: SlotView, block_size: int, max_cells: int = MAX_CELLS, owners: Counter | None = None) -> Text:
     """The slot's logical blocks as cells: green when full, yellow and shorter when partial, blue
-    when shared with another sequence. A row longer than `max_cells` keeps its head and tail, with
-    the count of blocks left out between."""
+    when shared with another sequence, a grey × when given back behind a sliding window. A row
+    longer than `max_cells` keeps its head and tail, with the count of blocks left out between."""
     n = slot.num_blocks
     keep = max_cells - len(f"…{n:,}…")  # cells drawn when some must be left out
     shown = range(n) if n <= max_cells else [*range(keep // 2), *range(n - (keep - keep // 2), n)]
     runs: list[tuple[str, str]] = []  # (text, style), merged: one span per run, not per cell
-    previous = -1
+    previous, released = -1, slot.num_released
     for logical in shown:
         if logical != previous + 1:
             runs.append((f"…{logical - previous - 1:,}…", "dim"))
         fill = slot.fill(logical, block_size)
         glyph = FILL_GLYPHS[max(1, fill * 8 // block_size)] if fill else "·"  # one token still shows
-        if owners is not None and owners[slot.table[0][logical]] > 1:
+        if logical < released:
+            glyph, style = "×", "grey50"
+        elif owners is not None and owners[slot.table[0][logical]] > 1:
             style = "blue"
         else:
             style = "green" if fill == block_size else "yellow" if fill else "dim"
@@ -142,12 +144,12 @@ def waste_lines(snap: CacheSnapshot) -> list[Text]:
     paged = snap.num_used_blocks // geo.num_layers * bs
     fill: dict[int, int] = {}  # physical block (layer 0) past a sequence's full ones -> tokens in it
     for s in snap.slots:
-        for logical in range(s.num_cached // bs, s.num_blocks):
+        for logical in range(max(s.num_cached // bs, s.num_released), s.num_blocks):
             block = s.table[0][logical]
             fill[block] = max(fill.get(block, 0), s.fill(logical, bs))
     unused = sum(bs - tokens for tokens in fill.values())
     contiguous = snap.contiguous_tokens
-    held = sum(s.num_blocks for s in snap.slots) * bs
+    held = sum(s.num_held for s in snap.slots) * bs
     shared = f", {plural(held - paged, 'token')} held once for several sequences" if held > paged else ""
 
     def waste(label: str, reserved: int, unused: int, how: str, style: str = "") -> Text:
@@ -176,6 +178,14 @@ def requests_line(snap: CacheSnapshot, max_prompts: int = 3) -> Text:
 def sharing_line(snap: CacheSnapshot) -> Text:
     return line(("sharing   ", "bold"), f"prefix cache served {100 * snap.prefix_hit_rate:.0f}% of prompt tokens   "
                 f"copy-on-write copies {plural(snap.num_copied_blocks, 'block')}")
+
+
+def window_lines(snap: CacheSnapshot) -> list[Text]:
+    """A sliding window's line (Mistral's): what the blocks behind it gave back."""
+    if not snap.sliding_window:
+        return []
+    return [line(("window    ", "bold"), f"sliding window of {plural(snap.sliding_window, 'token')}: "
+                 f"{plural(snap.num_window_freed, 'block')} given back behind it so far")]
 
 
 @dataclass(frozen=True)
@@ -233,18 +243,20 @@ def slot_rows(snap: CacheSnapshot, decode: Decode | None, max_rows: int, width: 
             "logical blocks": block_cells(s, geo.block_size, widths["logical blocks"], owners),
             "last": f"{s.fill(s.num_blocks - 1, geo.block_size)}/{geo.block_size}" if s.num_blocks else "-",
             "tokens": f"{s.num_cached:,}",
-            "blocks held": f"{s.num_blocks:,} x {geo.num_layers} = {s.num_blocks * geo.num_layers:,}",
-            "layer 0 -> physical": " ".join(map(str, s.table[0][:4])) + (" …" if s.num_blocks > 4 else ""),
+            "blocks held": f"{s.num_held:,} x {geo.num_layers} = {s.num_held * geo.num_layers:,}",
+            "layer 0 -> physical": (" ".join(map(str, s.table[0][s.num_released:s.num_released + 4]))
+                                    + (" …" if s.num_held > 4 else "")),
             "tok/s": f"{s.tokens_per_s:,.0f}",
             "answer so far": (Text(prefill_progress(s), style="yellow") if s.is_prefilling
                               else Text(answer_tail(s, decode, widths.get("answer so far", 0)), style="cyan")),
         }))
-    if owners is not None:
+    if owners is not None or any(s.num_released for s in snap.slots):
         lines.append(line(("      cells: ", "dim"), ("█", "green"), (" full  ", "dim"), ("▄", "yellow"),
-                          (" partial (height: tokens in it)  ", "dim"), ("█", "blue"), (" shared", "dim")))
+                          (" partial (height: tokens in it)  ", "dim"), ("█", "blue"), (" shared  ", "dim"),
+                          ("×", "grey50"), (" given back behind the sliding window", "dim")))
     hidden = snap.slots[max_rows:]
     if hidden:
-        blocks = sum(s.num_blocks for s in hidden) * geo.num_layers
+        blocks = sum(s.num_held for s in hidden) * geo.num_layers
         lines.append(Text(f"   …  +{plural(len(hidden), 'more running slot')} holding {plural(blocks, 'block')}",
                           style="dim"))
     if not snap.slots:
@@ -277,6 +289,6 @@ def render(snap: CacheSnapshot, decode: Decode | None = None, max_rows: int = 32
     subtitle = (f"{geo.num_layers} layers x {geo.num_kv_heads} kv heads x {geo.head_dim} dims, "
                 f"{geo.kv_dtype_name}; every layer owns its own blocks")
     inner = width - 4  # the panel's border and padding
-    body = Group(*pool_lines(snap), requests_line(snap), sharing_line(snap), Text(),
+    body = Group(*pool_lines(snap), requests_line(snap), sharing_line(snap), *window_lines(snap), Text(),
                  *slot_rows(snap, decode, max_rows, inner), Text(), *waste_lines(snap))
     return Panel(body, title=title, title_align="left", subtitle=subtitle, subtitle_align="right", width=width)

@@ -36,7 +36,7 @@ def read_prompts(prompts: list[str], prompt_file: Path | None, separator: str = 
     implicit = not prompts and prompt_file is None and not stdin_is_terminal()
     if STDIN in prompts:
         i = prompts.index(STDIN)
-        found = split_prompts(read_text_from(None, STDIN), separator)
+        found = split_prompts(read_text_from(None, "-: standard input"), separator)
         if not found:
             raise UsageError("-: standard input has no prompts (it is empty)", "pipe prompts in, one a line")
         prompts[i:i + 1] = found

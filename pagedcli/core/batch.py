@@ -40,11 +40,13 @@ class StepBatch:
 
     @classmethod
     def build(cls, is_prefill: bool, slots: list[int], token_ids: list[list[int]], num_cached: list[int],
-              device: torch.device, samples: list[bool] | None = None) -> "StepBatch":
+              device: torch.device, samples: list[bool] | None = None,
+              every_row: list[bool] | None = None) -> "StepBatch":
         """`token_ids[b]` are sequence b's new tokens, which start at position `num_cached[b]`;
-        `samples[b]`: whether it samples this step (default: every one does)."""
+        `samples[b]`: whether it samples this step (default: every one does); `every_row[b]`: all of
+        its new tokens get logits, not only its last (prompt log-probabilities)."""
         num_new = [len(t) for t in token_ids]
-        flat, positions, token_seq, last = pack(token_ids, num_cached, samples)
+        flat, positions, token_seq, last = pack(token_ids, num_cached, samples, every_row)
         ctx = [c + n for c, n in zip(num_cached, num_new)]
         int64, int32 = torch.int64, torch.int32
         tensors = to_device({"token_ids": (flat, int64), "positions": (positions, int64), "token_seq": (token_seq, int64),
@@ -52,9 +54,11 @@ class StepBatch:
         return cls(is_prefill=is_prefill, **tensors, num_new=num_new, context_lens_host=ctx)
 
 
-def pack(token_ids: list[list[int]], num_cached: list[int], samples: list[bool] | None = None):
+def pack(token_ids: list[list[int]], num_cached: list[int], samples: list[bool] | None = None,
+         every_row: list[bool] | None = None):
     """The packed arrays of a step (int64): every new token, its position, its sequence, and the
-    index of each sampling sequence's last token (StepBatch's fields of the same names). In numpy
+    index of each sampling sequence's last token (StepBatch's fields of the same names), or of all
+    its tokens where `every_row` says so. In numpy
     calls, not a Python loop a token: a long prompt's chunk is up to 16,384 tokens, and the GPU idled
     while the host packed them (docs/performance-log.md, "Prefill")."""
     lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
@@ -64,7 +68,11 @@ def pack(token_ids: list[list[int]], num_cached: list[int], samples: list[bool] 
     first = np.cumsum(lens) - lens  # each sequence's first index in the step
     positions = np.arange(total, dtype=np.int64) + np.repeat(np.asarray(num_cached, dtype=np.int64) - first, lens)
     last = first + lens - 1
-    if samples is not None:
+    if every_row is not None and any(every_row):  # (rare: a request for prompt log-probabilities)
+        keep = samples if samples is not None else [True] * len(lens)
+        last = np.concatenate([np.arange(f, f + n) if all_rows else [f + n - 1] if sample else []
+                               for f, n, sample, all_rows in zip(first, lens, keep, every_row)]).astype(np.int64)
+    elif samples is not None:
         last = last[np.asarray(samples, dtype=bool)]
     return flat, positions, token_seq, last
 

@@ -50,10 +50,28 @@ UNCHUNKED_MAX_BATCHED_TOKENS = 8192
 # near zero overflows them, and the distribution is the argmax's long before that.
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # the most top tokens a step reports (vLLM's default cap)
+# prompt tokens a step computes logits for, for a request with prompt_logprobs (a row of logits is
+# the vocabulary's width: a whole 16k-token chunk's would be gigabytes)
+PROMPT_LOGPROBS_ROWS = 512
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range, vLLM's check)
 # The repetition penalty lies in [1/R, R]: a logit divided by one near 0 overflows float32 (inf, then a
 # NaN distribution that no draw takes), and one past float32's range is inf (0 * inf is NaN)
 MAX_REPETITION_PENALTY = 1e4
+# what an answer may be held to (engine/structured.py)
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Stop strings: at most this many a request, each at most this many characters. The engine searches
+# each one in every step's new text and the (length - 1) characters before it (vLLM's incremental
+# check), so a request's work per step stays within MAX_STOP_STRINGS x (new text + MAX_STOP_CHARS)
+# characters whatever it asks for, and a neighbour's steps do not slow down for it
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
+MAX_N = 128  # answers per prompt at most (generate's --n, a request's `n`): more would only queue behind one another
+# Files a user names (a prompt file, a chat template, standard input, bench's texts) are read up to
+# this many bytes: /dev/zero, or a pipe that never ends, is one line naming the file, not the end of memory
+MAX_INPUT_FILE_BYTES = 64 << 20
+# A model folder's own files read whole (config.json, tokenizer.json, tokenizer_config.json, the chat
+# template): the largest real tokenizer.json is some 35 MB
+MAX_MODEL_FILE_BYTES = 256 << 20
 
 
 def option(default, help: str, *, flags: tuple[str, ...] = (), cli: bool = True, api: bool = False):
@@ -117,6 +135,9 @@ class EngineOptions:
     def __post_init__(self):
         if self.kv_cache_dtype == "fp8_e4m3":  # vLLM's other name for it
             self.kv_cache_dtype = "fp8"
+        if self.cache_size is not None and not self.cache_size.strip():  # (not the default: a value left empty)
+            raise _usage_error(f"`cache_size` {self.cache_size!r} is not a size",
+                               "write it like 2GiB, 512MiB or 100MB, or leave it out for the default")
         if self.model is not None and not self.model.strip():
             raise _usage_error("`model` is empty", "pass a model folder, a Hub id, or `demo`")
         if self.device not in DEVICES:
@@ -195,11 +216,18 @@ class SamplingParams:
                                           "(0: off).", api=True)
     frequency_penalty: float = option(0.0, "Lower a token's logit by this times its count in the answer, -2 to 2 "
                                            "(0: off).", api=True)
-    stop: tuple[str, ...] = option((), "End the answer before this text (repeatable).")  # the first it contains
+    stop: tuple[str, ...] = option((), f"End the answer before this text (repeatable: up to {MAX_STOP_STRINGS}, each "
+                                       f"up to {MAX_STOP_CHARS:,} characters).")  # the first it contains
     logprobs: int | None = option(None, "With --json: each token's log-probability and the N likeliest tokens' "
                                         "(0 to 20).")  # None: off
+    prompt_logprobs: int | None = option(None, "With --json: each prompt token's log-probability and the N "
+                                               "likeliest there (0 to 20; the first token's is null).")
     seed: int | None = option(None, "Seed for sampling (the i-th answer uses seed + i).", api=True)
     ignore_eos: bool = option(False, "Keep going past the model's stop tokens.", api=True)
+    # (kind, text): the answer held to a JSON schema ("json"), any JSON object ("json_object", text ""),
+    # a regex, one of a JSON list of strings ("choice") or an EBNF / GBNF grammar (engine/structured.py)
+    structured: tuple[str, str] | None = option(None, "The answer held to a JSON schema, a regex, a choice or a "
+                                                      "grammar (engine/structured.py).", cli=False)
 
     @property
     def greedy(self) -> bool:
@@ -233,12 +261,23 @@ class SamplingParams:
              "use a number from -2**63 to 2**63 - 1"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"must be from 0 to {MAX_LOGPROBS}", "0 gives only the chosen token's"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"must be from 0 to {MAX_LOGPROBS}", "0 gives only each prompt token's own"),
         ]
         for name, ok, why, hint in checks:
             if not ok:
                 return name, getattr(self, name), why, hint
+        if len(self.stop) > MAX_STOP_STRINGS:
+            return ("stop", f"({len(self.stop):,} strings)", f"at most {MAX_STOP_STRINGS} stop strings",
+                    "keep the ones that matter")
+        if self.structured is not None and self.structured[0] not in STRUCTURED_KINDS:
+            return "structured", self.structured[0], f"is not one of {', '.join(STRUCTURED_KINDS)}", None
         if "" in self.stop:
             return "stop", "''", "a stop string must not be empty", None
+        long = next((s for s in self.stop if len(s) > MAX_STOP_CHARS), None)
+        if long is not None:
+            return ("stop", f"{long[:20]!r}... ({len(long):,} characters)",
+                    f"a stop string may hold at most {MAX_STOP_CHARS:,} characters", "use a shorter one")
         return None
 
 

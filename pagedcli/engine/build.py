@@ -19,6 +19,7 @@ from pagedcli.engine.cache import KVCache
 from pagedcli.engine.engine import Engine
 from pagedcli.engine.memory import MemoryProfile, device_memory, pool_bytes_for
 from pagedcli.engine.runner import ModelRunner
+from pagedcli.engine.structured import StructuredOutputs
 from pagedcli.model.loader import Model, pick_dtype, read_model
 from pagedcli.model.network import Llama
 from pagedcli.model.source import ModelSource
@@ -71,13 +72,17 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
         option = f"`num_blocks` {opts.num_blocks}" if opts.num_blocks is not None else f"`cache_size` {opts.cache_size}"
         raise UsageError(f"{option}: {geometry.num_blocks:,} blocks, more than the {MAX_ID:,} a block table can number",
                          "use a smaller `cache_size` or `num_blocks`")
-    pool_len = geometry.pool_tokens
+    # a sequence's length is capped by what the pool holds, but with a sliding window, whose sequences
+    # hold only their window's blocks once their prompt is in (the prompt's are taken at admission:
+    # PromptLimits keeps a prompt within the pool)
+    pool_len = config.context_length if config.sliding_window else geometry.pool_tokens
     max_model_len = min(config.context_length, pool_len, opts.max_model_len or pool_len)
     if opts.max_model_len is not None and opts.max_model_len > max_model_len:  # said, not silently cut
         what = ("the model's positions (max_position_embeddings)" if max_model_len == config.context_length
                 else "what the pool holds: a larger `cache_size` makes room")
         notice(f"`max_model_len` {opts.max_model_len:,} is more than {what}: sequences stop at {max_model_len:,} tokens")
     cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks, opts.prefix_caching,
+                    sliding_window=config.sliding_window,
                     kv_scales=model.weights.kv_scales)
     if device.type == "cuda":
         from pagedcli.backends.cuda import CudaBackend
@@ -90,11 +95,14 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
     llama = Llama(config, model.weights, backend)
     runner = ModelRunner(llama, cache, use_graphs=device.type == "cuda" and not opts.eager,
                          max_step_tokens=opts.batched_tokens(device))
-    tokenizer = model.tokenizer
+    tokenizer, stop_ids = model.tokenizer, model.source.stop_ids
     detokenizer = (lambda prompt_ids: StreamDecoder(tokenizer, prompt_ids)) if tokenizer is not None else None
-    return Engine(runner, cache, model.source.stop_ids, overlap=opts.overlap and device.type == "cuda",
+    # a grammar's vocabulary (engine/structured.py), made when a request first asks for one
+    structured = ((lambda: StructuredOutputs(tokenizer.to_json(), config.vocab_size, stop_ids))
+                  if tokenizer is not None else None)
+    return Engine(runner, cache, stop_ids, overlap=opts.overlap and device.type == "cuda",
                   chunked_prefill=opts.chunked_prefill, max_num_batched_tokens=opts.batched_tokens(device),
-                  detokenizer=detokenizer)
+                  detokenizer=detokenizer, structured=structured)
 
 
 def largest_step(opts: EngineOptions, device: torch.device, context_length: int) -> list[int]:

@@ -8,7 +8,10 @@
 
 Beyond tiny-vllm, blocks can be shared: a prompt reuses the cached blocks of a prefix seen before
 (`prefix_cache.py`), and parallel samples share their prompt's blocks (`fork`), copying a shared
-block only before writing into it (copy-on-write).
+block only before writing into it (copy-on-write). With a sliding window (Mistral's), a block that
+every later token of its sequence attends past is given back (`slide`, as vLLM frees them): its
+table entries become -1 behind the blocks still read, so a long sequence holds at most
+window / block_size + 1 blocks a layer.
 
 An fp8 pool (`geometry.kv_fp8`) holds e4m3 values, with `store.kv_scales` (core/fp8.py: float32
 [num_layers, num_kv_heads] for K and for V) beside it; blocks are copied and shared as raw bytes,
@@ -144,8 +147,9 @@ class KVCache:
 
     def __init__(self, geometry: CacheGeometry, max_slots: int, max_model_len: int,
                  device: torch.device | str = "cpu", shuffle_seed: int | None = None, prefix_caching: bool = True,
-                 kv_scales: KVScales | None = None):
+                 kv_scales: KVScales | None = None, sliding_window: int | None = None):
         self.geometry = geometry
+        self.sliding_window = sliding_window  # a token attends to this many positions, itself included
         self.max_slots = max_slots
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = geometry.blocks_for(max_model_len)
@@ -160,6 +164,8 @@ class KVCache:
         self.shares_tail = [False] * max_slots  # the slot's partial last block may be shared (after a fork)
         self.pending_copies: list[tuple[np.ndarray, list[int]]] = []  # copy-on-write: (from, to) blocks
         self.num_copied_blocks = 0  # copy-on-write copies so far (all layers)
+        self.num_slid = [0] * max_slots  # the slot's logical blocks given back behind its sliding window
+        self.num_window_freed = 0  # blocks (all layers) given back behind sliding windows so far
         self._changed: list[tuple[int, int, int]] = []  # (slot, start, stop) of blocks changed since the last device sync
 
     # --- allocation -----------------------------------------------------------------------
@@ -199,11 +205,11 @@ class KVCache:
 
     def release(self, slot: int) -> None:
         """A finished (or preempted) sequence gives every block back (shared ones lose one owner)."""
-        n = self.num_blocks_of_slot[slot]
-        if n:
-            self.allocator.release(self.table[slot, :, :n].ravel())
+        n, slid = self.num_blocks_of_slot[slot], self.num_slid[slot]
+        if n > slid:
+            self.allocator.release(self.table[slot, :, slid:n].ravel())
         self.table[slot, :, :n] = UNASSIGNED
-        self.num_blocks_of_slot[slot] = 0
+        self.num_blocks_of_slot[slot] = self.num_slid[slot] = 0
         self.num_offered[slot] = 0
         self.shares_tail[slot] = False
         self._mark_changed(slot, 0, n)
@@ -266,13 +272,38 @@ class KVCache:
         if hashes:
             self.prefix_cache.insert(hashes, np.concatenate(rows))
 
+    # --- a sliding window ---------------------------------------------------------------------
+    def slide(self, seqs: list) -> None:
+        """Give back each sequence's blocks that its sliding window has passed, all in one call: the
+        next token (at position `num_cached`) and every later one attend only to positions past
+        num_cached - window, so a block wholly before that is read no more. A cached prefix's
+        block keeps its content until it is taken again (the prefix cache was offered it first:
+        register() runs before this)."""
+        window, size = self.sliding_window, self.geometry.block_size
+        if not window:
+            return
+        spans = []
+        for seq in seqs:
+            slot = seq.slot
+            read_from = max(seq.num_cached - window + 1, 0) // size  # the first block a later token reads
+            if read_from > self.num_slid[slot]:
+                spans.append((slot, self.num_slid[slot], read_from))
+        if not spans:
+            return
+        self.allocator.release(np.concatenate([self.table[slot, :, a:b].ravel() for slot, a, b in spans]))
+        for slot, a, b in spans:
+            self.table[slot, :, a:b] = UNASSIGNED
+            self.num_slid[slot] = b
+            self.num_window_freed += (b - a) * self.geometry.num_layers
+            self._mark_changed(slot, a, b)
+
     # --- sharing between sequences: fork and copy-on-write ----------------------------------
     def fork(self, parent: int, child: int) -> None:
         """`child` shares every block of `parent` (parallel samples of one prompt)."""
-        n = self.num_blocks_of_slot[parent]
-        self.allocator.share(self.table[parent, :, :n].ravel())
+        n, slid = self.num_blocks_of_slot[parent], self.num_slid[parent]
+        self.allocator.share(self.table[parent, :, slid:n].ravel())
         self.table[child, :, :n] = self.table[parent, :, :n]
-        self.num_blocks_of_slot[child] = n
+        self.num_blocks_of_slot[child], self.num_slid[child] = n, slid
         self.num_offered[child] = self.num_offered[parent]
         self.shares_tail[parent] = self.shares_tail[child] = True
         self._mark_changed(child, 0, n)

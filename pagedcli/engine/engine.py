@@ -27,6 +27,7 @@ feeds on the device (sampler.py).
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -35,17 +36,20 @@ from pagedcli.core.options import SamplingParams
 from pagedcli.engine.cache import KVCache
 from pagedcli.engine.outputs import QueuedStep, StepCounts, StepOutput
 from pagedcli.engine.runner import ModelRunner
-from pagedcli.engine.sampler import Sampler
+from pagedcli.engine.sampler import PromptLogprobs, Sampler
 from pagedcli.engine.scheduler import Schedule, Scheduler
 from pagedcli.engine.sequence import Sequence
 from pagedcli.engine.snapshot import CacheSnapshot, take_snapshot
+from pagedcli.engine import structured
 from pagedcli.engine.stop_strings import MakeDetokenizer, StopStrings
+from pagedcli.engine.structured import StructuredOutputs
 
 
 class Engine:
     def __init__(self, runner: ModelRunner, cache: KVCache, stop_ids, overlap: bool = False,
                  chunked_prefill: bool = False, max_num_batched_tokens: int | None = None,
-                 detokenizer: MakeDetokenizer | None = None):
+                 detokenizer: MakeDetokenizer | None = None,
+                 structured: Callable[[], StructuredOutputs] | None = None):
         self.runner = runner
         self.cache = cache  # its max_slots and max_model_len are the engine's
         vocab_size = runner.model.config.vocab_size
@@ -53,6 +57,8 @@ class Engine:
                                    chunked_prefill=chunked_prefill)
         self.sampler = Sampler(cache.max_slots, vocab_size, cache.device)
         self.detokenizer = detokenizer  # for stop strings: the engine does not know the tokenizer
+        self._make_structured = structured  # the vocabulary for grammars, made at the first that asks
+        self._structured: StructuredOutputs | None = None
         self.sequences: list[Sequence] = []
         self.num_added = 0  # requests ever added: the next one's id (forget() keeps ids unique)
         self.num_forgotten = {"finished": 0, "aborted": 0}  # ended requests let go by forget()
@@ -62,7 +68,7 @@ class Engine:
         self.num_launched_ahead = 0
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
-        seq = self._watch_stops(Sequence(self.num_added, prompt_token_ids, params, prompt))
+        seq = self._constrain(self._watch_stops(Sequence(self.num_added, prompt_token_ids, params, prompt)))
         self.num_added += 1
         self.sequences.append(seq)
         self.scheduler.add(seq)
@@ -71,7 +77,7 @@ class Engine:
     def add_parallel(self, prompt_token_ids: list[int], params: list[SamplingParams],
                      prompt: str | None = None) -> list[Sequence]:
         """`len(params)` samples of one prompt that share its blocks (copy-on-write)."""
-        seqs = [self._watch_stops(Sequence(self.num_added + i, prompt_token_ids, p, prompt))
+        seqs = [self._constrain(self._watch_stops(Sequence(self.num_added + i, prompt_token_ids, p, prompt)))
                 for i, p in enumerate(params)]
         self.num_added += len(seqs)
         self.sequences.extend(seqs)
@@ -83,6 +89,17 @@ class Engine:
             if self.detokenizer is None:
                 raise UsageError("`stop` needs the text, and this model has no tokenizer", "leave `stop` out")
             seq.stop_strings = StopStrings(seq.params.stop, self.detokenizer(seq.prompt_token_ids))
+        return seq
+
+    def _constrain(self, seq: Sequence) -> Sequence:
+        """A matcher of its own for a request held to a grammar (one line for one that does not compile)."""
+        if seq.params.structured is not None:
+            if self._structured is None:
+                if self._make_structured is None:
+                    raise UsageError("`structured` outputs need the text, and this model has no tokenizer",
+                                     "leave the constraint out")
+                self._structured = self._make_structured()
+            seq.matcher = self._structured.matcher(*seq.params.structured)
         return seq
 
     @property
@@ -98,7 +115,8 @@ class Engine:
             if not plan.seqs:
                 return StepOutput(is_prefill=plan.is_prefill, seqs=[], tokens=[])
             step = self._queue_step(plan)
-        if self.overlap and not step.counts.is_prefill:
+        # (a grammar's mask needs the token before it: a step with one is not queued ahead)
+        if self.overlap and not step.counts.is_prefill and not any(s.matcher is not None for s in step.seqs):
             ahead = self.scheduler.schedule_ahead(step.seqs)
             if ahead:
                 self.in_flight = self._queue_step(Schedule(ahead, [1] * len(ahead), False), after=step)
@@ -116,6 +134,7 @@ class Engine:
             chunks = ([s for s, ok in zip(seqs, samples) if not ok], [n for n, ok in zip(plan.num_new, samples) if not ok])
         logits, greedy = self.runner.execute(seqs, plan.is_prefill, self._feed(seqs, after),
                                              plan.num_new if plan.is_prefill else None)
+        prompt_logprobs = PromptLogprobs(self.runner.prompt_logits) if self.runner.prompt_logits else None
         if chunks[0]:
             seqs = [s for s, ok in zip(seqs, samples) if ok]
         if plan.is_prefill:  # parallel samples join their prompt's parent, and sample from its row
@@ -123,10 +142,13 @@ class Engine:
             if rows is not None:
                 index = torch.tensor(rows).to(logits.device)
                 logits, greedy = logits[index], greedy[index]
-        tokens, logprobs = self.sampler.sample(logits, greedy, seqs)
+        constrained = [b for b, s in enumerate(seqs) if s.matcher is not None]
+        allowed = ((constrained, self._structured.allowed([seqs[b].matcher for b in constrained], logits.device))
+                   if constrained else None)
+        tokens, logprobs = self.sampler.sample(logits, greedy, seqs, allowed)
         host_tokens, ready = self._send_to_host(tokens, logprobs)
         return QueuedStep(counts=counts, seqs=seqs, tokens=tokens, host_tokens=host_tokens, ready=ready,
-                          chunks=chunks, logprobs=logprobs)
+                          chunks=chunks, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _count(self, plan: Schedule) -> StepCounts:
         """The step's size and the cache's use as it is queued."""
@@ -174,7 +196,10 @@ class Engine:
         finished = self.scheduler.update(seqs, tokens)
         if step.logprobs is not None:
             step.logprobs.attach(step.seqs)
+        if step.prompt_logprobs is not None:
+            step.prompt_logprobs.attach()
         finished += self._stop_strings(seqs)
+        finished += self._end(structured.advance(seqs))
         self._drop_void_step_ahead()
         self.num_steps += 1
         return StepOutput(**vars(step.counts), seqs=seqs, tokens=tokens, finished=finished, prefilling=step.chunks[0])
@@ -182,6 +207,13 @@ class Engine:
     def _drop_void_step_ahead(self) -> None:
         if self.in_flight is not None and all(s.is_finished for s in self.in_flight.seqs):
             self.in_flight = None  # every row of the step ahead is void: nobody waits for it
+
+    def _end(self, seqs: list[Sequence]) -> list[Sequence]:
+        """End these sequences as a stop token would (their grammar is complete)."""
+        for seq in seqs:
+            self.scheduler.finish(seq)
+            seq.finish_reason = "stop"
+        return seqs
 
     def _stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
         """End the sequences whose text now holds a stop string, as a stop token would: those that

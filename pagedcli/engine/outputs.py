@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedcli.engine.sampler import StepLogprobs
+from pagedcli.engine.sampler import PromptLogprobs, StepLogprobs
 from pagedcli.engine.sequence import Sequence
 
 
@@ -48,6 +48,7 @@ class QueuedStep:
     # rows that fed a prompt chunk short of their prompt's end, and how many tokens: they sample nothing
     chunks: tuple[list[Sequence], list[int]] = field(default_factory=lambda: ([], []))
     logprobs: StepLogprobs | None = None  # on their way to the host with the tokens
+    prompt_logprobs: PromptLogprobs | None = None  # prompt tokens' (prefill steps that ask for them)
 
     def tokens_on_host(self) -> list[int]:
         if self.ready is not None:

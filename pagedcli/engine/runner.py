@@ -32,6 +32,8 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.device
         self.graphs = DecodeGraphs(model, cache) if use_graphs else None
+        # rows of logits for prompt log-probabilities, of the last step: (sequence, first position, [n, vocab])
+        self.prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
         # the backend's graphs for prefill-kind steps, where it has them (CUDA: cuda_prefill_graphs.py)
         self.prefill_graphs = model.backend.prefill_graphs(model, max_step_tokens) if use_graphs and max_step_tokens else None
 
@@ -62,10 +64,16 @@ class ModelRunner:
         self.cache.sync_device_table()
         self.cache.copy_pending_blocks()  # copy-on-write, before this step writes K/V
         slots = [s.slot for s in seqs]
+        self.prompt_logits = []
         if is_prefill:
             num_new = num_new or [len(s) - s.num_cached for s in seqs]
             token_ids = [s.tokens_between(s.num_cached, s.num_cached + n) for s, n in zip(seqs, num_new)]
             num_cached, samples = [s.num_cached for s in seqs], [s.num_cached + n == len(s) for s, n in zip(seqs, num_new)]
+            every_row = [s.params.prompt_logprobs is not None and s.num_cached < len(s.prompt_token_ids) - 1
+                         for s in seqs]
+            if any(every_row):  # eagerly: a graph's logits are a row a sequence
+                batch = StepBatch.build(True, slots, token_ids, num_cached, self.device, samples, every_row)
+                return self._prompt_rows(seqs, num_new, samples, every_row, *self.model.forward(batch))
             if self.prefill_graphs is not None and self.prefill_graphs.fits(sum(num_new)):
                 return self.prefill_graphs.replay(slots, token_ids, num_cached, samples)
             batch = StepBatch.build(True, slots, token_ids, num_cached, self.device, samples)
@@ -80,6 +88,20 @@ class ModelRunner:
             if feed is not None:
                 batch.token_ids.copy_(feed)
         return self.model.forward(batch)
+
+    def _prompt_rows(self, seqs, num_new, samples, every_row, logits, greedy) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split a step's logits where some sequences have a row for each new token: those rows go
+        to `prompt_logits` as (sequence, first position, rows); the sampling rows are returned."""
+        keep, at = [], 0
+        for seq, n, sample, all_rows in zip(seqs, num_new, samples, every_row):
+            rows = n if all_rows else int(sample)
+            if all_rows:
+                self.prompt_logits.append((seq, seq.num_cached, logits[at:at + n]))
+            if sample:
+                keep.append(at + rows - 1)
+            at += rows
+        index = torch.tensor(keep, dtype=torch.long).to(logits.device)
+        return logits[index], greedy[index]
 
 
 class DecodeGraphs(CapturedGraphs):

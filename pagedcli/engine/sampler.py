@@ -1,8 +1,8 @@
 """Next-token choice: greedy, or temperature with min-p / top-k / top-p, seeded per request, after
 the penalties (logits_processors.py); and the log-probabilities a request asks for.
 
-Greedy rows share one argmax (the runner's) unless penalties change their logits: then theirs is
-taken after the penalties. Sampled rows each draw with their own generator, seeded from the
+Greedy rows share one argmax (the runner's) unless a grammar's mask (structured.py) or penalties
+change their logits: then theirs is taken after them (the mask first: disallowed tokens at -inf). Sampled rows each draw with their own generator, seeded from the
 request's seed, so a request's samples do not depend on what else is in the batch.
 
 A row whose logits are not all finite (an overflow in float16, a NaN weight) gets the token
@@ -29,28 +29,37 @@ class Sampler:
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
         self.penalties = Penalties(num_slots, vocab_size, device)
 
-    def sample(self, logits: torch.Tensor, greedy: torch.Tensor,
-               seqs: list[Sequence]) -> tuple[torch.Tensor, StepLogprobs | None]:
+    def sample(self, logits: torch.Tensor, greedy: torch.Tensor, seqs: list[Sequence],
+               allowed: tuple[list[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, StepLogprobs | None]:
         """logits: [B, vocab] float32, row b for seqs[b]; greedy: [B] int64, their argmax (the runner's,
-        NOT_FINITE where a row is not all finite), which other rows overwrite. Returns [B] int64
-        tokens where the logits are, and the log-probabilities asked for: nothing waits for them."""
+        NOT_FINITE where a row is not all finite), which other rows overwrite; allowed: the rows a
+        grammar holds and [rows, vocab] bool, the tokens each may take (structured.py). Returns [B]
+        int64 tokens where the logits are, and the log-probabilities asked for: nothing waits for them."""
         raw, tokens = logits, greedy
         penalized = [b for b, seq in enumerate(seqs) if seq.params.has_penalties]
         sampled = [b for b, seq in enumerate(seqs) if not seq.params.greedy]
-        if penalized or sampled:
+        if penalized or sampled or allowed:
             bad = greedy == NOT_FINITE  # the argmax looked at every row
+        ok = torch.ones_like(logits, dtype=torch.bool) if allowed else None  # logits a row may take
+        if allowed:  # disallowed tokens at -inf; the greedy choice taken again within the grammar
+            constrained, mask = allowed
+            index = torch.tensor(constrained).to(logits.device, non_blocking=True)
+            logits = logits.index_copy(0, index, logits[index].masked_fill(~mask, float("-inf")))
+            ok = ok.index_copy(0, index, mask)
+            tokens = greedy.index_copy(0, index, logits[index].argmax(-1))
         if penalized:  # their argmax is taken after the penalties (a sampled row's is overwritten below)
             index = torch.tensor(penalized).to(logits.device, non_blocking=True)
             rows, slots = self.penalties.apply(logits[index], [seqs[b] for b in penalized])
             logits = logits.index_copy(0, index, rows)  # a copy: the raw logits stay for logprobs
-            bad = bad.index_copy(0, index, bad[index] | ~torch.isfinite(rows).all(-1))  # (an overflow in them)
-            tokens = greedy.index_copy(0, index, rows.argmax(-1))
+            finite = torch.isfinite(rows) | ~ok[index] if ok is not None else torch.isfinite(rows)
+            bad = bad.index_copy(0, index, bad[index] | ~finite.all(-1))  # (an overflow in them)
+            tokens = tokens.index_copy(0, index, rows.argmax(-1))
         if sampled and tokens is greedy:  # written row by row below: the runner's tensor (a graph's
             tokens = greedy.clone()       # static output, made in inference mode) stays as it is
         for b in sampled:  # a row that is not finite draws from zeros (multinomial refuses NaN)
             tokens[b], finite = _draw(torch.where(bad[b], 0.0, logits[b]), seqs[b])
             bad[b] |= ~finite
-        if penalized or sampled:
+        if penalized or sampled or allowed:
             tokens = torch.where(bad, NOT_FINITE, tokens)
         if penalized:
             self.penalties.count(slots, tokens[index])
@@ -119,3 +128,36 @@ class StepLogprobs:
             if len(seq.logprobs) < len(seq.output_token_ids):
                 n = seq.params.logprobs
                 seq.logprobs.append(TokenLogprobs(chosen[i], rank[i], list(zip(ids[i][:n], values[i][:n]))))
+
+
+class PromptLogprobs:
+    """The log-probabilities of prompt tokens, from a prefill step's rows for them (runner.py's
+    prompt_logits): the row at position p gives the prompt token at p + 1 its log-probability,
+    rank and the N likeliest there. The first prompt token has none (vLLM's null). Computed on the
+    device as the step is queued; on the host they join each sequence's `prompt_logprobs`."""
+
+    def __init__(self, rows: list[tuple[Sequence, int, torch.Tensor]]):
+        self.parts = []
+        for seq, first, logits in rows:
+            prompt = seq.prompt_token_ids
+            n = min(logits.shape[0], len(prompt) - 1 - first)  # rows that predict a prompt token
+            if n <= 0:
+                continue
+            logprobs = logits[:n].float().log_softmax(-1)
+            targets = torch.tensor(prompt[first + 1:first + 1 + n]).to(logits.device)
+            chosen = logprobs.gather(1, targets[:, None])
+            rank = (logprobs >= chosen).sum(-1)
+            top = logprobs.topk(max(seq.params.prompt_logprobs, 1), dim=-1)
+            self.parts.append((seq, first, targets, chosen[:, 0], rank, top.values, top.indices))
+
+    def attach(self) -> None:
+        """Each prompt token's entry, in order, on its sequence (a recomputed prompt, after a
+        preemption, adds none twice)."""
+        for seq, first, targets, chosen, rank, values, ids in self.parts:
+            if not seq.prompt_logprobs:
+                seq.prompt_logprobs.append(None)  # the first token: nothing before it
+            k = seq.params.prompt_logprobs
+            chosen, rank, values, ids = chosen.tolist(), rank.tolist(), values.tolist(), ids.tolist()
+            for i in range(len(chosen)):
+                if first + 1 + i == len(seq.prompt_logprobs):  # the next one it lacks
+                    seq.prompt_logprobs.append(TokenLogprobs(chosen[i], rank[i], list(zip(ids[i][:k], values[i][:k]))))

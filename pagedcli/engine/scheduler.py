@@ -32,7 +32,7 @@ import numpy as np
 
 from pagedcli.core.batch import NOT_FINITE
 from pagedcli.core.errors import plural
-from pagedcli.core.options import UNCHUNKED_MAX_BATCHED_TOKENS
+from pagedcli.core.options import PROMPT_LOGPROBS_ROWS, UNCHUNKED_MAX_BATCHED_TOKENS
 from pagedcli.engine.cache import KVCache
 from pagedcli.engine.sequence import Sequence, Status
 
@@ -180,7 +180,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(seqs)
         for seq in running:
             if seq.is_prefilling:  # its blocks are all held since admission: only the budget limits it
-                n = min(len(seq) - seq.num_cached, budget)
+                n = min(len(seq) - seq.num_cached, self._chunk_cap(seq, budget))
                 if n:  # (a second prompt part-way, behind one that took the budget, waits a step)
                     seqs.append(seq)
                     num_new.append(n)
@@ -196,7 +196,7 @@ class Scheduler:
         admitted, num_new = [], []
         while self.waiting and self.free_slots and budget > 0:
             seq = self.waiting[0]
-            prefix = self.cache.cached_prefix(seq)
+            prefix = self._cached_prefix(seq)
             todo = len(seq) - len(prefix) * self.cache.geometry.block_size  # a preempted one recomputes its output too
             if admitted and todo > budget and not self.chunked_prefill:
                 break
@@ -212,9 +212,15 @@ class Scheduler:
             self.cached_prompt_tokens += seq.num_cached
             self.running.append(seq)
             admitted.append(seq)
-            num_new.append(min(todo, budget) if self.chunked_prefill else todo)
+            num_new.append(min(todo, self._chunk_cap(seq, budget)) if self.chunked_prefill else todo)
             budget -= num_new[-1]
         return admitted, num_new
+
+    @staticmethod
+    def _chunk_cap(seq: Sequence, budget: int) -> int:
+        """The tokens a prompt's chunk may have: the budget, and for prompt log-probabilities (a row
+        of logits a token) at most PROMPT_LOGPROBS_ROWS."""
+        return min(budget, PROMPT_LOGPROBS_ROWS) if seq.params.prompt_logprobs is not None else budget
 
     def _fits(self, seq: Sequence, prefix: list[np.ndarray]) -> bool:
         return self.cache.blocks_to_admit(len(seq), prefix) <= self.cache.num_free_blocks
@@ -222,7 +228,12 @@ class Scheduler:
     def _can_admit(self) -> bool:
         """Whether the next schedule() would admit the head of the queue."""
         return bool(self.waiting and self.free_slots) and self._fits(self.waiting[0],
-                                                                     self.cache.cached_prefix(self.waiting[0]))
+                                                                     self._cached_prefix(self.waiting[0]))
+
+    def _cached_prefix(self, seq: Sequence) -> list[np.ndarray]:
+        """The cached blocks that begin `seq`: none for a request for prompt log-probabilities,
+        since a cached token has no logits (vLLM does the same)."""
+        return [] if seq.params.prompt_logprobs is not None else self.cache.cached_prefix(seq)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -296,6 +307,7 @@ class Scheduler:
         for seq, n in zip(seqs, num_new):
             seq.num_cached += n
         self.cache.register(seqs)
+        self.cache.slide(seqs)
 
     def update(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
         """Append each sampled token; finish the sequences that are done. Returns those."""
@@ -322,6 +334,7 @@ class Scheduler:
                 finished.append(seq)
         if finished:  # one pass over the running list, however many finished
             self.running = [s for s in self.running if not s.is_finished]
+        self.cache.slide([s for s in seqs if not s.is_finished])
         return finished
 
     def reset(self) -> None:

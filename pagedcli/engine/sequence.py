@@ -36,6 +36,9 @@ class Sequence:
         self.generator: torch.Generator | None = None  # made on the logits' device at first sampling
         self.stop_strings = None  # a StopStrings watching its text, when params.stop has any (stop_strings.py)
         self.logprobs: list = []  # with params.logprobs: one TokenLogprobs per output token (sampler.py)
+        self.prompt_logprobs: list = []  # with params.prompt_logprobs: None, then one TokenLogprobs a prompt token
+        self.matcher = None  # with params.structured: its grammar's matcher (structured.py)
+        self.matched = 0  # output tokens the matcher has taken
         # timing, for bench and the live view
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

@@ -19,7 +19,7 @@ class SlotView:
     num_prompt_tokens: int
     token_ids: tuple[int, ...]  # prompt + output so far
     num_cached: int  # tokens whose K/V are in the cache
-    table: tuple[tuple[int, ...], ...]  # [layer][logical block] -> physical block
+    table: tuple[tuple[int, ...], ...]  # [layer][logical block] -> physical block; -1: given back (window)
     num_output_tokens: int
     tokens_per_s: float
     num_preemptions: int
@@ -33,8 +33,18 @@ class SlotView:
 
     @property
     def num_blocks(self) -> int:
-        """Logical blocks, the same count in every layer."""
+        """Logical blocks, the same count in every layer (those given back included)."""
         return len(self.table[0]) if self.table else 0
+
+    @property
+    def num_released(self) -> int:
+        """Logical blocks at the start given back behind a sliding window (-1 in the table)."""
+        return next((i for i, b in enumerate(self.table[0]) if b >= 0), self.num_blocks) if self.table else 0
+
+    @property
+    def num_held(self) -> int:
+        """Logical blocks the slot holds: its blocks less those given back."""
+        return self.num_blocks - self.num_released
 
     def fill(self, logical: int, block_size: int) -> int:
         """Tokens written into logical block `logical`."""
@@ -64,6 +74,8 @@ class CacheSnapshot:
     prefix_hit_rate: float = 0.0  # prompt tokens served from cached blocks / prompt tokens admitted
     num_copied_blocks: int = 0  # copy-on-write copies so far
     num_aborted: int = 0  # ended by abort_all (Ctrl-C) or abort (a client gone): cut short, or never run
+    sliding_window: int | None = None  # the model's (Mistral's): blocks behind it are given back
+    num_window_freed: int = 0  # blocks (all layers) given back behind sliding windows so far
 
     @property
     def num_used_blocks(self) -> int:
@@ -96,4 +108,5 @@ def take_snapshot(engine) -> CacheSnapshot:
         + engine.num_forgotten["finished"]
     return CacheSnapshot(engine.num_steps, cache.geometry, cache.num_free_blocks, tuple(slots), waiting,
                          finished, sched.num_preemptions, cache.max_slots, cache.max_model_len,
-                         sched.prefix_hit_rate, cache.num_copied_blocks, aborted)
+                         sched.prefix_hit_rate, cache.num_copied_blocks, aborted, cache.sliding_window,
+                         cache.num_window_freed)

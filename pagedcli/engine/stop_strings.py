@@ -44,7 +44,16 @@ class StopStrings:
     def text(self, finished: bool) -> str:
         """The text to show: cut before the stop string; while the request runs, without the tail
         that a stop string may yet start with (so that nothing shown is taken back)."""
-        text = self.detokenizer.text
+        return self.text_since(0, finished)
+
+    def text_since(self, start: int, finished: bool) -> str:
+        """text(finished)[start:], copying only that: a printer or the server, which have shown the
+        first `start` characters, take each step's new text without a copy of the whole answer."""
+        return self.detokenizer.text[start:self.shown(finished)]
+
+    def shown(self, finished: bool) -> int:
+        """How many characters of the text may be shown (text(finished)'s length)."""
         if self.cut is not None:
-            return text[:self.cut]
-        return text if finished else text[:max(0, len(text) - self.hold)]
+            return self.cut
+        length = len(self.detokenizer.text)
+        return length if finished else max(0, length - self.hold)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from pagedcli.core.errors import RunError, UsageError
 from pagedcli.model.config_checks import check_config
+from pagedcli.model.families import family_of
 from pagedcli.model.files import read_json
 from pagedcli.model.rope import REQUIRED_FIELDS
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 DEFAULT_MAX_POSITIONS = 2048  # max_position_embeddings when config.json has none (transformers' default)
 
 
@@ -29,8 +29,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # the rope parameters (rope_type and its fields); None for default
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q, k, v and o projections have biases
+    architecture: str = "LlamaForCausalLM"  # its family (model/families/)
+    qkv_bias: bool = False  # the q, k and v projections have biases
+    o_bias: bool = False  # the o projection has a bias
     mlp_bias: bool = False  # gate, up and down projections have biases
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before RoPE (Qwen3)
+    sliding_window: int | None = None  # a token attends to the last this many positions, itself included (Mistral)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, repr=False, compare=False)
@@ -59,8 +63,7 @@ class ModelConfig:
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         per_layer = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + 3 * h * i + 2 * h
-        if self.attention_bias:
-            per_layer += self.q_dim + 2 * self.kv_dim + h
+        per_layer += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + h * self.o_bias + 2 * self.head_dim * self.qk_norm
         if self.mlp_bias:
             per_layer += 2 * i + h
         embed = v * h * (1 if self.tie_word_embeddings else 2)
@@ -69,18 +72,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
         check_config(d, source)
-        archs = d.get("architectures") or []
-        model_type = d.get("model_type")
-        if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise RunError(
-                f"{source}: architecture {', '.join(archs)} is not supported",
-                "pagedcli runs LlamaForCausalLM checkpoints",
-            )
-        if not archs and model_type != "llama":
-            raise RunError(
-                f"{source}: model_type {model_type!r} is not supported",
-                "pagedcli runs Llama-family checkpoints (model_type 'llama')",
-            )
+        family = family_of(d, source).settings(d, source)
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise RunError(f"{source}: hidden_act {act!r} is not supported", "Llama uses silu")
@@ -101,16 +93,16 @@ class ModelConfig:
                 rope_theta=float(rope_theta),
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=bool(d.get("attention_bias", False)),
                 mlp_bias=bool(d.get("mlp_bias", False)),
+                **family,
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=token_ids(d.get("eos_token_id")),
                 raw=d,
             )
         except KeyError as e:
-            raise RunError(f"{source}: required key {e.args[0]!r} is missing", "is this a Llama config.json?") from None
+            raise RunError(f"{source}: required key {e.args[0]!r} is missing", "is this a config.json of a supported architecture?") from None
         except (TypeError, ValueError) as e:
-            raise RunError(f"{source}: a value has the wrong type ({e})", "is this a Llama config.json?") from None
+            raise RunError(f"{source}: a value has the wrong type ({e})", "is this a config.json of a supported architecture?") from None
         return cfg
 
     @classmethod

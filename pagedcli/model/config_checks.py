@@ -14,8 +14,8 @@ from pagedcli.core.errors import RunError, show_value
 # config.json: sizes that must be whole numbers of at least 1 (None: the field may be absent or null)
 POSITIVE_INTS = {"vocab_size": False, "hidden_size": False, "intermediate_size": False, "num_hidden_layers": False,
                  "num_attention_heads": False, "num_key_value_heads": True, "head_dim": True,
-                 "max_position_embeddings": True}
-BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+                 "max_position_embeddings": True, "sliding_window": True}
+BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 TOKEN_IDS = ("bos_token_id", "eos_token_id")
 # RoPE dict entries: numbers that must be positive, and the entries each scaling type needs
 # (as transformers' rope validation asks)

@@ -1,12 +1,14 @@
-"""The Llama network: one forward pass serves prefill and decode alike.
+"""The Llama network (and the families that differ from it by a little: model/families/): one forward
+pass serves prefill and decode alike.
 
 Tokens come packed ([T]: a whole prompt per sequence at prefill, one token per sequence at decode).
 Each GEMM goes through the backend together with the step before or after it (the torch reference
 does them one by one; the CUDA backend fuses them into one kernel at small batches and uses cuBLAS
 at large ones, with the residual add and the norm after it in one kernel), on fused q/k/v and
-gate/up weights (and their biases, for checkpoints with attention_bias or mlp_bias). The backend
-also puts K/V into the paged cache and reads them back through the block table. The order of operations and of roundings is Hugging
-Face's LlamaForCausalLM, so the two agree token for token.
+gate/up weights (and their biases, where the family or config.json has them; Qwen3's norms over each
+head of q and k). The backend also puts K/V into the paged cache and reads them back through the
+block table (a sliding window's keys only, for Mistral's). The order of operations and of roundings
+is Hugging Face's LlamaForCausalLM (Qwen2ForCausalLM, ...), so the two agree token for token.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Llama:
         for layer, lw in enumerate(w.layers):
             next_norm = w.layers[layer + 1].input_norm if layer + 1 < len(w.layers) else w.norm
             q = be.attention_inputs(layer, residual, lw.input_norm, lw.qkv, eps, batch, bias=lw.qkv_bias,
-                                    normed=normed)
+                                    normed=normed, qk_norm=lw.qk_norm)
             attn = be.attend(layer, q, batch).reshape(T, c.q_dim)
             residual, normed = be.linear_add_norm(attn, lw.o, residual, lw.post_norm, eps, bias=lw.o_bias)
             act = be.norm_linear_silu(residual, lw.post_norm, lw.gate_up, eps, bias=lw.gate_up_bias,

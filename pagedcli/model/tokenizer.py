@@ -41,6 +41,9 @@ class Tokenizer:
         self.add_bos = bool(config.get("add_bos_token", False))
         self.chat_template = config.get("chat_template") or _read_template(folder)
         self.template_source = "the model's chat template"  # as messages name it
+        # variables every render passes the template beside the messages (vLLM's chat_template_kwargs,
+        # e.g. Qwen3's enable_thinking); a request may add its own
+        self.template_kwargs: dict = {}
         if isinstance(self.chat_template, list):  # several named templates: take the default one
             named = {t.get("name"): t.get("template") for t in self.chat_template}
             self.chat_template = named.get("default") or next(iter(named.values()), None)
@@ -92,9 +95,12 @@ class Tokenizer:
         self.chat_template = text
         self.template_source = f"the chat template {path}"
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    variables: dict | None = None) -> str:
         """The chat template rendered for `messages` ({"role": ..., "content": ...} each, as
-        transformers' apply_chat_template takes them), ending with the assistant's header."""
+        transformers' apply_chat_template takes them), ending with the assistant's header.
+        `variables` (over `template_kwargs`): more for the template, as apply_chat_template passes
+        its extra arguments (Qwen3's enable_thinking); they cannot replace the four above."""
         from jinja2 import TemplateError
 
         def failed(why: str):
@@ -105,12 +111,13 @@ class Tokenizer:
         pieces, size = [], 0
         try:
             with _time_limit(RENDER_SECONDS):
-                for piece in env.from_string(self.chat_template).generate(
+                variables = self.template_kwargs | (variables or {}) | dict(
                     messages=messages,
                     add_generation_prompt=add_generation_prompt,
                     bos_token=self.bos_token or "",
                     eos_token=self.eos_token or "",
-                ):
+                )
+                for piece in env.from_string(self.chat_template).generate(**variables):
                     pieces.append(piece)
                     size += len(piece)
                     if size > limit:
@@ -150,6 +157,11 @@ class Tokenizer:
                 found = piece.replace("\u2581", " ").encode()
             self._bytes[token_id] = found
         return found
+
+
+    def to_json(self) -> str:
+        """The tokenizer as the tokenizers library writes it (for llguidance: engine/structured.py)."""
+        return self.tok.to_str()
 
 
 class StreamDecoder:
@@ -213,14 +225,21 @@ def chat_messages(prompt: str, system: str | None = None) -> list[dict]:
 
 
 def _environment():
-    """Jinja as transformers sets it up for chat templates: sandboxed, with its two helpers."""
+    """Jinja as transformers sets it up for chat templates: sandboxed, with loop controls, its two
+    helpers and its `tojson` (json.dumps, not Jinja's HTML-safe one: a tool's schema is rendered
+    as the model was trained on it)."""
     from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env

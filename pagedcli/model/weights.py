@@ -49,11 +49,19 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor | Fp8Weight  # [2 intermediate, hidden]
     down: torch.Tensor | Fp8Weight  # [hidden, intermediate]
-    # biases, when config.json has attention_bias / mlp_bias (fused like their weights)
+    # biases, where the family or config.json has them (ModelConfig's qkv_bias, o_bias, mlp_bias), fused
+    # like their weights
     qkv_bias: torch.Tensor | None = None  # [q_dim + 2 kv_dim]
     o_bias: torch.Tensor | None = None  # [hidden]
     gate_up_bias: torch.Tensor | None = None  # [2 intermediate]
     down_bias: torch.Tensor | None = None  # [hidden]
+    # Qwen3's RMSNorm weights over each head of q and of k (ModelConfig.qk_norm)
+    q_norm: torch.Tensor | None = None  # [head_dim]
+    k_norm: torch.Tensor | None = None  # [head_dim]
+
+    @property
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.q_norm is None else (self.q_norm, self.k_norm)
 
 
 @dataclass
@@ -99,9 +107,13 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
             p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
         }
-        if c.attention_bias:
+        if c.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (c.q_dim,), p + "self_attn.k_proj.bias": (c.kv_dim,),
-                       p + "self_attn.v_proj.bias": (c.kv_dim,), p + "self_attn.o_proj.bias": (c.hidden_size,)}
+                       p + "self_attn.v_proj.bias": (c.kv_dim,)}
+        if c.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (c.hidden_size,)
+        if c.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
         if c.mlp_bias:
             shapes |= {p + "mlp.gate_proj.bias": (c.intermediate_size,), p + "mlp.up_proj.bias": (c.intermediate_size,),
                        p + "mlp.down_proj.bias": (c.hidden_size,)}
@@ -152,7 +164,8 @@ class _TensorReader:
         self.handles, self.where = [], {}
         for path in files:
             if not path.is_file():
-                why = "is a folder, not a file" if path.is_dir() else "is missing"
+                why = ("is a folder, not a file" if path.is_dir() else "is missing" if not path.exists()
+                       else "is not a regular file (a device, a pipe or a socket)")
                 raise RunError(f"weights file {path} {why}", "download the checkpoint again")
             try:
                 handle = safe_open(str(path), framework="pt")
@@ -369,7 +382,7 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, 
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        attn, mlp = config.attention_bias, config.mlp_bias
+        mlp = config.mlp_bias
         layers.append(LayerWeights(
             input_norm=reader.read(p + "input_layernorm.weight"),
             qkv=reader.linear([p + f"self_attn.{x}_proj.weight" for x in "qkv"], fp8),
@@ -377,10 +390,12 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, 
             post_norm=reader.read(p + "post_attention_layernorm.weight"),
             gate_up=reader.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], fp8),
             down=reader.linear([p + "mlp.down_proj.weight"], fp8),
-            qkv_bias=reader.fused([p + f"self_attn.{x}_proj.bias" for x in "qkv"]) if attn else None,
-            o_bias=reader.read(p + "self_attn.o_proj.bias") if attn else None,
+            qkv_bias=reader.fused([p + f"self_attn.{x}_proj.bias" for x in "qkv"]) if config.qkv_bias else None,
+            o_bias=reader.read(p + "self_attn.o_proj.bias") if config.o_bias else None,
             gate_up_bias=reader.fused([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]) if mlp else None,
             down_bias=reader.read(p + "mlp.down_proj.bias") if mlp else None,
+            q_norm=reader.read(p + "self_attn.q_norm.weight") if config.qk_norm else None,
+            k_norm=reader.read(p + "self_attn.k_norm.weight") if config.qk_norm else None,
         ))
     embed = reader.read("model.embed_tokens.weight")
     if fp8 and fp8_lm_head(config):  # a copy of its own when it is the embedding table (which stays for lookups)
@@ -414,11 +429,12 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 
         return quantize_weight(normal(*shape)) if quantization == "fp8" else normal(*shape)
 
     qkv_rows = config.q_dim + 2 * config.kv_dim
-    attn, mlp = config.attention_bias, config.mlp_bias
-    layers = [LayerWeights(ones(h), linear(qkv_rows, h), linear(h, config.q_dim), ones(h), linear(2 * i, h), linear(h, i),
-                           qkv_bias=normal(qkv_rows) if attn else None, o_bias=normal(h) if attn else None,
-                           gate_up_bias=normal(2 * i) if mlp else None, down_bias=normal(h) if mlp else None)
-              for _ in range(config.num_layers)]
+    c, d = config, config.head_dim
+    layers = [LayerWeights(ones(h), linear(qkv_rows, h), linear(h, c.q_dim), ones(h), linear(2 * i, h), linear(h, i),
+                           qkv_bias=normal(qkv_rows) if c.qkv_bias else None, o_bias=normal(h) if c.o_bias else None,
+                           gate_up_bias=normal(2 * i) if c.mlp_bias else None, down_bias=normal(h) if c.mlp_bias else None,
+                           q_norm=ones(d) if c.qk_norm else None, k_norm=ones(d) if c.qk_norm else None)
+              for _ in range(c.num_layers)]
     embed = normal(config.vocab_size, h)
     lm_head = embed if config.tie_word_embeddings else normal(config.vocab_size, h)
     if quantization == "fp8" and fp8_lm_head(config):

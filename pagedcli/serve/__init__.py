@@ -25,9 +25,24 @@ INSTALL_HINT = "install them with: pip install 'pagedcli[serve]'"
 # (only these two and what they need: the extra would reinstall torch too)
 REINSTALL_HINT = "install them again with their dependencies: pip install --force-reinstall fastapi uvicorn"
 DEFAULT_MAX_WAITING = 4096  # answers (n a request) waiting for a slot before the next request is refused (429)
+# A request body larger than this is refused (413) before it is read (serve --max-request-size): 16
+# prompts of 128k tokens as text or as token ids; what preparing one takes in the API process is a
+# bounded multiple of it (docs/serve.md, "Limits")
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+# The longest the engine process may say nothing (a step's message, or its heartbeat when idle) before
+# /health answers 503 and its open requests end (serve --engine-timeout; vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S)
+ENGINE_TIMEOUT_S = 60.0
 LOG_FORMAT = "%(levelname)s: %(message)s"  # the server's own log lines, in both of its processes
 # what stops a server cleanly: Ctrl-C, a service manager's stop, its terminal hanging up (no SIGHUP on Windows)
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def size_text(n: int) -> str:
+    """A byte count as the server's messages say it: 8 MiB, 512 KiB, 100 bytes."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):,.4g} {unit}"
+    return f"{n:,} bytes"
 
 
 def ignore_stop_signals() -> dict:

@@ -21,21 +21,27 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from pagedcli.core.options import SamplingParams
-from pagedcli.serve import DEFAULT_MAX_WAITING, cache_view
+from pagedcli.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, ENGINE_TIMEOUT_S, cache_view
 from pagedcli.serve.asgi import Endpoint, EventStream, watch_for_hang_up
-from pagedcli.serve.engine_client import ClientGone, EngineClient, Job
+from pagedcli.serve.engine_client import ClientGone, EngineClient, Job, hung_message
 from pagedcli.serve.engine_process import Ready
-from pagedcli.serve.errors import APIError, not_allowed, not_found, server_error, too_many_waiting, unauthorized
+from pagedcli.serve.errors import (APIError, not_allowed, not_found, server_error, too_large, too_many_waiting,
+                                   unauthorized)
 from pagedcli.serve.metrics import Metrics
 from pagedcli.serve.protocol import ChatRequest, CompletionRequest, parse
 from pagedcli.serve.responses import NO_USAGE, Answer, Shapes, failure, new_id, sse, usage
-from pagedcli.serve.sampling import Prompts, chat_prompt, completion_prompts, request_params
+from pagedcli.serve.sampling import (Prompts, chat_prompt, check_answer_count, completion_prompts, longest_text,
+                                     request_params)
 
 log = logging.getLogger("pagedcli.serve")
 CLIENT_GONE = 499  # nginx's status for a request whose client closed the connection (logged only)
 # A body past this size is parsed and tokenized in a worker thread (the tokenizer lets go of the GIL),
 # so that a long text does not stall every other answer's stream for seconds meanwhile
 OFF_LOOP_BYTES = 1 << 16
+# A body past this size is prepared alone (the others past it wait), and the memory its parsing and
+# tokenizing took is given back to the system after it (glibc keeps it otherwise): the API process's
+# memory stays within a bound of the largest body the server takes (docs/serve.md, "Limits")
+BIG_BODY_BYTES = 1 << 20
 GET = ["GET", "HEAD"]
 
 
@@ -45,12 +51,19 @@ class Settings:
     defaults: SamplingParams  # for what a request leaves out: the flags, the model's generation_config
     api_key: str | None = None
     max_waiting: int = DEFAULT_MAX_WAITING
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is a 413, unread
+    engine_timeout_s: float = ENGINE_TIMEOUT_S  # the engine's longest silence before /health is a 503
 
 
 def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: Metrics) -> FastAPI:
     app = FastAPI(title="pagedcli", docs_url=None, redoc_url=None, openapi_url=None)
     tokenizer, limits = ready.tokenizer, ready.limits
     started = int(time.time())
+    engine.timeout_s = settings.engine_timeout_s
+    room = (ready.max_slots, settings.max_waiting)  # the answers a request may ask for at most: slots + waiting
+    # the longest prompt text that may fit the model's length, told before it is tokenized (None: no such bound)
+    max_chars = longest_text(tokenizer, limits.max_model_len) if tokenizer is not None else None
+    big_bodies = asyncio.Semaphore(1)
 
     def token_text(token_id: int) -> str:  # a token's own text, for log-probabilities
         if tokenizer is None:  # random weights: vLLM's spelling of a token without text
@@ -82,8 +95,12 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
 
     @get("/health", methods=GET)
     async def health():
+        """200 while the engine process answers: 503 once it has died, or while it has said nothing
+        (not even its heartbeat) for longer than --engine-timeout (engine_client.py)."""
         if not engine.alive:
             return Response("the engine has stopped", 503)
+        if (silent := engine.silence()) is not None:
+            return Response(hung_message(silent), 503)
         return Response(status_code=200)
 
     served_model = {"id": settings.model_name, "object": "model", "created": started, "owned_by": "pagedcli",
@@ -108,28 +125,52 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
         return await asyncio.to_thread(cache_view.to_json, snap, tokenizer)
 
     async def completions(request: Request):
-        req, token_ids, texts = await off_loop_if_big(await request.body(), completion_request)
+        req, token_ids, texts = await off_loop_if_big(await read_body(request), completion_request)
         return await run(request, req, token_ids, texts, chat=False, want_logprobs=req.logprobs is not None)
 
     async def chat_completions(request: Request):
-        req, token_ids, texts = await off_loop_if_big(await request.body(), chat_request)
+        req, token_ids, texts = await off_loop_if_big(await read_body(request), chat_request)
         return await run(request, req, token_ids, texts, chat=True, want_logprobs=req.logprobs)
+
+    async def read_body(request: Request) -> bytes:
+        """The body, or a 413 as soon as it is known to pass --max-request-size: from its
+        Content-Length before a byte of it is read, else once what came passes it."""
+        limit = settings.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_large(int(length), limit)
+        pieces, size = [], 0
+        async for piece in request.stream():
+            size += len(piece)
+            if size > limit:
+                raise too_large(None, limit)
+            pieces.append(piece)
+        return b"".join(pieces)
 
     app.add_route("/v1/completions", Endpoint(completions), methods=["POST"])
     app.add_route("/v1/chat/completions", Endpoint(chat_completions), methods=["POST"])
 
     def completion_request(raw: bytes):
-        req = parse(raw, CompletionRequest)
+        req = parse(raw, CompletionRequest, lambda data: check_answer_count(data, room))  # before 2M prompts are read
         check_model(req.model)
-        return req, *completion_prompts(req, tokenizer)
+        return req, *completion_prompts(req, tokenizer, max_chars)
 
     def chat_request(raw: bytes):
         req = parse(raw, ChatRequest)
         check_model(req.model)
-        return req, *chat_prompt(req, tokenizer, settings.model_name)
+        return req, *chat_prompt(req, tokenizer, settings.model_name, max_chars)
 
     async def off_loop_if_big(raw: bytes, prepare):
-        return await asyncio.to_thread(prepare, raw) if len(raw) > OFF_LOOP_BYTES else prepare(raw)
+        if len(raw) <= OFF_LOOP_BYTES:
+            return prepare(raw)
+        if len(raw) <= BIG_BODY_BYTES:
+            return await asyncio.to_thread(prepare, raw)
+        async with big_bodies:
+            try:
+                return await asyncio.to_thread(prepare, raw)
+            finally:
+                del raw
+                await asyncio.to_thread(give_memory_back)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != settings.model_name:
@@ -137,8 +178,7 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
                            "model", code="model_not_found")
 
     async def run(request: Request, req, token_ids, texts, chat: bool, want_logprobs: bool):
-        params = request_params(req, settings.defaults, limits, token_ids, tokenizer is not None,
-                                (ready.max_slots, settings.max_waiting))
+        params = request_params(req, settings.defaults, limits, token_ids, tokenizer is not None, room)
         prompts = Prompts(token_ids, texts, params)
         if engine.waiting_with(prompts.num_answers) > settings.max_waiting:
             raise too_many_waiting(settings.max_waiting, engine.num_waiting, prompts.num_answers)
@@ -203,6 +243,17 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
         return JSONResponse(body, headers=headers)
 
     return app
+
+
+def give_memory_back() -> None:
+    """What the C heap holds free goes back to the system (glibc's malloc_trim): the tokenizer's and
+    the parser's memory for a large body, which would otherwise stay with the process."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class BearerKey:

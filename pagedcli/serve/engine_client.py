@@ -12,7 +12,13 @@ messages) would stop the loop from reading, and the two processes would wait for
 engine never waits for a client, only for this process, when it falls a pipe's worth behind.
 
 A dead engine process (killed, crashed) closes its end: the reader sees EOF, every open request
-ends with an error, and from then on /health and new requests answer 503 at once."""
+ends with an error, and from then on /health and new requests answer 503 at once.
+
+A hung one (stopped with SIGSTOP, stuck in a step) says nothing: every message of the engine's is a
+heartbeat (an idle engine sends one each engine_process.HEARTBEAT_S), and once none has come for
+`timeout_s` (serve --engine-timeout, vLLM's 60 s iteration timeout) /health and new requests answer
+503 and the open requests end with an error (their aborts go down the pipe, for an engine that
+wakes up again); the first message after that makes it healthy again."""
 
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from dataclasses import dataclass, field
 
 from pagedcli.core.errors import RunError
 from pagedcli.model.tokenizer import StreamDecoder
-from pagedcli.serve import engine_process, stop_signals_ignored
+from pagedcli.serve import ENGINE_TIMEOUT_S, engine_process, stop_signals_ignored
 from pagedcli.serve.command_pipe import CommandPipe, frame, widen
 from pagedcli.serve.engine_process import Ready
 from pagedcli.serve.errors import APIError, server_error
@@ -37,6 +43,7 @@ log = logging.getLogger("pagedcli.serve")
 STOP_S = 10.0  # seconds the engine process gets to end its requests and exit, once told to stop
 ENGINE_GONE = "the engine process has stopped; restart the server"
 READ_AT_ONCE = 8  # engine messages read in one go before the event loop runs the routes again
+WATCH_EVERY_S = 1.0  # how often the event loop looks at the engine's silence
 
 
 @dataclass(slots=True)
@@ -154,6 +161,9 @@ class EngineClient:
         self.num_taken = 0  # of those, taken out of the pipe by the engine, as of its last message
         self.num_engine_waiting = 0  # answers waiting in the engine after its last turn
         self.num_free_slots = 0  # slots no answer held after its last turn
+        self.timeout_s = ENGINE_TIMEOUT_S  # (the app sets the server's)
+        self.last_heard = time.monotonic()  # when the engine's last message was read
+        self.hung = False  # silent for longer than timeout_s, as of the last look
 
     # --- start and end ------------------------------------------------------------------------------
     def start(self, num_api_processes: int = 1) -> Ready:
@@ -196,6 +206,7 @@ class EngineClient:
         self.metrics.describe(what.model_name, what.geometry.num_blocks)
         self.num_free_slots = what.max_slots
         self.ready = True
+        self.last_heard = time.monotonic()
         return what
 
     def stop(self) -> None:
@@ -247,6 +258,43 @@ class EngineClient:
     def alive(self) -> bool:
         return not self.gone and (self.process is None or self.process.is_alive())
 
+    def silence(self) -> float | None:
+        """Seconds the engine has been silent, when that is longer than `timeout_s` (it hangs); else
+        None. Its messages waiting in the pipe are read first: a busy event loop is no hung engine."""
+        silent = time.monotonic() - self.last_heard
+        if silent > self.timeout_s and self.loop is not None and not self.gone and self.pending.poll(0):
+            self._read()
+            silent = time.monotonic() - self.last_heard
+        return silent if silent > self.timeout_s else None
+
+    def _watch(self) -> None:
+        """Every WATCH_EVERY_S in the event loop: an engine silent past `timeout_s` is hung. Its open
+        requests end with an error now (nothing would end them), and it is said once in the log."""
+        if self.gone or self.loop is None or self.loop.is_closed():
+            return
+        self.loop.call_later(WATCH_EVERY_S, self._watch)
+        silent = self.silence()
+        if silent is None:
+            if self.hung:
+                log.warning("the engine process answers again")
+            self.hung = False
+            return
+        if not self.hung:
+            log.error("the engine process has not answered for %.0f s (--engine-timeout): /health answers 503 "
+                      "until it does", silent)
+        self.hung = True
+        why = hung_message(silent)
+        for job in list(self.jobs.values()):
+            for i in range(job.prompts.num_answers):
+                if i not in job.ended:
+                    job.deliver(Delta(i, [], "", [], "abort", why))
+                    job.ended.add(i)
+            self.abort(job)
+        for future in self.snapshots.values():
+            if not future.done():
+                future.set_exception(APIError(why, 503, type="server_error"))
+        self.snapshots.clear()
+
     # --- commands (from the event loop; end_all and log from any thread) ----------------------------
     @property
     def num_waiting(self) -> int:
@@ -292,6 +340,8 @@ class EngineClient:
         `gone`, without a waitpid per request.)"""
         if self.gone:
             raise APIError(ENGINE_GONE, 503, type="server_error")
+        if self.ready and (silent := self.silence()) is not None:
+            raise APIError(hung_message(silent), 503, type="server_error")
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """`loop` (uvicorn's, at the server's start: commands/serve.py make_server) reads the
@@ -304,6 +354,7 @@ class EngineClient:
             self.pending.register(self.conn.fileno(), select.POLLIN)
             self.loop.add_reader(self.conn.fileno(), self._read)
             self.commands.attach(self.loop)
+            self.loop.call_later(WATCH_EVERY_S, self._watch)
 
     # --- the engine's messages (in the event loop) --------------------------------------------------
     def _read(self) -> None:
@@ -314,10 +365,11 @@ class EngineClient:
                 if not self.pending.poll(0):
                     break
                 message = self.conn.recv()
+                self.last_heard = time.monotonic()
                 if message[0] == "step":
                     self._deliver(*message[1:])
-                else:
-                    self._snapshot_taken(*message[1:])
+                elif message[0] == "snapshot":
+                    self._snapshot_taken(*message[1:])  # (else a heartbeat: heard)
         except (EOFError, OSError):
             self._engine_gone()
 
@@ -372,3 +424,8 @@ class EngineClient:
             if not future.done():
                 future.set_exception(APIError(ENGINE_GONE, 503, type="server_error"))
         self.snapshots.clear()
+
+
+def hung_message(silent: float) -> str:
+    return (f"the engine process has not answered for {silent:.0f} s (--engine-timeout); "
+            "try again later, or restart the server")

@@ -19,6 +19,7 @@ multiprocessing's Connection.recv reads: its own pickler copies a dispatch table
                     ("log", text)                                a line above the live view
     engine -> API   ("ready", Ready) or ("failed", error)        once, after the build
                     ("step", tokens, deltas, report)             after a turn that changed anything
+                    ("beat",)                                    after HEARTBEAT_S without another
                     ("snapshot", key, snapshot, None) or (..., None, error)
 
 a delta: (key, index, token_ids, text, logprobs, finish_reason, error), what answer `index` of
@@ -57,7 +58,10 @@ from pagedcli.serve import LOG_FORMAT, ignore_stop_signals
 from pagedcli.serve.metrics import Tally
 
 log = logging.getLogger("pagedcli.serve")
-IDLE_TICK_S = 0.2  # an idle engine wakes this often only when a live view wants frames
+IDLE_TICK_S = 0.2  # an idle engine wakes this often when a live view wants frames
+# An engine that has sent nothing for this long sends a heartbeat ("beat",): every message is one, so
+# the API process knows the engine answers (its /health: engine_client.py), idle or stepping
+HEARTBEAT_S = 1.0
 SHUTTING_DOWN = "the server is shutting down"
 
 
@@ -156,6 +160,7 @@ class EngineProcess:
             self.waiting.register(link.inbox.fileno(), select.POLLIN)
         self.tally = Tally()
         self.changed = False  # the next messages have something to say
+        self.last_sent = time.monotonic()  # when the links last heard from this process
         self.stopped = False
         self.commands = {"add": self._add, "abort": self._abort, "snapshot": self._snapshot, "end_all": self._end_all,
                          "stop": self._stop, "log": self._log}
@@ -167,14 +172,17 @@ class EngineProcess:
         try:
             while not self.stopped:
                 out = None
-                # idle: wait for a command (with a live view, at most a tick: it redraws)
-                if engine.has_unfinished or self.waiting.poll(int(IDLE_TICK_S * 1000) if view is not None else None):
+                # idle: wait for a command, at most a heartbeat's time (with a live view, a tick: it redraws)
+                idle_ms = int(1000 * (IDLE_TICK_S if view is not None else HEARTBEAT_S))
+                if engine.has_unfinished or self.waiting.poll(idle_ms):
                     for link in self.links:
                         self._take_commands(link)
                 if engine.has_unfinished and not self.stopped:
                     out = self._step()
                 if self.changed:
                     self._send()
+                elif time.monotonic() - self.last_sent >= HEARTBEAT_S:
+                    self._beat()
                 for link in self.links:
                     if link.stopping:
                         self._close(link)
@@ -322,7 +330,7 @@ class EngineProcess:
         tokens = seq.output_token_ids[sent[0]:]
         # the text is decoded by the API process, once per read; but for stop strings the engine's
         # (it holds back what may start one, and cuts the text before the one found)
-        text = seq.stop_strings.text(seq.is_finished)[sent[1]:] if seq.stop_strings is not None else None
+        text = seq.stop_strings.text_since(sent[1], seq.is_finished) if seq.stop_strings is not None else None
         logprobs = seq.logprobs[sent[2]:] if seq.params.logprobs is not None else []
         finish = seq.finish_reason if seq.is_finished else None
         if seq.is_finished:
@@ -347,3 +355,9 @@ class EngineProcess:
             link.send(("step", link.tokens, link.deltas, report._replace(num_taken=link.num_taken)))
             link.deltas, link.tokens = [], array("q")
         self.changed = False
+        self.last_sent = time.monotonic()
+
+    def _beat(self) -> None:
+        for link in self.links:
+            link.send(("beat",))
+        self.last_sent = time.monotonic()

@@ -39,6 +39,15 @@ def too_many_waiting(limit: int, waiting: int, answers: int) -> APIError:
                     type="rate_limit_exceeded", code="rate_limit_exceeded")
 
 
+def too_large(size: int | None, limit: int) -> APIError:
+    """413: a body larger than the server takes (`size`: its Content-Length, None when unsaid)."""
+    from pagedcli.serve import size_text
+
+    what = f"the request body ({size_text(size)})" if size is not None else "the request body"
+    return APIError(f"{what} is larger than the {size_text(limit)} this server takes (its --max-request-size); "
+                    "send fewer or shorter prompts", 413, code="request_too_large")
+
+
 def not_found(path: str) -> APIError:
     return APIError(f"no route {path}", 404, type="not_found_error")
 

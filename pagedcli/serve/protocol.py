@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 import typing
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model, model_validator
 
@@ -78,6 +78,9 @@ class ChatRequest(Sampling):
     max_completion_tokens: Optional[int] = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: Optional[int] = None
+    # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking), over the server's
+    # --chat-template-kwargs
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 # a UTF-16 surrogate, as a JSON escape or as the bytes Python's json lets through (surrogatepass):
@@ -85,8 +88,9 @@ class ChatRequest(Sampling):
 SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
-def parse(raw: bytes, model: type[Body]) -> Body:
-    """The request in `raw`, or a 400 naming the first field that is wrong."""
+def parse(raw: bytes, model: type[Body], before=None) -> Body:
+    """The request in `raw`, or a 400 naming the first field that is wrong. `before`: a check of the
+    JSON object before its fields are validated (a count that makes the rest not worth reading)."""
     try:
         data = json.loads(raw)
     except RecursionError:
@@ -97,6 +101,8 @@ def parse(raw: bytes, model: type[Body]) -> Body:
         raise bad_request("the body is not valid JSON (it has a number with thousands of digits)") from None
     if not isinstance(data, dict):
         raise bad_request(f"the body must be a JSON object, not {type(data).__name__}")
+    if before is not None:
+        before(data)
     if SURROGATE.search(raw):
         check_text(data)
     try:

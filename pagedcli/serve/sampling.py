@@ -12,13 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pagedcli.core.errors import PagedCliError, plural
-from pagedcli.core.options import SamplingParams
+from pagedcli.core.options import MAX_N, SamplingParams
 from pagedcli.engine.scheduler import PromptLimits
 from pagedcli.model.tokenizer import Tokenizer
 from pagedcli.serve.errors import bad_request
 from pagedcli.serve.protocol import SAMPLING_FIELDS, ChatRequest, CompletionRequest, Sampling
-
-MAX_N = 128  # answers per prompt at most: more would only queue behind one another
 
 
 
@@ -36,7 +34,8 @@ class Prompts:
         return sum(len(p) for p in self.params)
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> tuple[list[list[int]], list[str | None]]:
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
+                       max_chars: int | None = None) -> tuple[list[list[int]], list[str | None]]:
     if req.echo:
         raise bad_request("`echo` (the prompt in the answer) is not supported here", "echo")
     if req.best_of is not None and req.best_of != req.n:
@@ -54,10 +53,13 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> tuple[li
         return [list(p) for p in prompt], [None] * len(prompt)
     if tokenizer is None:
         raise bad_request("this model has no tokenizer: give `prompt` as token ids", "prompt")
+    for i, text in enumerate(prompt):
+        check_length(text, max_chars, f"prompt[{i}]" if len(prompt) > 1 else "prompt")
     return [tokenizer.encode(p) for p in prompt], list(prompt)
 
 
-def chat_prompt(req: ChatRequest, tokenizer: Tokenizer, model_name: str) -> tuple[list[list[int]], list[str | None]]:
+def chat_prompt(req: ChatRequest, tokenizer: Tokenizer, model_name: str,
+                max_chars: int | None = None) -> tuple[list[list[int]], list[str | None]]:
     if tokenizer is None:
         raise bad_request(f"model {model_name} has no tokenizer, so it serves /v1/completions of token ids only",
                           "messages")
@@ -77,12 +79,71 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer, model_name: str) -> tupl
             content = "".join(p.text or "" for p in content)
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     try:
-        text = tokenizer.render_chat(messages)
+        text = tokenizer.render_chat(messages, variables=req.chat_template_kwargs)
     except PagedCliError as e:  # (its hint is generate's: a client's way out is another)
         raise bad_request(f"{e.message} (change the messages, or send the prompt as text to /v1/completions)",
                           "messages") from None
     last = next((m["content"] for m in reversed(messages) if m["role"] == "user"), None)
+    check_length(text, max_chars, "messages")
     return [tokenizer.encode_rendered(text)], [last]
+
+
+def longest_text(tokenizer: Tokenizer, max_model_len: int) -> int | None:
+    """The most characters a prompt's text may have and still be `max_model_len` tokens or fewer:
+    no token stands for more characters of the text than its piece has (a byte-level piece has a
+    character a byte, SentencePiece's `▁` stands for one space, a byte-fallback piece `<0xE3>` for
+    one byte), so a longer text cannot fit, and is refused before it is tokenized (which takes some
+    hundred times the text's memory).
+    None where the tokenizer's normalizer may shorten a text (NFKC, lowercasing, stripping): no
+    such bound holds there."""
+    import json
+
+    normalizer = tokenizer.tok.normalizer
+    if normalizer is not None and not _only_lengthens(json.loads(normalizer.__getstate__())):
+        return None
+    longest = max(map(len, tokenizer.tok.get_vocab(with_added_tokens=True)), default=1)
+    return max_model_len * max(longest, 1)
+
+
+def _only_lengthens(normalizer: dict) -> bool:
+    """Whether this normalizer (its JSON) only lengthens a text: SentencePiece's Prepend("▁") and
+    Replace(" ", "▁"), alone or in a Sequence."""
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_only_lengthens(n) for n in normalizer.get("normalizers", []))
+    if kind == "Prepend":
+        return True
+    if kind == "Replace":
+        pattern = normalizer.get("pattern", {})
+        return "String" in pattern and len(normalizer.get("content", "").encode()) >= len(pattern["String"].encode())
+    return False
+
+
+def check_length(text: str, max_chars: int | None, where: str) -> None:
+    if max_chars is not None and len(text) > max_chars:
+        raise bad_request(f"`{where}`: {len(text):,} characters, more than any text of the model's maximum length "
+                          f"can hold (at most {max_chars:,} characters, however it tokenizes)", where,
+                          "context_length_exceeded")
+
+
+def check_answer_count(data: dict, room: tuple[int, int]) -> None:
+    """The count of answers a completion request's body asks for, checked before its prompts are
+    validated and tokenized (two million prompts took a minute to be refused)."""
+    prompt, n = data.get("prompt"), data.get("n")
+    num_prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N:
+        refuse_past_room(num_prompts, n, room)
+    elif num_prompts > sum(room):
+        refuse_past_room(num_prompts, 1, room)
+
+
+def refuse_past_room(num_prompts: int, n: int, room: tuple[int, int] | None) -> None:
+    """A 400 for a request with more answers than the server runs and lets wait at once."""
+    num_answers = num_prompts * n
+    if room is not None and num_answers > sum(room):
+        raise bad_request(f"the request asks for {num_answers:,} answers ({plural(num_prompts, 'prompt')} times "
+                          f"`n` {n}), more than this server runs and lets wait at once ({sum(room):,}: "
+                          f"{room[0]} slots and its --max-waiting {room[1]})", "n" if num_prompts == 1 else "prompt")
 
 
 def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits, token_ids: list[list[int]],
@@ -116,11 +177,7 @@ def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits
         raise bad_request(f"`{name}` {value}: {why}" + (f" ({hint})" if hint else ""), name)
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"`n` {req.n}: must be from 1 to {MAX_N}", "n")
-    num_answers = len(token_ids) * req.n
-    if room is not None and num_answers > sum(room):
-        raise bad_request(f"the request asks for {num_answers:,} answers ({plural(len(token_ids), 'prompt')} times "
-                          f"`n` {req.n}), more than this server runs and lets wait at once ({sum(room):,}: "
-                          f"{room[0]} slots and its --max-waiting {room[1]})", "n" if len(token_ids) == 1 else "prompt")
+    refuse_past_room(len(token_ids), req.n, room)
     limit = limits.max_model_len
     prompt_field = "messages" if isinstance(req, ChatRequest) else "prompt"
     params = []
