@@ -31,7 +31,7 @@ class Served:
     engine in an engine process, as pagedcli serve starts it."""
 
     def __init__(self, batch: int = 8, max_waiting: int | None = None, api_key: str | None = None, model: str = "demo",
-                 poison: bool = False, **engine):
+                 poison: bool = False, template=TEMPLATE, **engine):
         import uvicorn
 
         from pagedcli.commands.serve import make_server
@@ -42,7 +42,7 @@ class Served:
 
         self.api_key = api_key
         self.metrics = Metrics()
-        self.engine = EngineClient(serve_build, (model, batch, engine, str(TEMPLATE), poison), self.metrics)
+        self.engine = EngineClient(serve_build, (model, batch, engine, str(template), poison), self.metrics)
         self.ready = self.engine.start()
         self.settings = settings = Settings(model, SamplingParams(), api_key)  # (read at each request: a test may change it)
         if max_waiting is not None:

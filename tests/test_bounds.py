@@ -75,7 +75,7 @@ def test_a_steps_stop_string_work_does_not_grow_with_the_answer(stories, make_en
                           out=SimpleNamespace(write=printed.append, flush=lambda: None))
     server = EngineProcess.__new__(EngineProcess)  # the engine process's delta, without its pipes
     server.answers, server.requests, server.tally = {seq.id: None}, {}, Tally()
-    link, sent = SimpleNamespace(deltas=[]), [0, 0, 0]
+    link, sent = SimpleNamespace(deltas=[]), [0, 0, 0, 0]  # (what engine_process.EngineProcess._add makes)
     per_step = []
     while engine.has_unfinished:
         CountedText.work = 0

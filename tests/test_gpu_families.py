@@ -12,6 +12,7 @@ import torch
 
 from helpers import check_block_accounting, hf_model
 from test_families import FAMILY_PRESETS, family_checkpoint
+import test_gpu_presets as gpu_presets
 from test_gpu_presets import each_token_is_the_references_choice_or_a_near_tie
 from test_oracle import prompts
 from pagedcli.core.options import EngineOptions, SamplingParams
@@ -20,15 +21,8 @@ from pagedcli.model.config import ModelConfig
 from pagedcli.model.source import RANDOM_PRESETS
 
 
-def _cuda_ready() -> bool:
-    from pagedcli.backends.cuda import cuda_available
-
-    return cuda_available()[0]
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_ready(), reason="needs CUDA and CuPy")]
-STEPS = 24
-VOCAB = 512
+pytestmark = gpu_presets.pytestmark  # (gpu, and skipped without CUDA and CuPy)
+STEPS, VOCAB = gpu_presets.STEPS, gpu_presets.VOCAB
 
 
 def gpu_family_checkpoint(folder, name):

@@ -117,8 +117,8 @@ def test_a_stopped_engine_is_a_503_and_its_requests_end_until_it_answers_again()
     with served() as s:
         s.engine.timeout_s = 5.0
         pid = s.engine.process.pid
-        time.sleep(2 * 1.0 + 0.5)  # idle past two heartbeats: still healthy
-        assert httpx.get(s.url + "/health").status_code == 200
+        time.sleep(2 * 1.0 + 0.5)  # idle past two heartbeats: healthy (as soon as a heartbeat is read)
+        wait_for(lambda: httpx.get(s.url + "/health").status_code == 200, "an idle engine is not healthy")
         body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 400, "ignore_eos": True, "stream": True}
         try:
             with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:

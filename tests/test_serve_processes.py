@@ -93,12 +93,15 @@ def test_an_engine_process_serves_each_link_its_own_and_outlives_one_gone(make_e
 
     def read(messages) -> tuple[list[int], str | None]:
         """One link's answer to request 1: its tokens, and how it ended (None: not yet)."""
-        kind, tokens, deltas, _report = messages.recv()
+        kind, *rest = messages.recv()
+        while kind == "beat":  # (an idle engine's heartbeat: it says nothing else)
+            kind, *rest = messages.recv()
         assert kind == "step"
+        tokens, deltas, _report = rest
         triples = iter(tokens)
         got = [t for key, index, t in zip(triples, triples, triples) if (key, index) == (1, 0)]
         ended = None
-        for key, index, token_ids, _text, _logprobs, finish, _error in deltas:
+        for key, index, token_ids, _text, _logprobs, finish, *_ in deltas:
             assert (key, index) == (1, 0)
             got += token_ids
             ended = finish or ended

@@ -164,7 +164,6 @@ BAD = [
     (b'{"prompt": "ROMEO:", "stop": [""]}', "stop", "must not be empty"),
     (b'{"prompt": "ROMEO:", "presence_penalty": 3}', "presence_penalty", "must be in [-2, 2]"),
     # OpenAI's fields this server does not do: said, not ignored
-    (b'{"prompt": "ROMEO:", "echo": true}', "echo", "`echo` (the prompt in the answer) is not supported"),
     (b'{"prompt": "ROMEO:", "best_of": 3}', "best_of", "`best_of` 3: not supported"),
     (b'{"prompt": "ROMEO:", "suffix": "x"}', "suffix", "`suffix`"),
     (b'{"prompt": "ROMEO:", "stream_options": {"include_usage": true}}', "stream_options",
@@ -303,7 +302,8 @@ def test_the_cache_endpoint_shows_inspect_caches_fields_per_running_request(serv
     assert [entry["request_id"] for entry in running] == ["watch-me"]
     entry = running[0]
     assert set(entry) == {"request_id", "slot", "step", "geometry", "free_blocks", "used_blocks", "request",
-                          "prompt_token_ids", "output_token_ids", "num_cached", "prefill", "layers"}
+                          "prompt_token_ids", "output_token_ids", "num_cached", "prefill", "layers",
+                          "sliding_window", "released_blocks"}
     assert entry["request"]["prompt"] == PROMPTS[2] and entry["output_token_ids"]
     assert entry["prompt_token_ids"] == server.ready.tokenizer.encode(PROMPTS[2])
     geo = server.ready.geometry

@@ -167,3 +167,16 @@ def test_generate_json_has_prompt_logprobs(stories):
     assert entries[0] is None and len(entries) == len(record["prompt_token_ids"])
     assert [e["token_id"] for e in entries[1:]] == record["prompt_token_ids"][1:]
     assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 1 for e in entries[1:])
+
+
+def test_bench_times_a_constrained_run(tmp_path):
+    """bench --json-schema: every answer held to the schema (the figures of a constrained step, to set
+    beside a free run's); refused up front for random weights, which have no text."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    code, out, err = invoke("bench", "--model", "demo", "--batch", "2", "--input-len", "8", "--output-len", "24",
+                            "--json-schema", str(schema), "--json")
+    assert code == 0, err
+    assert json.loads(out.splitlines()[-1])["decode_tokens_per_s"] > 0
+    code, _, err = invoke("bench", "--model", "random:smollm2-135m", "--json-schema", str(schema))
+    assert code == 2 and "has no tokenizer" in err

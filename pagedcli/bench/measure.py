@@ -35,6 +35,7 @@ class Workload:
     prompt_file: Path | None = None
     prefix_len: int = 0  # the first prefix_len prompt tokens are the same in every prompt
     request_rate: float = math.inf  # requests a second, Poisson arrivals (arrivals.py); inf: all at the start
+    structured: tuple[str, str] | None = None  # every answer held to this format (--json-schema: engine/structured.py)
 
 
 @dataclass(frozen=True)
@@ -186,8 +187,8 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
         """Hand the engine the requests that have arrived, each timed from its arrival."""
         for i in arrivals.due():
             r = requests[i]
-            seqs.append(engine.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens,
-                                                                              ignore_eos=w.ignore_eos)))
+            seqs.append(engine.add_request(r.prompt_token_ids, SamplingParams(
+                max_tokens=r.max_tokens, ignore_eos=w.ignore_eos, structured=w.structured)))
             seqs[-1].arrival_time = start + arrivals.times[i]
 
     prefill_s = decode_s = 0.0

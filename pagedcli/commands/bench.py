@@ -45,6 +45,9 @@ def bench(
     quality_text: Annotated[Optional[Path], typer.Option(help="With --quality: the held-out text (default: the "
                                                          "built-in model's held-out slice).", parser=given_path)] = None,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per batch size on stdout.")] = False,
+    json_schema: Annotated[Optional[Path], typer.Option(
+        help="Hold every answer to this JSON schema (a file), to time a constrained step against a free one "
+        "(run both: the figures side by side).", parser=given_path)] = None,
     url: Annotated[Optional[str], typer.Option(
         help="Drive the OpenAI-compatible server running there (`pagedcli serve`, e.g. http://127.0.0.1:8000) "
         "instead of an engine in this process: the same workloads, --batch streams at once, timed at the client. "
@@ -74,7 +77,16 @@ def bench(
                          "leave it out to send every request at the start")
     if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):
         raise UsageError(f"--bandwidth {bandwidth}: must be a positive number of GB/s", "leave it out to measure it")
-    workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file, prefix_len, request_rate)
+    structured = None
+    if json_schema is not None and (engine_flags.model or "").startswith("random:"):
+        raise UsageError(f"--json-schema: --model {engine_flags.model} has no tokenizer, so no text to hold to a schema",
+                         "give a model folder or Hub name")
+    if json_schema is not None:
+        from pagedcli.model.files import read_given_text
+
+        structured = ("json", read_given_text(json_schema, f"--json-schema {json_schema}", "give a JSON schema file"))
+    workload = b.Workload(num_prompts, input_len, output_len, seed, ignore_eos, prompt_file, prefix_len, request_rate,
+                          structured)
     b.parse_len(input_len, "--input-len"), b.parse_len(output_len, "--output-len")
     if not quality:
         b.check_counts(workload, batches)

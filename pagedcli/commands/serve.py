@@ -73,6 +73,10 @@ def serve(
     engine_timeout: Annotated[float, typer.Option(
         help="Seconds the engine process may say nothing (not a step, not its heartbeat every second) before "
         "/health answers 503 and the requests in it end with an error (vLLM's 60 s).")] = ENGINE_TIMEOUT_S,
+    tool_call_parser: Annotated[Optional[str], typer.Option(
+        help="How the model writes tool calls: hermes (<tool_call> tags: Hermes, Qwen) or llama3_json (Llama 3.1, "
+        "3.2). Default: hermes if the chat template speaks of <tool_call>, else llama3_json.",
+        show_default=False)] = None,
     *, requests: RequestFlags, engine_flags: EngineFlags,
 ):
     """Serve the model with OpenAI's API (completions and chat, streamed or not) to many clients at once."""
@@ -102,6 +106,8 @@ def serve(
         max_body_bytes = parse_size(max_request_size)
     except UsageError:
         raise UsageError(f"--max-request-size {max_request_size!r} is not a size", "write it like 8MiB or 100MB") from None
+    if tool_call_parser is not None and tool_call_parser not in ("hermes", "llama3_json"):  # (serve/tools.py's)
+        raise UsageError(f"--tool-call-parser {tool_call_parser!r} is not known", "use hermes or llama3_json")
     if not (math.isfinite(engine_timeout) and engine_timeout > 0):  # (NaN fails it too)
         raise UsageError(f"--engine-timeout {engine_timeout}: must be a positive number of seconds",
                          f"leave it out for {ENGINE_TIMEOUT_S:g}")
@@ -136,7 +142,7 @@ def serve(
             shared = ToView(engine.log)
         name = ready.model_name
         defaults = sampling_defaults(params, ready.generation_config, given, f"{name}'s generation_config.json")
-        settings = Settings(name, defaults, api_key, max_waiting, max_body_bytes, engine_timeout)
+        settings = Settings(name, defaults, api_key, max_waiting, max_body_bytes, engine_timeout, tool_call_parser)
         bound_host, bound_port = sock.getsockname()[:2]
         others = [start_api_process(link, (bound_host, bound_port), settings) for link in engine.other_links]
         wait_for_api_processes(others)

@@ -75,12 +75,14 @@ class StructuredOutputs:
 
     def allowed(self, matchers: list, device: torch.device) -> torch.Tensor:
         """[len(matchers), vocab_size] bool: the tokens each matcher allows next, on `device`."""
-        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+        # (llguidance's numpy helpers: its torch ones script themselves with torch.jit at import, seconds)
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
         bitmask = allocate_token_bitmask(len(matchers), self.vocab_size)
         for i, m in enumerate(matchers):
             fill_next_token_bitmask(m, bitmask, i)
-        bits = bitmask.pin_memory() if device.type == "cuda" else bitmask
+        bits = torch.from_numpy(bitmask)
+        bits = bits.pin_memory() if device.type == "cuda" else bits
         bits = bits.to(device, non_blocking=True)
         shifts = torch.arange(32, device=device, dtype=torch.int32)
         return ((bits[:, :, None] >> shifts) & 1).bool().view(len(matchers), -1)[:, :self.vocab_size]

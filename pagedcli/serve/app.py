@@ -20,13 +20,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from pagedcli.core.errors import UsageError
 from pagedcli.core.options import SamplingParams
+from pagedcli.engine.structured import StructuredOutputs
+from pagedcli.serve import tools
 from pagedcli.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, ENGINE_TIMEOUT_S, cache_view
 from pagedcli.serve.asgi import Endpoint, EventStream, watch_for_hang_up
 from pagedcli.serve.engine_client import ClientGone, EngineClient, Job, hung_message
 from pagedcli.serve.engine_process import Ready
-from pagedcli.serve.errors import (APIError, not_allowed, not_found, server_error, too_large, too_many_waiting,
-                                   unauthorized)
+from pagedcli.serve.errors import (APIError, bad_request, not_allowed, not_found, server_error, too_large,
+                                   too_many_waiting, unauthorized)
 from pagedcli.serve.metrics import Metrics
 from pagedcli.serve.protocol import ChatRequest, CompletionRequest, parse
 from pagedcli.serve.responses import NO_USAGE, Answer, Shapes, failure, new_id, sse, usage
@@ -53,6 +56,7 @@ class Settings:
     max_waiting: int = DEFAULT_MAX_WAITING
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is a 413, unread
     engine_timeout_s: float = ENGINE_TIMEOUT_S  # the engine's longest silence before /health is a 503
+    tool_call_parser: str | None = None  # hermes or llama3_json (serve/tools.py); None: from the chat template
 
 
 def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: Metrics) -> FastAPI:
@@ -64,6 +68,10 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
     # the longest prompt text that may fit the model's length, told before it is tokenized (None: no such bound)
     max_chars = longest_text(tokenizer, limits.max_model_len) if tokenizer is not None else None
     big_bodies = asyncio.Semaphore(1)
+    # the form the model writes tool calls in (serve/tools.py), and a grammar checker for requests'
+    # formats, made at the first that asks (the engine's process compiles them again for itself)
+    tool_parser = settings.tool_call_parser or tools.parser_for(tokenizer.chat_template if tokenizer else None)
+    grammars: list[StructuredOutputs] = []
 
     def token_text(token_id: int) -> str:  # a token's own text, for log-probabilities
         if tokenizer is None:  # random weights: vLLM's spelling of a token without text
@@ -178,7 +186,9 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
                            "model", code="model_not_found")
 
     async def run(request: Request, req, token_ids, texts, chat: bool, want_logprobs: bool):
-        params = request_params(req, settings.defaults, limits, token_ids, tokenizer is not None, room)
+        params = request_params(req, settings.defaults, limits, token_ids, tokenizer is not None, room, tool_parser)
+        if params[0][0].structured is not None:
+            await asyncio.to_thread(check_format, params[0][0].structured)
         prompts = Prompts(token_ids, texts, params)
         if engine.waiting_with(prompts.num_answers) > settings.max_waiting:
             raise too_many_waiting(settings.max_waiting, engine.num_waiting, prompts.num_answers)
@@ -186,6 +196,11 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
         job = Job(request_id, prompts, tokenizer)
         shapes = Shapes(chat, request_id, settings.model_name, token_text, want_logprobs,
                         tokenizer.token_bytes if tokenizer is not None else None)
+        if not chat and req.echo:  # the prompt before each answer; max_tokens 0: the prompt alone
+            shapes.echo = (token_ids, texts, req.max_tokens == 0, req.n)
+        shapes.want_prompt_logprobs = req.prompt_logprobs is not None
+        if chat and req.tools and req.tool_choice != "none":
+            shapes.tools = (tool_parser, {t.function.name for t in req.tools})
         num_prompt_tokens = sum(len(ids) for ids in token_ids)
         headers = {"X-Request-Id": request_id}
         if req.stream:
@@ -194,6 +209,18 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
             continuous = include_usage and options.continuous_usage_stats
             return EventStream(engine, job, events(job, shapes, num_prompt_tokens, include_usage, continuous), headers)
         return await whole(request, job, shapes, num_prompt_tokens, headers)
+
+    def check_format(structured: tuple[str, str]) -> None:
+        """A format that does not compile is the request's 400, here, before the engine sees it."""
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer: its answers cannot be held to a format", "response_format")
+        if not grammars:
+            grammars.append(StructuredOutputs(tokenizer.to_json(), limits.vocab_size or tokenizer.vocab_size,
+                                              ready.stop_ids))
+        try:
+            grammars[0].matcher(*structured)
+        except UsageError as e:
+            raise bad_request(e.message, "response_format") from None
 
     async def events(job: Job, shapes: Shapes, num_prompt_tokens: int, include_usage: bool, continuous: bool):
         """The SSE body (EventStream submits the job, and aborts it if the client goes away). A
@@ -210,8 +237,10 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
                     num_tokens += len(delta.token_ids)
                     counted = (usage(num_prompt_tokens, num_tokens) if continuous
                                else None if include_usage else NO_USAGE)
-                    yield shapes.chunk(delta, not started[delta.index], counted)
-                    started[delta.index] = True
+                    chunk = shapes.chunk(delta, not started[delta.index], counted)
+                    if chunk is not None:  # (None: held back, a tool call's text until its end)
+                        yield chunk
+                        started[delta.index] = True
         except ClientGone:
             raise
         except Exception as e:
@@ -239,7 +268,8 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
             watch.cancel()
             if not job.done:
                 engine.abort(job)
-        body = shapes.whole(answers, usage(num_prompt_tokens, sum(a.num_tokens for a in answers)))
+        counted = 0 if shapes.echo and shapes.echo[2] else sum(a.num_tokens for a in answers)  # (max_tokens 0)
+        body = shapes.whole(answers, usage(num_prompt_tokens, counted))
         return JSONResponse(body, headers=headers)
 
     return app

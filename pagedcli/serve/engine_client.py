@@ -57,12 +57,14 @@ class Delta:
     logprobs: list = field(default_factory=list)  # TokenLogprobs, one per new token, when asked for
     finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while it runs
     error: str | None = None
+    prompt_logprobs: list | None = None  # the prompt's (None, then a TokenLogprobs a token), once, when asked for
 
     def extend(self, later: Delta) -> None:
         self.token_ids += later.token_ids
         self.text = None if self.text is None or later.text is None else self.text + later.text
         self.logprobs += later.logprobs
         self.finish_reason, self.error = later.finish_reason, later.error
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
 
 
 class ClientGone(Exception):

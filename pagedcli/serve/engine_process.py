@@ -76,6 +76,7 @@ class Ready:
     limits: PromptLimits
     max_slots: int
     geometry: CacheGeometry
+    stop_ids: tuple[int, ...] = ()  # what ends an answer (a grammar lets only these follow a whole answer)
 
 
 def main(links: list, build, args: tuple, live: bool) -> None:
@@ -100,7 +101,8 @@ def main(links: list, build, args: tuple, live: bool) -> None:
         log_to(view.out if view is not None else sys.stderr)
         with frozen_heap():
             ready = Ready(loaded.source.name, loaded.source.generation_config, loaded.tokenizer,
-                          engine.scheduler.limits, engine.cache.max_slots, engine.cache.geometry)
+                          engine.scheduler.limits, engine.cache.max_slots, engine.cache.geometry,
+                          tuple(loaded.source.stop_ids))
             for conn, _ in links:
                 conn.send(("ready", ready))
             EngineProcess([Link(*pair) for pair in links], engine, view).run()
@@ -226,7 +228,7 @@ class EngineProcess:
             for seq in added:
                 seq.request_id = request_id if prompts.num_answers == 1 else f"{request_id}#{len(seqs)}"
                 seq.arrival_time = arrival  # perf_counter: one clock for both processes (CLOCK_MONOTONIC)
-                self.answers[seq.id] = (link, key, len(seqs), [0, 0, 0])
+                self.answers[seq.id] = (link, key, len(seqs), [0, 0, 0, 0])
                 seqs.append(seq)
         if any(s.error for s in seqs):  # refused by the scheduler (the API process's checks make it a 400 first)
             why = next(s.error for s in seqs if s.error)
@@ -311,7 +313,7 @@ class EngineProcess:
                 continue
             link, key, index, sent = entry
             if sent[0] and sent[0] + 1 == len(seq.output_token_ids) and seq.status is Status.RUNNING \
-                    and seq.stop_strings is None and seq.params.logprobs is None:
+                    and seq.stop_strings is None and seq.params.logprobs is None and not seq.matcher:
                 link.tokens.extend((key, index, seq.output_token_ids[-1]))  # one token, and nothing else to say
                 sent[0] += 1
                 tally.next_token(seq)
@@ -332,6 +334,8 @@ class EngineProcess:
         # (it holds back what may start one, and cuts the text before the one found)
         text = seq.stop_strings.text_since(sent[1], seq.is_finished) if seq.stop_strings is not None else None
         logprobs = seq.logprobs[sent[2]:] if seq.params.logprobs is not None else []
+        # the prompt's, once, with the first delta (all of them are in by the first token)
+        prompt_logprobs = seq.prompt_logprobs if seq.params.prompt_logprobs is not None and not sent[3] else None
         finish = seq.finish_reason if seq.is_finished else None
         if seq.is_finished:
             del self.answers[seq.id]
@@ -346,7 +350,8 @@ class EngineProcess:
         sent[0] += len(tokens)
         sent[1] += len(text or "")
         sent[2] += len(logprobs)
-        link.deltas.append((key, index, list(tokens), text, list(logprobs), finish, seq.error))
+        sent[3] = sent[3] or prompt_logprobs is not None
+        link.deltas.append((key, index, list(tokens), text, list(logprobs), finish, seq.error, prompt_logprobs))
 
     def _send(self) -> None:
         """A message a link: its deltas since the last, and the numbers the metrics and --max-waiting need."""

@@ -12,7 +12,7 @@ import re
 import typing
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from pagedcli.core.options import SamplingParams, declared
 from pagedcli.serve.errors import APIError, bad_request
@@ -35,6 +35,28 @@ class StreamOptions(Body):
     # several tokens when its client fell behind: this counts them)
 
 
+class JsonSchema(Body):
+    name: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")  # (`schema` is pydantic's own name)
+    strict: Optional[bool] = None  # the schema is always held (as OpenAI's strict: true)
+    description: Optional[str] = None
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchema] = None
+
+
+class StructuredOutputs(Body):
+    """vLLM's `structured_outputs`: one of these."""
+
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+
 class Request(Body):
     """What completions and chat share besides sampling."""
 
@@ -43,6 +65,15 @@ class Request(Body):
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    # the answer held to a format: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (engine/structured.py)
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's log-probability and the N likeliest
 
 
 _HINTS = typing.get_type_hints(SamplingParams)
@@ -57,8 +88,8 @@ class CompletionRequest(Sampling):
     # a text, several texts, token ids, or several lists of token ids (OpenAI's four forms)
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = None  # the chosen token's and this many likeliest tokens' log-probabilities
+    echo: bool = False  # the prompt before the answer (with logprobs: the prompt tokens' too)
     # OpenAI's fields that this server does not do: read, so that asking for them is a 400, not ignored
-    echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
@@ -71,6 +102,25 @@ class ContentPart(Body):
 class Message(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls, as OpenAI gave them
+    tool_call_id: Optional[str] = None  # a tool message's: the call it answers
+    name: Optional[str] = None
+
+
+class Function(Body):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class Tool(Body):
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class NamedTool(Body):
+    type: Literal["function"] = "function"
+    function: dict[str, Any]  # {"name": ...}
 
 
 class ChatRequest(Sampling):
@@ -81,6 +131,9 @@ class ChatRequest(Sampling):
     # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking), over the server's
     # --chat-template-kwargs
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedTool, None] = None
+    parallel_tool_calls: Optional[bool] = None  # (calls are parsed as the model writes them, one or more)
 
 
 # a UTF-16 surrogate, as a JSON escape or as the bytes Python's json lets through (surrogatepass):

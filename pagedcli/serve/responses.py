@@ -9,6 +9,7 @@ import time
 from json.encoder import encode_basestring as json_string  # a str as JSON, as json.dumps(ensure_ascii=False)
 
 from pagedcli.core.json_lines import one_line
+from pagedcli.serve import tools
 from pagedcli.serve.engine_client import Delta
 from pagedcli.serve.errors import APIError, server_error
 
@@ -48,12 +49,14 @@ class Answer:
         self.text = ""
         self.num_tokens = 0
         self.logprobs: list[tuple[int, object]] = []  # (token id, TokenLogprobs)
+        self.prompt_logprobs: list | None = None  # None, then a TokenLogprobs a prompt token
         self.finish_reason: str | None = None
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
         self.num_tokens += len(delta.token_ids)
         self.logprobs += list(zip(delta.token_ids, delta.logprobs))
+        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
 
 
@@ -70,6 +73,11 @@ class Shapes:
         # id -> its own bytes (chat's `bytes`: a piece of a character is U+FFFD as text)
         self.token_bytes = token_bytes or (lambda token_id: token_text(token_id).encode())
         self.want_logprobs = want_logprobs
+        self.want_prompt_logprobs = False  # vLLM's prompt_logprobs field, a choice's
+        # completions' echo: (each prompt's ids, its text or None, max_tokens 0: the prompt alone)
+        self.echo: tuple[list[list[int]], list[str | None], bool] | None = None
+        self.tools: tuple[str, set[str]] | None = None  # chat's tool-call parser and the tools' names
+        self.held: dict[int, Delta] = {}  # with tools: each answer's text until its end (it may be a call)
         self.offsets: dict[int, int] = {}  # completions' text_offset so far, per answer
         # a stream's chunks differ only in their choice (and usage): the rest is written once
         head = one_line(to_json(self._head("chat.completion.chunk" if chat else "text_completion")))
@@ -95,31 +103,87 @@ class Shapes:
             offsets.append(at)
             at += len(s)
         self.offsets[index] = at
-        return {"tokens": tokens, "token_logprobs": [max(e.logprob, LOGPROB_FLOOR) for _, e in entries],
-                "top_logprobs": [{self.token_text(i): max(lp, LOGPROB_FLOOR) for i, lp in e.top} for _, e in entries],
+        # (an echoed prompt's first token has no entry: null, as vLLM gives it)
+        return {"tokens": tokens,
+                "token_logprobs": [None if e is None else max(e.logprob, LOGPROB_FLOOR) for _, e in entries],
+                "top_logprobs": [None if e is None else {self.token_text(i): max(lp, LOGPROB_FLOOR) for i, lp in e.top}
+                                 for _, e in entries],
                 "text_offset": offsets}
 
     # --- whole ------------------------------------------------------------------------------------
     def whole(self, answers: list[Answer], usage: dict) -> dict:
         choices = []
         for index, a in enumerate(answers):
-            choice = {"index": index, "logprobs": self.logprobs(index, a.logprobs), "finish_reason": a.finish_reason}
+            entries, text, finish = a.logprobs, a.text, a.finish_reason
+            if self.echo is not None:
+                entries, text = self._echoed(index, a, entries, text)
+            choice = {"index": index, "logprobs": self.logprobs(index, entries), "finish_reason": finish}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": a.text}
+                content, calls = tools.parse(text, *self.tools) if self.tools else (text, [])
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = [c.to_openai() for c in calls]
+                    choice["finish_reason"] = "tool_calls"
             else:
-                choice["text"] = a.text
+                choice["text"] = text
+            if self.want_prompt_logprobs:
+                choice["prompt_logprobs"] = self._prompt_logprobs(a.prompt_logprobs)
             choices.append(choice)
         return self._head("chat.completion" if self.chat else "text_completion") | {"choices": choices, "usage": usage}
 
+    def _echoed(self, index: int, a: Answer, entries: list, text: str) -> tuple[list, str]:
+        """Completions' echo: the prompt's text (and, with logprobs, its tokens' entries: the first
+        token's null, as vLLM gives them) before the answer's; max_tokens 0: the prompt alone."""
+        ids, texts, prompt_only, n = self.echo
+        prompt_ids, prompt_text = ids[index // n], texts[index // n]
+        if prompt_text is None:  # a prompt of token ids
+            prompt_text = "".join(self.token_text(t) for t in prompt_ids)
+        if prompt_only:
+            entries, text = [], ""
+        if self.want_logprobs:
+            prompt_entries = a.prompt_logprobs or [None] * len(prompt_ids)
+            entries = list(zip(prompt_ids, prompt_entries)) + entries
+        return entries, prompt_text + text
+
+    def _prompt_logprobs(self, entries: list | None) -> list | None:
+        """vLLM's prompt_logprobs: null for the first token, then {id: {logprob, rank, decoded_token}}."""
+        if entries is None:
+            return None
+        out = [None]
+        for e in entries[1:]:
+            out.append({str(i): {"logprob": max(lp, LOGPROB_FLOOR), "rank": None, "decoded_token": self.token_text(i)}
+                        for i, lp in e.top})
+        return out
+
     # --- streamed ---------------------------------------------------------------------------------
-    def chunk(self, delta: Delta, first: bool, usage=NO_USAGE) -> bytes:
+    def chunk(self, delta: Delta, first: bool, usage=NO_USAGE) -> bytes | None:
         """One answer's delta as a chunk's server-sent event (a chat answer's first chunk also says
         its role). `usage`: the chunk's usage field, None for OpenAI's null (with include_usage,
         until the last chunk); NO_USAGE: none. Written as text around the values, the JSON of
         the dict {"index", "logprobs", "finish_reason", "delta" or "text"} (a chunk a step and
-        stream: json.dumps of the whole took most of this process's own work for a token)."""
-        logprobs = (to_json(self.logprobs(delta.index, list(zip(delta.token_ids, delta.logprobs))))
-                    if delta.token_ids and self.want_logprobs else "null")
+        stream: json.dumps of the whole took most of this process's own work for a token).
+        None while a chat answer with tools is held back: it may be a tool call, which goes out
+        whole at the answer's end (as OpenAI streams it: the call's id, name and arguments)."""
+        if self.tools:
+            held = self.held.setdefault(delta.index, Delta(delta.index, [], ""))
+            held.extend(delta)
+            if delta.finish_reason is None:
+                return None
+            delta = self.held.pop(delta.index)
+            content, calls = tools.parse(delta.text, *self.tools)
+            if calls:
+                return self._tool_chunk(delta, content, calls, usage)
+        entries = list(zip(delta.token_ids, delta.logprobs))
+        if self.echo is not None:
+            ids, texts, prompt_only, n = self.echo
+            if prompt_only:
+                entries, delta = [], Delta(delta.index, [], "", [], delta.finish_reason, delta.error)
+            if first:
+                answer = Answer()
+                answer.prompt_logprobs = delta.prompt_logprobs
+                entries, text = self._echoed(delta.index, answer, entries, delta.text)
+                delta = Delta(delta.index, delta.token_ids, text, delta.logprobs, delta.finish_reason, delta.error)
+        logprobs = to_json(self.logprobs(delta.index, entries)) if entries and self.want_logprobs else "null"
         finish = "null" if delta.finish_reason is None else json_string(delta.finish_reason)
         if self.chat:
             fields = (['"role":"assistant"'] if first else []) + ([f'"content":{json_string(delta.text)}']
@@ -130,6 +194,16 @@ class Shapes:
         tail = "]}" if usage is NO_USAGE else '],"usage":null}' if usage is None else f'],"usage":{to_json(usage)}}}'
         choice = f'{{"index":{delta.index},"logprobs":{logprobs},"finish_reason":{finish},{body}}}{tail}\n\n'
         return self.chunk_start + one_line(choice).encode()
+
+    def _tool_chunk(self, delta: Delta, content: str | None, calls: list, usage) -> bytes:
+        """The chunk that ends an answer that was tool calls: its role, any text before them, and
+        the calls whole, with finish_reason tool_calls."""
+        message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}
+        choice = {"index": delta.index, "logprobs": None, "finish_reason": "tool_calls", "delta": message}
+        body = self._head("chat.completion.chunk") | {"choices": [choice]}
+        if usage is not NO_USAGE:
+            body["usage"] = usage
+        return sse(body)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [], "usage": usage}

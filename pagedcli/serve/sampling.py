@@ -9,12 +9,14 @@ vocabulary) or when `max_tokens` asks for more than the model's length leaves af
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
 from pagedcli.core.errors import PagedCliError, plural
 from pagedcli.core.options import MAX_N, SamplingParams
 from pagedcli.engine.scheduler import PromptLimits
 from pagedcli.model.tokenizer import Tokenizer
+from pagedcli.serve import tools
 from pagedcli.serve.errors import bad_request
 from pagedcli.serve.protocol import SAMPLING_FIELDS, ChatRequest, CompletionRequest, Sampling
 
@@ -36,8 +38,6 @@ class Prompts:
 
 def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
                        max_chars: int | None = None) -> tuple[list[list[int]], list[str | None]]:
-    if req.echo:
-        raise bad_request("`echo` (the prompt in the answer) is not supported here", "echo")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request(f"`best_of` {req.best_of}: not supported here (answers are not ranked); use `n`", "best_of")
     if req.suffix:
@@ -77,9 +77,15 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer, model_name: str,
                 raise bad_request(f"`messages[{i}].content`: a part of type {other!r}; this server takes text only",
                                   f"messages[{i}].content")
             content = "".join(p.text or "" for p in content)
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        message |= {k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id), ("name", m.name))
+                    if v is not None}
+        messages.append(message)
+    variables = dict(req.chat_template_kwargs or {})
+    if req.tools and req.tool_choice != "none":  # as transformers passes `tools=` to the template
+        variables["tools"] = tools.template_tools([t.model_dump() for t in req.tools])
     try:
-        text = tokenizer.render_chat(messages, variables=req.chat_template_kwargs)
+        text = tokenizer.render_chat(tools.template_messages(messages), variables=variables)
     except PagedCliError as e:  # (its hint is generate's: a client's way out is another)
         raise bad_request(f"{e.message} (change the messages, or send the prompt as text to /v1/completions)",
                           "messages") from None
@@ -147,7 +153,8 @@ def refuse_past_room(num_prompts: int, n: int, room: tuple[int, int] | None) -> 
 
 
 def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits, token_ids: list[list[int]],
-                   has_tokenizer: bool = True, room: tuple[int, int] | None = None) -> list[list[SamplingParams]]:
+                   has_tokenizer: bool = True, room: tuple[int, int] | None = None,
+                   tool_parser: str = "hermes") -> list[list[SamplingParams]]:
     """The answers' params for each prompt, `n` each: the i-th answer of the request samples
     with seed + i, as generate's answers do, so that it does not depend on its batch mates.
     `room`: the server's slots and --max-waiting; a request with more answers than both hold is
@@ -167,6 +174,15 @@ def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits
         logprobs, logprobs_field = req.logprobs, "logprobs"
     if req.stop is not None:
         given["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    given["structured"] = structured(req, tool_parser)
+    prompt_logprobs = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo:
+        if logprobs is not None:  # OpenAI's echo with logprobs: the prompt tokens' come first
+            prompt_logprobs = logprobs if prompt_logprobs is None else max(prompt_logprobs, logprobs)
+        if given.get("max_tokens") == 0:  # the prompt alone: one token is computed, and not returned
+            given["max_tokens"] = 1
+    if prompt_logprobs is not None:
+        given["prompt_logprobs"] = prompt_logprobs
     base = replace(defaults, **given, logprobs=logprobs)
     if base.stop and not has_tokenizer:
         raise bad_request("`stop` needs the text, and this model has no tokenizer", "stop")
@@ -196,3 +212,41 @@ def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits
         seeds = [None if p.seed is None else p.seed + len(params) * req.n + j for j in range(req.n)]
         params.append([replace(p, seed=s) for s in seeds])
     return params
+
+
+def structured(req: Sampling, tool_parser: str) -> tuple[str, str] | None:
+    """The format the request holds its answer to, as SamplingParams.structured: OpenAI's
+    response_format, vLLM's structured_outputs or guided_* fields, or a tool call that must come
+    (tool_choice "required" or a named function); at most one of them."""
+    asked = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        asked.append(("response_format", ("json_object", "")))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request("`response_format` json_schema needs `json_schema.schema`", "response_format")
+        asked.append(("response_format", ("json", json.dumps(rf.json_schema.schema_))))
+    so = req.structured_outputs
+    for field, kind, value in (
+            ("structured_outputs", "json", so.json_ if so else None), ("structured_outputs", "regex", so.regex if so else None),
+            ("structured_outputs", "choice", so.choice if so else None),
+            ("structured_outputs", "grammar", so.grammar if so else None),
+            ("structured_outputs", "json_object", "" if so and so.json_object else None),
+            ("guided_json", "json", req.guided_json), ("guided_regex", "regex", req.guided_regex),
+            ("guided_choice", "choice", req.guided_choice), ("guided_grammar", "grammar", req.guided_grammar)):
+        if value is not None:
+            text = value if isinstance(value, str) else json.dumps(value)
+            asked.append((field, (kind, text)))
+    if isinstance(req, ChatRequest) and req.tools and req.tool_choice not in (None, "auto", "none"):
+        chosen = [t.model_dump() for t in req.tools]
+        if not isinstance(req.tool_choice, str):  # a named function
+            name = req.tool_choice.function.get("name")
+            chosen = [t for t in chosen if t["function"]["name"] == name]
+            if not chosen:
+                raise bad_request(f"`tool_choice` names {name!r}, which is not one of `tools`", "tool_choice")
+        asked.append(("tool_choice", tools.constraint(chosen, tool_parser)))
+    if len({field for field, _ in asked}) > 1 or len(asked) > 1:
+        names = sorted({field for field, _ in asked})
+        raise bad_request(f"{' and '.join(f'`{n}`' for n in names) if len(names) > 1 else f'`{names[0]}`'} "
+                          "ask for more than one format; give one", names[0])
+    return asked[0][1] if asked else None

@@ -91,12 +91,20 @@ def _call(body: str, names: set[str]) -> ToolCall | None:
 
 
 def call_schema(tools: list[dict], parser: str) -> dict:
-    """The JSON schema of one call of one of `tools` (OpenAI's {"type": "function", "function": {...}})."""
+    """The JSON schema of one call of one of `tools` (OpenAI's {"type": "function", "function": {...}}).
+    Arguments are held to the parameters the tool declares: no others, unless its schema says so
+    (as OpenAI's strict function calling has it)."""
     key = "arguments" if parser == "hermes" else "parameters"
     return {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", key],
-                       "properties": {"name": {"const": t["function"]["name"]},
-                                      key: t["function"].get("parameters") or {"type": "object"}}}
+                       "properties": {"name": {"const": t["function"]["name"]}, key: _declared(t)}}
                       for t in tools]}
+
+
+def _declared(tool: dict) -> dict:
+    parameters = dict(tool["function"].get("parameters") or {"type": "object", "properties": {}})
+    if parameters.get("type") == "object":
+        parameters.setdefault("additionalProperties", False)
+    return parameters
 
 
 def constraint(tools: list[dict], parser: str) -> tuple[str, str]:
