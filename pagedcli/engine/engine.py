@@ -19,7 +19,8 @@ sequence goes on (its blocks are taken one token early). So the host's bookkeepi
 runs while the GPU computes step n + 1, and in steady decoding the GPU does not wait for Python. A
 sequence that a stop token ends at step n has computed one token in vain at step n + 1, which is
 dropped (vLLM's async scheduling does the same). Prefills, prompt chunks, admissions and
-preemptions are never planned ahead: the step before them is waited for. Stop strings end a
+preemptions are never planned ahead: the step before them is waited for; nor is a step with a
+request held to a grammar (structured.py), whose mask needs the token before it. Stop strings end a
 sequence as stop tokens do, once its tokens are on the host; penalties count the token a step
 feeds on the device (sampler.py).
 """
