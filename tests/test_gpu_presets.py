@@ -63,13 +63,12 @@ def each_token_is_the_references_choice_or_a_near_tie(hf, prompt: list[int], our
     return int((gap > 0).sum())
 
 
-@pytest.mark.parametrize("batch", [4, 1], ids=["cublas", "gemv"])
-@pytest.mark.parametrize("name", LLAMA_PRESETS)  # (the other families': test_gpu_families.py)
-def test_preset_heads_on_cuda_match_transformers(tmp_path, make_engine, name, batch):
-    from transformers import LlamaForCausalLM
+def answers_match_transformers(loaded, folder, label: str):
+    """Greedy answers of four prompts in `loaded`'s CUDA engine, block accounting checked every step
+    and the pool whole at the end, each token transformers' choice (or a near-tie) in bf16 on the
+    same GPU. Returns the engine."""
+    from helpers import hf_model
 
-    folder = gpu_checkpoint(tmp_path, name)
-    loaded = make_engine(folder, device="cuda", dtype="bfloat16", batch=batch, num_blocks=256)
     engine = loaded.engine
     prompt_list = prompts([1, 16, 17, 45], VOCAB, seed=4)
     seqs = [engine.add_request(p, SamplingParams(max_tokens=STEPS, ignore_eos=True)) for p in prompt_list]
@@ -77,14 +76,23 @@ def test_preset_heads_on_cuda_match_transformers(tmp_path, make_engine, name, ba
         engine.step()
         check_block_accounting(engine)
     assert engine.cache.num_free_blocks == engine.cache.geometry.num_blocks
-    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
+    hf = hf_model(folder, dtype=torch.bfloat16, device="cuda")
     near_ties = [each_token_is_the_references_choice_or_a_near_tie(hf, prompt, seq.output_token_ids)
                  for seq, prompt in zip(seqs, prompt_list)]
-    print(name, batch, "near-ties a prompt:", near_ties)
+    print(label, "near-ties a prompt:", near_ties)
     # (random weights of 512 tokens have flat logits: llama-2-7b's answers parted from transformers' at
     # a near-tie in all four prompts, at steps 3 to 23, and the presets had 0 to 3 near-ties in 96 steps;
     # a wrong kernel is off the argmax at most steps)
     assert sum(near_ties) <= len(prompt_list) * STEPS // 10, near_ties
+    return engine
+
+
+@pytest.mark.parametrize("batch", [4, 1], ids=["cublas", "gemv"])
+@pytest.mark.parametrize("name", LLAMA_PRESETS)  # (the other families': test_gpu_families.py)
+def test_preset_heads_on_cuda_match_transformers(tmp_path, make_engine, name, batch):
+    folder = gpu_checkpoint(tmp_path, name)
+    loaded = make_engine(folder, device="cuda", dtype="bfloat16", batch=batch, num_blocks=256)
+    answers_match_transformers(loaded, folder, f"{name} {batch}")
 
 
 EXTRAS = {  # what only some checkpoints have: biases (torch GEMMs on CUDA) and the RoPE types

@@ -145,3 +145,19 @@ def test_echo_with_max_tokens_0_gives_the_prompts_logprobs(server):
     for i in range(1, len(ids)):
         assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-4
     server.settle()
+
+
+def test_vllms_prompt_logprobs_field_names_each_prompt_token(server):
+    """vLLM's prompt_logprobs: null for the first token, then each prompt token with its own
+    log-probability and rank, beside the N likeliest (ranked 1..N)."""
+    from pagedcli.model.tokenizer import Tokenizer
+
+    prompt = "ROMEO:\nBut soft"
+    out = server.client().completions.create(model="demo", prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    entries = out.choices[0].model_extra["prompt_logprobs"]
+    ids = Tokenizer(ASSETS.parents[1] / "pagedcli" / "data" / "demo").encode(prompt)
+    assert entries[0] is None and len(entries) == len(ids)
+    for token, entry in zip(ids[1:], entries[1:]):
+        assert str(token) in entry and entry[str(token)]["rank"] >= 1
+        top = sorted(v["rank"] for k, v in entry.items() if v["rank"] <= 2)
+        assert top[:2] == [1, 2]

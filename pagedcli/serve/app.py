@@ -198,7 +198,8 @@ def create_app(engine: EngineClient, ready: Ready, settings: Settings, metrics: 
                         tokenizer.token_bytes if tokenizer is not None else None)
         if not chat and req.echo:  # the prompt before each answer; max_tokens 0: the prompt alone
             shapes.echo = (token_ids, texts, req.max_tokens == 0, req.n)
-        shapes.want_prompt_logprobs = req.prompt_logprobs is not None
+        if req.prompt_logprobs is not None:
+            shapes.prompt_logprobs_of = (token_ids, req.n)
         if chat and req.tools and req.tool_choice != "none":
             shapes.tools = (tool_parser, {t.function.name for t in req.tools})
         num_prompt_tokens = sum(len(ids) for ids in token_ids)

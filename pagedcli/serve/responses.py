@@ -73,7 +73,8 @@ class Shapes:
         # id -> its own bytes (chat's `bytes`: a piece of a character is U+FFFD as text)
         self.token_bytes = token_bytes or (lambda token_id: token_text(token_id).encode())
         self.want_logprobs = want_logprobs
-        self.want_prompt_logprobs = False  # vLLM's prompt_logprobs field, a choice's
+        # vLLM's prompt_logprobs field, a choice's: (each prompt's ids, answers a prompt), when asked for
+        self.prompt_logprobs_of: tuple[list[list[int]], int] | None = None
         # completions' echo: (each prompt's ids, its text or None, max_tokens 0: the prompt alone)
         self.echo: tuple[list[list[int]], list[str | None], bool] | None = None
         self.tools: tuple[str, set[str]] | None = None  # chat's tool-call parser and the tools' names
@@ -126,8 +127,9 @@ class Shapes:
                     choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = text
-            if self.want_prompt_logprobs:
-                choice["prompt_logprobs"] = self._prompt_logprobs(a.prompt_logprobs)
+            if self.prompt_logprobs_of is not None:
+                ids, n = self.prompt_logprobs_of
+                choice["prompt_logprobs"] = self._prompt_logprobs(ids[index // n], a.prompt_logprobs)
             choices.append(choice)
         return self._head("chat.completion" if self.chat else "text_completion") | {"choices": choices, "usage": usage}
 
@@ -145,14 +147,18 @@ class Shapes:
             entries = list(zip(prompt_ids, prompt_entries)) + entries
         return entries, prompt_text + text
 
-    def _prompt_logprobs(self, entries: list | None) -> list | None:
-        """vLLM's prompt_logprobs: null for the first token, then {id: {logprob, rank, decoded_token}}."""
+    def _prompt_logprobs(self, prompt_ids: list[int], entries: list | None) -> list | None:
+        """vLLM's prompt_logprobs: null for the first token, then for each prompt token
+        {id: {logprob, rank, decoded_token}}, the token itself and the N likeliest there."""
         if entries is None:
             return None
         out = [None]
-        for e in entries[1:]:
-            out.append({str(i): {"logprob": max(lp, LOGPROB_FLOOR), "rank": None, "decoded_token": self.token_text(i)}
-                        for i, lp in e.top})
+        for token, e in zip(prompt_ids[1:], entries[1:]):
+            ranked = {str(i): {"logprob": max(lp, LOGPROB_FLOOR), "rank": r, "decoded_token": self.token_text(i)}
+                      for r, (i, lp) in enumerate(e.top, start=1)}
+            ranked.setdefault(str(token), {"logprob": max(e.logprob, LOGPROB_FLOOR), "rank": e.rank,
+                                           "decoded_token": self.token_text(token)})
+            out.append(ranked)
         return out
 
     # --- streamed ---------------------------------------------------------------------------------

@@ -245,8 +245,7 @@ def structured(req: Sampling, tool_parser: str) -> tuple[str, str] | None:
             if not chosen:
                 raise bad_request(f"`tool_choice` names {name!r}, which is not one of `tools`", "tool_choice")
         asked.append(("tool_choice", tools.constraint(chosen, tool_parser)))
-    if len({field for field, _ in asked}) > 1 or len(asked) > 1:
+    if len(asked) > 1:
         names = sorted({field for field, _ in asked})
-        raise bad_request(f"{' and '.join(f'`{n}`' for n in names) if len(names) > 1 else f'`{names[0]}`'} "
-                          "ask for more than one format; give one", names[0])
+        raise bad_request(f"{' and '.join(f'`{n}`' for n in names)} ask for more than one format; give one", names[0])
     return asked[0][1] if asked else None
