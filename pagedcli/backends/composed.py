@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from pagedcli.model.fp8 import Fp8Weight, fp8_linear
+from pagedcli.model.quant import QuantWeight
 
 
 def linear(x, weight, bias=None):
@@ -15,6 +16,8 @@ def linear(x, weight, bias=None):
     dot times the row's scale)."""
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight, bias)
+    if isinstance(weight, QuantWeight):
+        weight = weight.dequantize(x.dtype)
     return x @ weight.T if bias is None else F.linear(x, weight, bias)
 
 

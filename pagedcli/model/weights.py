@@ -33,6 +33,7 @@ from pagedcli.model.config import ModelConfig
 from pagedcli.model.files import read_json
 from pagedcli.model.fp8 import FP8_MMA_MULTIPLE, Fp8Weight, quantize_weight
 from pagedcli.model.host_memory import check_weights_fit
+from pagedcli.model.quant import QuantWeight
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of what a weight may be stored as
 FP8_STORED = "F8_E4M3"  # safetensors' name of float8_e4m3fn: an fp8 checkpoint's linear weights
@@ -80,7 +81,7 @@ class Weights:
         for t in [self.embed, self.norm, self.lm_head] + [w for l in self.layers for w in vars(l).values()]:
             if t is None:
                 continue
-            if isinstance(t, Fp8Weight):
+            if isinstance(t, (Fp8Weight, QuantWeight)):
                 total += t.nbytes
             elif t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
