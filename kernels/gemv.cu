@@ -32,6 +32,18 @@
 // fp16 (fp8.cuh), and a row's fp32 sum is multiplied by its scale: the
 // torch reference's fp8_linear, which sums x times the fp8 values in fp32, then scales.
 //
+// Compressed weights (W4A16, W8A16: pagedcli/model/quant.py's QuantWeight; the gemvq4_ and gemvq8_
+// kernels, built from gemv_quant.cu, which includes this file with GEMV_QUANT defined): 4-bit values
+// two a byte (the even column in the low nibble) or int8 values, with a float32 scale and offset per
+// group of 2^shift consecutive inputs of a row (a row's one group: a shift past K). A 16-byte load
+// holds 32 (or 16) weights of one group; each weight is dequantized exactly as the torch reference
+// does, q * scale + offset with each step rounded to float32 (no fma), then the same fp32 dot, so
+// the kernel computes x.float() @ w.dequantize().T up to the order of the sums. The bytes read at
+// batch 1 are the values and the group scales: 4 bits plus 64 bits a group, about a quarter of
+// bf16's at group 128. The lane's 32 weights then meet 64 bytes of input, which a warp would read
+// from shared memory with 4-way bank conflicts; the staged input is swizzled instead (stage_input)
+// so that a quarter-warp's 16-byte reads land on distinct banks.
+//
 // Shapes: W [N, K] row-major; `rows` input rows, at most the kernel's M; K % VEC == 0 (fp8: K % 16)
 // and every row 16-byte aligned (checked in Python, which falls back to cuBLAS otherwise). Dynamic
 // shared memory: M * K elements.
@@ -43,6 +55,10 @@
 #error "gemv.cu needs -DGEMV_THREADS -DGEMV_UNROLL -DGEMV_MIN_CTAS -DGEMV_EVICT_FIRST (pagedcli/backends/cuda.py)"
 #endif
 
+#if defined(GEMV_QUANT) && !defined(GEMV_QUANT_MIN_CTAS)
+#error "gemv_quant.cu needs -DGEMV_QUANT_MIN_CTAS (pagedcli/backends/cuda_build.py)"
+#endif
+
 #define GEMV_WARPS (GEMV_THREADS / WARP_SIZE)
 
 // The weights' element: the model dtype (scalar_t), or fp8 e4m3 (Fp8: one byte, with a float scale
@@ -50,8 +66,38 @@
 struct Fp8 {
     unsigned char bits;
 };
+// Compressed weights (model/quant.py): two 4-bit values a byte, or one int8 value.
+struct Int4 {
+    unsigned char pair;
+};
+struct Int8 {
+    signed char value;
+};
 template <typename WT>
-__host__ __device__ constexpr int weight_vec() { return (int)sizeof(uint4) / (int)sizeof(WT); }  // elements of a 16-byte load
+__host__ __device__ constexpr int weight_bits() { return 8 * (int)sizeof(WT); }
+template <>
+__host__ __device__ constexpr int weight_bits<Int4>() { return 4; }
+template <typename WT>
+__host__ __device__ constexpr bool quantized() { return false; }  // group scales and offsets (Groups)
+template <>
+__host__ __device__ constexpr bool quantized<Int4>() { return true; }
+template <>
+__host__ __device__ constexpr bool quantized<Int8>() { return true; }
+template <typename WT>
+__host__ __device__ constexpr int weight_vec() { return 8 * (int)sizeof(uint4) / weight_bits<WT>(); }  // elements of a 16-byte load
+// The staged input's swizzle (stage_input): 16-byte vectors of input a lane's load meets, less one
+// (0: no swizzle, the dtype's and fp8 weights as they were measured).
+template <typename WT>
+__host__ __device__ constexpr int input_swizzle() { return quantized<WT>() ? weight_vec<WT>() / VEC - 1 : 0; }
+
+// A compressed weight's groups: float32 scale and offset [N, per_row] (offset nullptr: none), a group
+// 2^shift inputs long; an fp8 weight's row scales in `scale`.
+struct Groups {
+    const float* scale;
+    const float* offset;
+    int per_row;
+    int shift;
+};
 template <typename WT>
 __host__ __device__ constexpr int tile_elems() { return WARP_SIZE * weight_vec<WT>() * GEMV_UNROLL; }  // of a row, one warp step
 
@@ -128,9 +174,16 @@ __device__ __forceinline__ void rope_write_pair(const RopeKV& kv, const TokenOf&
     dst[d + HALF_DIM] = from_float(out2);
 }
 
+// Where 16-byte vector v of a staged row lives: with SWZ (input_swizzle) > 0, v's low bits XOR the
+// bits above its aligned 8 vectors (a lane's load of compressed weights meets SWZ + 1 vectors, the
+// lanes of a quarter-warp SWZ + 1 vectors apart: each of them then reads a bank group of its own).
+// The XOR stays within v's aligned SWZ + 1 vectors: K is a whole number of them (cuda_gemv.py).
+template <int SWZ>
+__device__ __forceinline__ int staged_slot(int v) { return SWZ ? v ^ ((v >> 3) & SWZ) : v; }
+
 // in rows -> the M x K input of the product, in shared memory (each thread re-reads only the vectors
-// it wrote, except for the RMSNorm's sums, which cross a barrier).
-template <int M, int IN>
+// it wrote, except for the RMSNorm's sums, which cross a barrier), at staged_slot<SWZ>'s places.
+template <int M, int IN, int SWZ = 0>
 __device__ __forceinline__ void stage_input(scalar_t* __restrict__ xs, int rows, const scalar_t* __restrict__ in,
                                             long long in_stride, const scalar_t* __restrict__ norm_weight,
                                             float eps, int K) {
@@ -142,7 +195,7 @@ __device__ __forceinline__ void stage_input(scalar_t* __restrict__ xs, int rows,
             float sum_sq = 0.0f;
             for (int v = threadIdx.x; v < vecs && m < rows; v += GEMV_THREADS) {
                 const uint4 raw = *reinterpret_cast<const uint4*>(in + m * in_stride + v * VEC);
-                *reinterpret_cast<uint4*>(xs + (size_t)m * K + v * VEC) = raw;
+                *reinterpret_cast<uint4*>(xs + (size_t)m * K + staged_slot<SWZ>(v) * VEC) = raw;
                 float r[VEC];
                 unpack_vec(raw, r);
 #pragma unroll
@@ -159,18 +212,19 @@ __device__ __forceinline__ void stage_input(scalar_t* __restrict__ xs, int rows,
             const float inv_rms = rms_inverse(total, K, eps);
             for (int v = threadIdx.x; v < vecs && m < rows; v += GEMV_THREADS) {
                 float r[VEC], w[VEC];
-                load_floats<VEC>(xs + (size_t)m * K + v * VEC, r);
+                scalar_t* const slot = xs + (size_t)m * K + staged_slot<SWZ>(v) * VEC;
+                load_floats<VEC>(slot, r);
                 load_floats<VEC>(norm_weight + v * VEC, w);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) r[j] = rms_scale(r[j], w[j], inv_rms);
-                store_floats<VEC>(xs + (size_t)m * K + v * VEC, r);
+                store_floats<VEC>(slot, r);
             }
         }
     } else {
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             for (int v = threadIdx.x; v < vecs && m < rows; v += GEMV_THREADS) {
-                *reinterpret_cast<uint4*>(xs + (size_t)m * K + v * VEC) =
+                *reinterpret_cast<uint4*>(xs + (size_t)m * K + staged_slot<SWZ>(v) * VEC) =
                     *reinterpret_cast<const uint4*>(in + m * in_stride + v * VEC);
             }
         }
@@ -179,7 +233,7 @@ __device__ __forceinline__ void stage_input(scalar_t* __restrict__ xs, int rows,
 
 // One 16-byte vector of W: with GEMV_EVICT_FIRST, past L1 and marked for L2 to evict first (an L2
 // access policy covering the access; createpolicy is one instruction, hoisted by the compiler).
-__device__ __forceinline__ uint4 load_weight(const scalar_t* p) {
+__device__ __forceinline__ uint4 load_weight(const void* p) {
 #if GEMV_EVICT_FIRST && __CUDA_ARCH__ >= 800
     unsigned long long policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -193,15 +247,50 @@ __device__ __forceinline__ uint4 load_weight(const scalar_t* p) {
 #endif
 }
 
-// The GEMV_UNROLL vectors of row `row`, tile `tile` that this lane reads (zeros past K).
+// A compressed weight's group scale or offset: read once a step like the weights, with their policy.
+__device__ __forceinline__ float load_group(const float* p) {
+#if GEMV_EVICT_FIRST && __CUDA_ARCH__ >= 800
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    float r;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.f32 %0, [%1], %2;" : "=f"(r) : "l"(p), "l"(policy));
+    return r;
+#else
+    return *p;
+#endif
+}
+
+// What a lane holds of one tile: its GEMV_UNROLL 16-byte loads of W, and for compressed weights the
+// scale and offset of each load's group (a load is within one group: cuda_gemv.py checks).
 template <typename WT>
-__device__ __forceinline__ void load_tile(const WT* __restrict__ W, int row, int tile, int K, int lane,
-                                          uint4 (&w)[GEMV_UNROLL]) {
-    const WT* __restrict__ src = W + (size_t)row * K;
+struct Tile {
+    uint4 w[GEMV_UNROLL];
+};
+struct GroupedTile {
+    uint4 w[GEMV_UNROLL];
+    float scale[GEMV_UNROLL], offset[GEMV_UNROLL];
+};
+template <>
+struct Tile<Int4> : GroupedTile {};
+template <>
+struct Tile<Int8> : GroupedTile {};
+
+// The GEMV_UNROLL vectors of row `row`, tile `tile` that this lane reads (zeros past K), with their
+// groups' scales and offsets.
+template <typename WT>
+__device__ __forceinline__ void load_tile(const WT* __restrict__ W, const Groups& groups, int row, int tile, int K,
+                                          int lane, Tile<WT>& t) {
+    const unsigned char* __restrict__ src =
+        reinterpret_cast<const unsigned char*>(W) + (size_t)row * K * weight_bits<WT>() / 8;
 #pragma unroll
     for (int u = 0; u < GEMV_UNROLL; ++u) {
         const int k = tile * tile_elems<WT>() + (u * WARP_SIZE + lane) * weight_vec<WT>();
-        w[u] = k < K ? load_weight(reinterpret_cast<const scalar_t*>(src + k)) : make_uint4(0, 0, 0, 0);
+        t.w[u] = k < K ? load_weight(src + (size_t)k * weight_bits<WT>() / 8) : make_uint4(0, 0, 0, 0);
+        if constexpr (quantized<WT>()) {
+            const size_t at = (size_t)row * groups.per_row + (k >> groups.shift);
+            t.scale[u] = k < K ? load_group(groups.scale + at) : 0.0f;
+            t.offset[u] = k < K && groups.offset != nullptr ? load_group(groups.offset + at) : 0.0f;
+        }
     }
 }
 
@@ -218,10 +307,91 @@ __device__ __forceinline__ void unpack_weights(const uint4& raw, float (&out)[16
 // (over the factor unpack_weights left in, a power of two: exact) for fp8.
 template <typename WT>
 __device__ __forceinline__ float row_scale(const float* __restrict__ scales, int row) {
-    if constexpr (sizeof(WT) == 1) {
+    if constexpr (sizeof(WT) == 1 && !quantized<WT>()) {
         return scales[row] * (1.0f / E4M3_UNPACK_FACTOR);
     } else {
         return 1.0f;
+    }
+}
+
+// --- compressed weights ---
+// 8 weights of a 4-bit word, dequantized as model/quant.py does: q * scale + offset, each step
+// rounded to float32 (no fma), q exact. Nibble n is read in place at bit 4n (n < 5): the float of
+// bits 2^23's exponent | q << 4n is 2^23 + q * 16^n, so subtracting 2^23 leaves q * 16^n exactly,
+// and that times scale * 16^-n (`s[n]`: a power of two off, exact) is the float32 product q * scale.
+// Nibbles 5..7 likewise after one shift. One logic op and one add a weight, not a shift, a mask and a
+// conversion (which runs at a quarter of the rate).
+template <bool OFFSET>
+__device__ __forceinline__ void dequantize_int4(unsigned int word, const float (&s)[5], float offset, float (&w)[8]) {
+    const unsigned int high = word >> 12;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        const int at = n < 5 ? n : n - 3;
+        const unsigned int bits = (n < 5 ? word : high) & (0xFu << (4 * at));
+        const float q = __uint_as_float(0x4B000000u | bits) - 8388608.0f;
+        const float product = __fmul_rn(q, s[at]);
+        w[n] = OFFSET ? __fadd_rn(product, offset) : product;
+    }
+}
+
+// 4 int8 weights the same way: byte b XOR 0x80 (q + 128, unsigned) in place at bit 8b (b < 2, the
+// upper two after a shift) under 2^23's exponent, less 2^23 + 128 * 256^b: q * 256^b exactly; times
+// scale * 256^-b (s0, s1).
+template <bool OFFSET>
+__device__ __forceinline__ void dequantize_int8(unsigned int word, float s0, float s1, float offset, float* w) {
+    const unsigned int high = word >> 16;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+        const int at = b & 1;
+        const unsigned int bits = ((b < 2 ? word : high) & (0xFFu << (8 * at))) ^ (0x4B000000u | (0x80u << (8 * at)));
+        const float q = __uint_as_float(bits) - (at ? 8421376.0f : 8388736.0f);  // 2^23 + 128 * 256^at
+        const float product = __fmul_rn(q, at ? s1 : s0);
+        w[b] = OFFSET ? __fadd_rn(product, offset) : product;
+    }
+}
+
+// acc[m] += 8 dequantized weights times the staged input at k..k+7 of row m.
+template <int M, int SWZ>
+__device__ __forceinline__ void dot8(const float (&w)[8], const scalar_t* __restrict__ xs, int K, int k, int rows,
+                                     float (&acc)[M]) {
+    const int v = k / VEC;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        if (M > 1 && m >= rows) break;
+#pragma unroll
+        for (int h = 0; h < 8 / VEC; ++h) {
+            float x[VEC];
+            load_floats<VEC>(xs + (size_t)m * K + staged_slot<SWZ>(v + h) * VEC, x);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[m] = fmaf(w[h * VEC + j], x[j], acc[m]);
+        }
+    }
+}
+
+// acc[m] += one 16-byte load of compressed weights (inputs k.., one group) times the staged rows.
+template <int M, typename WT, bool OFFSET>
+__device__ __forceinline__ void dot_grouped(const uint4& raw, float scale, float offset,
+                                            const scalar_t* __restrict__ xs, int K, int k, int rows,
+                                            float (&acc)[M]) {
+    constexpr int SWZ = input_swizzle<WT>();
+    const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+    if constexpr (weight_bits<WT>() == 4) {
+        const float s[5] = {scale, scale * 0x1p-4f, scale * 0x1p-8f, scale * 0x1p-12f, scale * 0x1p-16f};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float w[8];
+            dequantize_int4<OFFSET>(words[i], s, offset, w);
+            dot8<M, SWZ>(w, xs, K, k + 8 * i, rows, acc);
+        }
+    } else {
+        const float s1 = scale * 0x1p-8f;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float w[8];
+            dequantize_int8<OFFSET>(words[2 * i], scale, s1, offset, w);
+            dequantize_int8<OFFSET>(words[2 * i + 1], scale, s1, offset, w + 4);
+            dot8<M, SWZ>(w, xs, K, k + 8 * i, rows, acc);
+        }
     }
 }
 
@@ -269,9 +439,10 @@ __device__ __forceinline__ void sum_split_k(float (&first)[M], float (&second)[M
 // GEMV_WARPS / split units after it.
 // in: `rows` rows, in_stride elements apart; out: `rows` rows, out_stride elements apart (scalar_t,
 // or float for OUT_FLOAT); norm_weight and eps: for IN_RMS_NORM only; kv: for OUT_ROPE_KV only.
-// WT: the weights' element (scalar_t, or Fp8 with `scales`: one float per weight row).
+// WT: the weights' element (scalar_t; Fp8 with wgroups.scale: one float per weight row; Int4 or
+// Int8 with their groups).
 template <int M, int IN, int OUT, typename WT>
-__device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __restrict__ scales, int N, int K,
+__device__ __forceinline__ void gemv(const WT* __restrict__ W, const Groups wgroups, int N, int K,
                                      int rows, int split, const scalar_t* __restrict__ in, long long in_stride,
                                      const scalar_t* __restrict__ norm_weight, float eps, void* out,
                                      long long out_stride, const RopeKV& kv) {
@@ -300,8 +471,8 @@ __device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __re
     // be read before the previous kernel has finished (common.cuh's programmatic launch), and they
     // are in flight while the input is staged.
     allow_next_kernel();
-    uint4 w[GEMV_UNROLL];
-    if (unit < units) load_tile(W, weight_row(unit, 0), tile_begin, K, lane, w);
+    Tile<WT> w;
+    if (unit < units) load_tile(W, wgroups, weight_row(unit, 0), tile_begin, K, lane, w);
     wait_for_previous_kernels();
 
     // What lane m needs to write row m besides the sums, read early, so that the end of a unit waits
@@ -318,7 +489,7 @@ __device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __re
     };
     float residual = residual_of(unit), next_residual = 0.0f;
 
-    stage_input<M, IN>(xs, rows, in, in_stride, norm_weight, eps, K);
+    stage_input<M, IN, input_swizzle<WT>()>(xs, rows, in, in_stride, norm_weight, eps, K);
     __syncthreads();
 
     float acc[M], first[M];  // first: the gate rows' results while the up rows are computed
@@ -332,16 +503,24 @@ __device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __re
             next_tile = tile_begin;
             if (++next_part == ROWS_PER_UNIT) next_part = 0, next_unit += unit_step;
         }
-        uint4 next[GEMV_UNROLL];
-        if (next_unit < units) load_tile(W, weight_row(next_unit, next_part), next_tile, K, lane, next);
+        Tile<WT> next;
+        if (next_unit < units) load_tile(W, wgroups, weight_row(next_unit, next_part), next_tile, K, lane, next);
         if (OUT == OUT_ADD && next_unit != unit) next_residual = residual_of(next_unit);
 
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
             const int k = tile * TILE + (u * WARP_SIZE + lane) * W_VEC;
-            if (k < K) {
+            if constexpr (quantized<WT>()) {
+                if (k < K) {
+                    if (wgroups.offset != nullptr) {
+                        dot_grouped<M, WT, true>(w.w[u], w.scale[u], w.offset[u], xs, K, k, rows, acc);
+                    } else {
+                        dot_grouped<M, WT, false>(w.w[u], w.scale[u], 0.0f, xs, K, k, rows, acc);
+                    }
+                }
+            } else if (k < K) {
                 float wf[W_VEC];
-                unpack_weights(w[u], wf);
+                unpack_weights(w.w[u], wf);
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
                     if (M > 1 && m >= rows) break;
@@ -358,7 +537,7 @@ __device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __re
 
         if (next_tile == tile_begin) {  // this warp's slice of a row is complete: reduce across the warp
             float (&total)[M] = acc;  // the warp's sums replace its lanes' (and are zeroed below)
-            const float scale = row_scale<WT>(scales, weight_row(unit, part));
+            const float scale = row_scale<WT>(wgroups.scale, weight_row(unit, part));
 #pragma unroll
             for (int m = 0; m < M; ++m) total[m] = warp_sum(acc[m]) * scale;
             if (ROWS_PER_UNIT == 2 && part == 0) {  // kept until the unit's second row is done
@@ -395,26 +574,42 @@ __device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __re
         }
         if (next_unit != unit) residual = next_residual;
         unit = next_unit, part = next_part, tile = next_tile;
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) w[u] = next[u];
+        w = next;
     }
 }
 
 // One kernel per (rows, input step, output step): gemv_<M>_<in>_<out>, e.g. gemv_1_rms_norm_store;
-// pagedcli/backends/cuda.py's gemv_kernel_names() lists the same.
+// pagedcli/backends/cuda_build.py's gemv_kernel_names() lists the same.
 // gemv8_...: the same with fp8 weights and their row scales (the rope_kv kernels likewise).
+// gemvq4_... and gemvq8_...: compressed weights with their groups (gemv_quant.cu's build only:
+// cuda_build.quant_kernel_names()).
 #define GEMV_KERNEL(M, IN_NAME, IN, OUT_NAME, OUT)                                                           \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv_##M##_##IN_NAME##_##OUT_NAME( \
         const scalar_t* __restrict__ W, int N, int K, int rows, int split, const scalar_t* __restrict__ in,    \
         long long in_stride, const scalar_t* __restrict__ norm_weight, float eps, void* out, long long out_stride) { \
-        gemv<M, IN, OUT>(W, nullptr, N, K, rows, split, in, in_stride, norm_weight, eps, out, out_stride, RopeKV{}); \
+        gemv<M, IN, OUT>(W, Groups{}, N, K, rows, split, in, in_stride, norm_weight, eps, out, out_stride, RopeKV{}); \
     }
 #define GEMV8_KERNEL(M, IN_NAME, IN, OUT_NAME, OUT)                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv8_##M##_##IN_NAME##_##OUT_NAME( \
         const Fp8* __restrict__ W, const float* __restrict__ scales, int N, int K, int rows, int split,         \
         const scalar_t* __restrict__ in, long long in_stride, const scalar_t* __restrict__ norm_weight, float eps, \
         void* out, long long out_stride) {                                                                    \
-        gemv<M, IN, OUT>(W, scales, N, K, rows, split, in, in_stride, norm_weight, eps, out, out_stride, RopeKV{}); \
+        gemv<M, IN, OUT>(W, Groups{scales, nullptr, 0, 0}, N, K, rows, split, in, in_stride, norm_weight, eps, out, \
+                         out_stride, RopeKV{});                                                               \
+    }
+// A compressed weight's arguments: its values, then its groups (scale, offset or null, groups a
+// row, log2 of a group's inputs).
+#define GROUPS_PARAMS(WT)                                                                                    \
+    const WT *__restrict__ W, const float *__restrict__ scales, const float *__restrict__ offsets, int per_row, \
+        int shift
+#define GEMVQ_KERNEL(BITS, M, IN_NAME, IN, OUT_NAME, OUT)                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_QUANT_MIN_CTAS)                          \
+        gemvq##BITS##_##M##_##IN_NAME##_##OUT_NAME(GROUPS_PARAMS(Int##BITS), int N, int K, int rows, int split, \
+                                                   const scalar_t* __restrict__ in, long long in_stride,        \
+                                                   const scalar_t* __restrict__ norm_weight, float eps, void* out, \
+                                                   long long out_stride) {                                    \
+        gemv<M, IN, OUT>(W, Groups{scales, offsets, per_row, shift}, N, K, rows, split, in, in_stride, norm_weight, \
+                         eps, out, out_stride, RopeKV{});                                                     \
     }
 
 // qkv with RoPE and the K/V write: kv_write.cu's arguments instead of an output.
@@ -424,18 +619,24 @@ __device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __re
         const int *table, long long table_slot_stride, int max_blocks, const long long *positions,           \
         const long long *token_seq, const int *slots, const scalar_t *cos_table, const scalar_t *sin_table,  \
         int max_positions KV_SCALE_PARAMS
-#define ROPE_KV_BODY(M, SCALES)                                                                                \
+#define ROPE_KV_BODY(M, GROUPS)                                                                                \
     const RopeKV kv{q_out, pool, table, table_slot_stride, max_blocks, positions, token_seq, slots, cos_table, \
                     sin_table, max_positions, KV_SCALES};                                                    \
-    gemv<M, IN_RMS_NORM, OUT_ROPE_KV>(W, SCALES, N, K, rows, split, in, in_stride, norm_weight, eps, nullptr, 0, kv);
+    gemv<M, IN_RMS_NORM, OUT_ROPE_KV>(W, GROUPS, N, K, rows, split, in, in_stride, norm_weight, eps, nullptr, 0, kv);
 #define GEMV_ROPE_KV_KERNEL(M)                                                                                \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv_##M##_rms_norm_rope_kv(      \
         const scalar_t* __restrict__ W, ROPE_KV_PARAMS) {                                                     \
-        ROPE_KV_BODY(M, nullptr)                                                                                 \
+        ROPE_KV_BODY(M, Groups{})                                                                                \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS) gemv8_##M##_rms_norm_rope_kv(     \
         const Fp8* __restrict__ W, const float* __restrict__ scales, ROPE_KV_PARAMS) {                        \
-        ROPE_KV_BODY(M, scales)                                                                                  \
+        ROPE_KV_BODY(M, (Groups{scales, nullptr, 0, 0}))                                                         \
+    }
+#define GEMVQ_ROPE_KV_KERNEL(BITS, M)                                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_QUANT_MIN_CTAS)                          \
+        gemvq##BITS##_##M##_rms_norm_rope_kv(                                                                \
+        GROUPS_PARAMS(Int##BITS), ROPE_KV_PARAMS) {                                                           \
+        ROPE_KV_BODY(M, (Groups{scales, offsets, per_row, shift}))                                               \
     }
 
 // The combinations a Llama layer and its LM head use, for each batch-size bucket up to GEMV_MAX_ROWS.
@@ -449,6 +650,21 @@ __device__ __forceinline__ void gemv(const WT* __restrict__ W, const float* __re
     GEMV8_KERNEL(M, rms_norm, IN_RMS_NORM, silu_mul, OUT_SILU_MUL) \
     GEMV8_KERNEL(M, plain, IN_PLAIN, add, OUT_ADD)                 \
     GEMV_ROPE_KV_KERNEL(M)
+#define GEMVQ_KERNELS(BITS, M)                                           \
+    GEMVQ_KERNEL(BITS, M, rms_norm, IN_RMS_NORM, store, OUT_STORE)        \
+    GEMVQ_KERNEL(BITS, M, rms_norm, IN_RMS_NORM, float, OUT_FLOAT)        \
+    GEMVQ_KERNEL(BITS, M, rms_norm, IN_RMS_NORM, silu_mul, OUT_SILU_MUL)  \
+    GEMVQ_KERNEL(BITS, M, plain, IN_PLAIN, add, OUT_ADD)                  \
+    GEMVQ_ROPE_KV_KERNEL(BITS, M)
 
+// gemv.cu's own build: the dtype's and fp8 weights; gemv_quant.cu's: compressed weights (a model
+// without them compiles none of them).
+#if defined(GEMV_QUANT)
+GEMVQ_KERNELS(4, 1)
+GEMVQ_KERNELS(4, 2)
+GEMVQ_KERNELS(8, 1)
+GEMVQ_KERNELS(8, 2)
+#else
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)
+#endif

@@ -45,6 +45,22 @@ static_assert(V_OFFSET == BLOCK_SIZE * KV_DIM * (int)sizeof(kv_t), "V_OFFSET doe
 static_assert(BLOCK_BYTES == 2 * V_OFFSET, "BLOCK_BYTES must be K + V");
 static_assert(NUM_HEADS % NUM_KV_HEADS == 0, "query heads must be a multiple of kv heads");
 
+// A sliding window (-DSLIDING_WINDOW=W, which the attention kernels take; 0: none): a query at
+// position p sees keys p - W + 1 .. p, itself and the W - 1 before it (transformers' rule). After
+// each step engine/cache.py's `slide` gives back a sequence's blocks wholly before its next
+// query's window (their table entries become -1): an attention kernel reads no key before
+// window_first(its earliest query's position), whose block is always held.
+#if defined(SLIDING_WINDOW)
+static_assert(SLIDING_WINDOW >= 0, "SLIDING_WINDOW is a window's length in tokens, or 0 for none");
+__device__ __forceinline__ int window_first(int pos) {
+#if SLIDING_WINDOW > 0
+    return max(pos - SLIDING_WINDOW + 1, 0);
+#else
+    return 0;
+#endif
+}
+#endif
+
 // Where token `pos` of a sequence sits in the pool, in bytes from the start of a kv head's K row of
 // block 0: row pos % BLOCK_SIZE of physical block seq_table[pos / BLOCK_SIZE] (the sequence's row
 // of this layer's block table; a -1 there would be a bug, and block 0 keeps the read in bounds).

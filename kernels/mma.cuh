@@ -77,7 +77,10 @@ __device__ __forceinline__ float exp2_flush(float x) {
 // One step of FlashAttention-2's online softmax over the rows of `half` of a score tile in
 // accumulator layout (row g = lane / 4, or g + 8 for half 1; this lane's columns 2 (lane % 4) + e,
 // e = 0, 1, of each of the N n-tiles of 8 keys from key0). With `mask`, the scores of keys past
-// `last_key` become -inf first; the row's max must be finite (its tile holds a key it sees). The
+// `last_key` (and, with a sliding window, before `first_key`) become -inf first; the row's max must
+// be finite (its tile holds a key it sees), except with a window (-DSLIDING_WINDOW over 0), where a
+// row may see none of a tile's keys and its running max may stay -inf for a while (then its
+// probabilities are 0 and its sums stay 0, not NaN: the max is taken as 0 for the exponents). The
 // running max is kept in log2 units (scores times scale_log2; the scale is positive, so the max of
 // the raw scores scaled is the max of the scaled scores), and each probability is one FMA and an
 // exp2: 2^(s scale - max). The running sum (this lane's columns only: summed over the row's 4
@@ -85,22 +88,34 @@ __device__ __forceinline__ float exp2_flush(float x) {
 template <int N, int C, int O_N>
 __device__ __forceinline__ void online_softmax_rows(float (&s)[N][C], float (&o)[O_N][C], float& run_max,
                                                     float& run_sum, int half, bool mask, int key0, int last_key,
-                                                    float scale_log2, int lane) {
+                                                    float scale_log2, int lane, int first_key = 0) {
     float raw_max = neg_infinity();
 #pragma unroll
     for (int j = 0; j < N; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             float& x = s[j][2 * half + e];
-            if (mask && key0 + j * 8 + 2 * (lane % 4) + e > last_key) x = neg_infinity();
+#if defined(SLIDING_WINDOW) && SLIDING_WINDOW > 0
+            const int key = key0 + j * 8 + 2 * (lane % 4) + e;
+            if (mask && (key > last_key || key < first_key)) x = neg_infinity();
+#else
+            if (mask && key0 + j * 8 + 2 * (lane % 4) + e > last_key) x = neg_infinity();  // (first_key is 0)
+#endif
             raw_max = fmaxf(raw_max, x);
         }
     }
     raw_max = fmaxf(raw_max, __shfl_xor_sync(FULL_MASK, raw_max, 1));  // the 4 lanes of a row
     raw_max = fmaxf(raw_max, __shfl_xor_sync(FULL_MASK, raw_max, 2));
+#if defined(SLIDING_WINDOW) && SLIDING_WINDOW > 0
+    const float seen_max = fmaxf(run_max, raw_max * scale_log2);
+    const float m = seen_max == neg_infinity() ? 0.0f : seen_max;  // (-inf - -inf would be NaN)
+    const float correction = exp2_flush(run_max - m);
+    run_max = seen_max;
+#else
     const float m = fmaxf(run_max, raw_max * scale_log2);
     const float correction = exp2_flush(run_max - m);
     run_max = m;
+#endif
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < N; ++j) {

@@ -46,6 +46,13 @@
 // Every K/V access goes through the block table: token i of a sequence is row i % BLOCK_SIZE of
 // physical block table[slot][layer][i / BLOCK_SIZE].
 //
+// A sliding window (-DSLIDING_WINDOW=W over 0, geometry.cuh): the new token (position context - 1)
+// sees keys from first = window_first(context - 1) = context - W on. What is cut into spans is then
+// not [0, context) but [base, context), base the start of first's block (the blocks before it may
+// have been given back: engine/cache.py's slide), at most W + BLOCK_SIZE - 1 tokens, so a step's
+// work and its splits are bounded by the window, not the context. The first chunk's tokens before
+// `first` (fewer than a block) are neither loaded (zeros) nor scored.
+//
 // An fp8 pool (-DKV_FP8, geometry.cuh): a load holds ATTN_VEC_BYTES e4m3 values, which become
 // floats as they are used (fp8.cuh), times E4M3_UNPACK_FACTOR; the layer's K scale of the CTA's kv
 // head (and 1 / that factor) is folded into q's pre-scale, its V scale into the output's
@@ -58,8 +65,9 @@
 
 #if !defined(HEADS_PER_CTA) || !defined(PARTITION_SIZE) || !defined(ATTN_THREADS) || !defined(ATTN_UNROLL) || \
     !defined(ATTN_STAGES) || !defined(ATTN_MIN_CTAS) || !defined(ATTN_MIN_SPAN) || !defined(ATTN_CLUSTER) ||      \
-    !defined(ATTN_CLUSTER_MIN_SPAN) || !defined(ATTN_VEC_BYTES) || !defined(ATTN_READ_BATCH_EARLY)
-#error "paged_attention.cu needs -DHEADS_PER_CTA -DPARTITION_SIZE -DATTN_THREADS -DATTN_UNROLL -DATTN_STAGES -DATTN_MIN_CTAS -DATTN_MIN_SPAN -DATTN_CLUSTER -DATTN_CLUSTER_MIN_SPAN -DATTN_VEC_BYTES -DATTN_READ_BATCH_EARLY (backends/cuda_build.py)"
+    !defined(ATTN_CLUSTER_MIN_SPAN) || !defined(ATTN_VEC_BYTES) || !defined(ATTN_READ_BATCH_EARLY) ||            \
+    !defined(SLIDING_WINDOW)
+#error "paged_attention.cu needs -DHEADS_PER_CTA -DPARTITION_SIZE -DATTN_THREADS -DATTN_UNROLL -DATTN_STAGES -DATTN_MIN_CTAS -DATTN_MIN_SPAN -DATTN_CLUSTER -DATTN_CLUSTER_MIN_SPAN -DATTN_VEC_BYTES -DATTN_READ_BATCH_EARLY -DSLIDING_WINDOW (backends/cuda_build.py)"
 #endif
 
 // The width of one K/V (and q) load: 16 bytes, or 8 where a head's row is not a whole number of
@@ -185,12 +193,22 @@ __device__ __forceinline__ void load_chunk_blocks(int* chunk_blocks, const int* 
     }
 }
 
+// Whether token t of a chunk of n tokens is one the query sees: t < n, and with a sliding window
+// not among the chunk's first `skip` (before the window's first key: skip <= 0 past the first chunk).
+__device__ __forceinline__ bool seen(int t, int skip, int n) {
+#if SLIDING_WINDOW > 0
+    return t >= skip && t < n;
+#else
+    return t < n;  // (skip is 0)
+#endif
+}
+
 // Load step g of a chunk into ring slot g % STAGES: steps 0 .. iters-1 are K, iters .. 2 iters-1 are
 // V, later ones are empty. Each step is one commit group, empty or not, so that the groups a thread
 // waits for are counted the same way everywhere. This lane's UNROLL rows of the step; rows past
-// the chunk's n tokens become zeros.
+// the chunk's n tokens (or before a window's first key: seen) become zeros.
 __device__ __forceinline__ void issue_step(kv_vec_t* ring, int g, int iters, const unsigned char* k_base,
-                                           const unsigned char* v_base, const int* blocks, int n,
+                                           const unsigned char* v_base, const int* blocks, int skip, int n,
                                            int row_in_step, bool lane_active, int tid) {
     if (g < 2 * iters) {
         const unsigned char* base = g < iters ? k_base : v_base;
@@ -199,7 +217,7 @@ __device__ __forceinline__ void issue_step(kv_vec_t* ring, int g, int iters, con
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int t = t0 + u * ROWS_PER_STEP + row_in_step;
-            const bool valid = t < n && lane_active;
+            const bool valid = seen(t, skip, n) && lane_active;
             const unsigned char* src =
                 valid ? base + (size_t)blocks[t / BLOCK_SIZE] * BLOCK_BYTES + (size_t)(t % BLOCK_SIZE) * TOKEN_STRIDE
                       : base;
@@ -357,8 +375,10 @@ __device__ __forceinline__ void merge_cluster(float (&owned)[OWNED], float (&run
 
 // --- the phases of attention<> -----------------------------------------------------------------
 
-// Which part of a sequence's context split `split` covers: num_splits equal runs of whole blocks
-// (or, with clusters, CLUSTER runs in the first cluster when one cluster covers the context).
+// Which part of a sequence's keys [base, context) split `split` covers: num_splits equal runs of
+// whole blocks (or, with clusters, CLUSTER runs in the first cluster when one cluster covers them).
+// base: 0, or with a sliding window the start of the block of the window's first key (a multiple
+// of BLOCK_SIZE, so that every span and chunk starts on a block).
 struct Span {
     int start, end;  // tokens [start, end) of the context
     int part;        // what is merged in the end: this split's sums or (CLUSTER > 1) its cluster's
@@ -366,20 +386,21 @@ struct Span {
 };
 
 template <int CLUSTER>
-__device__ __forceinline__ Span plan_span(int context, int split, int num_splits) {
-    // A context that one cluster covers with a chunk per CTA stays in the first cluster: its only
-    // merge is the cheap one in shared memory.
-    const bool one_cluster = CLUSTER > 1 && context <= CLUSTER * PARTITION_SIZE;
-    const int span = one_cluster ? max((context + CLUSTER - 1) / CLUSTER, ATTN_CLUSTER_MIN_SPAN)
-                                 : max((context + num_splits - 1) / num_splits, ATTN_MIN_SPAN);
+__device__ __forceinline__ Span plan_span(int context, int base, int split, int num_splits) {
+    const int length = context - base;
+    // Keys that one cluster covers with a chunk per CTA stay in the first cluster: its only merge
+    // is the cheap one in shared memory.
+    const bool one_cluster = CLUSTER > 1 && length <= CLUSTER * PARTITION_SIZE;
+    const int span = one_cluster ? max((length + CLUSTER - 1) / CLUSTER, ATTN_CLUSTER_MIN_SPAN)
+                                 : max((length + num_splits - 1) / num_splits, ATTN_MIN_SPAN);
     const int span_tokens = (span + BLOCK_SIZE - 1) / BLOCK_SIZE * BLOCK_SIZE;
-    const int used_splits = (context + span_tokens - 1) / span_tokens;
+    const int used_splits = (length + span_tokens - 1) / span_tokens;
     // A cluster with no tokens leaves whole (no barrier is pending); in one with tokens, a CTA
     // without any takes part in the cluster's merge with empty sums.
     Span s;
     s.part = split / CLUSTER;
     s.used_parts = (used_splits + CLUSTER - 1) / CLUSTER;
-    s.start = split * span_tokens;
+    s.start = base + split * span_tokens;
     s.end = min(context, s.start + span_tokens);
     return s;
 }
@@ -408,8 +429,8 @@ __device__ __forceinline__ Lanes lanes_of(int tid) {
 // V pass's first ones.
 __device__ __forceinline__ void score_chunk(float* scores, float (*warp_max_buf)[HEADS_PER_CTA], kv_vec_t* ring,
                                             const scalar_t* q_base, float scale_log2, const unsigned char* k_base,
-                                            const unsigned char* v_base, const int* blocks, int n, int iters,
-                                            const Lanes& l, int tid) {
+                                            const unsigned char* v_base, const int* blocks, int skip, int n,
+                                            int iters, const Lanes& l, int tid) {
     float qf[HEADS_PER_CTA][KV_VEC];
 #pragma unroll
     for (int h = 0; h < HEADS_PER_CTA; ++h) {
@@ -433,7 +454,7 @@ __device__ __forceinline__ void score_chunk(float* scores, float (*warp_max_buf)
         const int t0 = it * TOKENS_PER_ITER;
         kv_vec_t cur[UNROLL];
         read_step(cur, ring, it, tid);
-        issue_step(ring, it + STAGES - 1, iters, k_base, v_base, blocks, n, l.row_in_step, l.active, tid);
+        issue_step(ring, it + STAGES - 1, iters, k_base, v_base, blocks, skip, n, l.row_in_step, l.active, tid);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             float kf[KV_VEC];
@@ -449,7 +470,7 @@ __device__ __forceinline__ void score_chunk(float* scores, float (*warp_max_buf)
             }
             reduce_row(dot, l.lane_in_row);
             const int t = t0 + u * ROWS_PER_STEP + l.row_in_step;
-            if (t < n) {
+            if (seen(t, skip, n)) {  // (the tokens before a window's first are not scored: phase 3 skips them too)
 #pragma unroll
                 for (int i = 0; i < HEADS_HELD; ++i) {
                     held_max[i] = fmaxf(held_max[i], dot[i]);
@@ -487,7 +508,7 @@ __device__ __forceinline__ void chunk_max(const float (*warp_max_buf)[HEADS_PER_
     for (int h = 0; h < HEADS_PER_CTA; ++h) {
         float m = run_max[h];
 #pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, warp_max_buf[w][h]);  // finite: the chunk has a token
+        for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, warp_max_buf[w][h]);  // finite: the chunk has a seen token
         correction[h] = exp2f(run_max[h] - m);
         if (tid == h) head_correction[h] = correction[h];  // for the sums' elements (phase 3's last barrier)
         run_max[h] = m;
@@ -504,8 +525,8 @@ __device__ __forceinline__ void accumulate_chunk(float (&owned)[OWNED], float (&
                                                  const float (&run_max)[HEADS_PER_CTA],
                                                  const float (&correction)[HEADS_PER_CTA],
                                                  const float* head_correction, const unsigned char* k_base,
-                                                 const unsigned char* v_base,
-                                                 const int* blocks, int n, int iters, const Lanes& l, int tid) {
+                                                 const unsigned char* v_base, const int* blocks, int skip, int n,
+                                                 int iters, const Lanes& l, int tid) {
     __shared__ float warp_sum_buf[NUM_WARPS][HEADS_PER_CTA];
     float acc[HEADS_PER_CTA][KV_VEC], p_sum[HEADS_PER_CTA];
 #pragma unroll
@@ -518,11 +539,12 @@ __device__ __forceinline__ void accumulate_chunk(float (&owned)[OWNED], float (&
         const int t0 = it * TOKENS_PER_ITER;
         kv_vec_t cur_v[UNROLL];
         read_step(cur_v, ring, iters + it, tid);
-        issue_step(ring, iters + it + STAGES - 1, iters, k_base, v_base, blocks, n, l.row_in_step, l.active, tid);
+        issue_step(ring, iters + it + STAGES - 1, iters, k_base, v_base, blocks, skip, n, l.row_in_step, l.active,
+                   tid);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int t = t0 + u * ROWS_PER_STEP + l.row_in_step;
-            if (t < n) {
+            if (seen(t, skip, n)) {
                 float vf[KV_VEC];
                 unpack_kv(cur_v[u], vf);
 #pragma unroll
@@ -682,7 +704,8 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
     const int context = min(max(host_written(context_lens + seq), 0), max_context);
     const int slot = host_written(slots + seq);
     const bool padding = context == 0;  // a padding row: zeros, written by split 0's CTA
-    const Span span = plan_span<CLUSTER>(context, split, num_splits);
+    const int first = window_first(context - 1);  // the first key the new token sees (0 without a window)
+    const Span span = plan_span<CLUSTER>(context, first / BLOCK_SIZE * BLOCK_SIZE, split, num_splits);
     if (padding ? split != 0 : span.part >= span.used_parts) {
         // Nothing to do, but leave only once the kernel ahead is done, as the others do (leaving
         // at once measured slower: the SM goes early to the kernels after this one).
@@ -742,6 +765,7 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
 
     for (int chunk_start = span.start; chunk_start < span.end; chunk_start += PARTITION_SIZE) {
         const int n = min(PARTITION_SIZE, span.end - chunk_start);  // tokens in this chunk
+        const int skip = first - chunk_start;  // its tokens before the window's first key (<= 0: none)
 
         if (chunk_start != span.start) {  // (the first chunk's blocks were read before the wait)
             __syncthreads();  // the previous chunk is done with chunk_blocks and smem
@@ -753,14 +777,14 @@ __device__ __forceinline__ void attention(ATTENTION_PARAMS) {
         const int iters = (n + TOKENS_PER_ITER - 1) / TOKENS_PER_ITER;  // load steps per pass
 #pragma unroll
         for (int g = 0; g < STAGES - 1; ++g) {
-            issue_step(ring, g, iters, k_base, v_base, chunk_blocks, n, l.row_in_step, l.active, tid);
+            issue_step(ring, g, iters, k_base, v_base, chunk_blocks, skip, n, l.row_in_step, l.active, tid);
         }
-        score_chunk(scores, warp_max, ring, q_base, scale_log2, k_base, v_base, chunk_blocks, n, iters, l, tid);
+        score_chunk(scores, warp_max, ring, q_base, scale_log2, k_base, v_base, chunk_blocks, skip, n, iters, l, tid);
         __syncthreads();  // the scores and the warps' maxima are complete
         float correction[HEADS_PER_CTA];
         chunk_max(warp_max, run_max, correction, head_correction, tid);
         accumulate_chunk(owned, run_sum, smem, scores, ring, run_max, correction, head_correction, k_base, v_base,
-                         chunk_blocks, n, iters, l, tid);
+                         chunk_blocks, skip, n, iters, l, tid);
     }
 
     if constexpr (CLUSTER > 1) {

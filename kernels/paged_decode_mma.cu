@@ -25,6 +25,11 @@
 // physical block table[slot][layer][i / BLOCK_SIZE]. A sequence with context length 0 (a padding
 // row) gets zeros. Pools in the model dtype (bf16, fp16) or fp8; float32 takes paged_attention.cu.
 //
+// A sliding window (-DSLIDING_WINDOW=W over 0, geometry.cuh): the new token (position context - 1)
+// sees keys from window_first(context - 1) = context - W on. The tiles start at the one holding
+// that key (its keys before it are copied as zeros and masked: their blocks may have been given
+// back, engine/cache.py's slide), so a step reads at most W + DECODE_MMA_KEYS - 1 keys a sequence.
+//
 // An fp8 pool (-DKV_FP8, geometry.cuh): a warp's ring holds e4m3 tiles (a byte an element, rows
 // unpadded); once tile i has landed each lane converts the bytes it copied itself into the warp's
 // one K and one V tile in the model dtype (mma.cuh's e4m3_to_elements: exact, times
@@ -37,8 +42,8 @@
 #include "mma.cuh"
 
 #if !defined(DECODE_MMA_WARPS) || !defined(DECODE_MMA_KEYS) || !defined(DECODE_MMA_STAGES) || \
-    !defined(DECODE_MMA_VEC_BYTES) || !defined(DECODE_MMA_SHARED_BYTES)
-#error "paged_decode_mma.cu needs -DDECODE_MMA_WARPS -DDECODE_MMA_KEYS -DDECODE_MMA_STAGES -DDECODE_MMA_VEC_BYTES -DDECODE_MMA_SHARED_BYTES (backends/cuda_build.py)"
+    !defined(DECODE_MMA_VEC_BYTES) || !defined(DECODE_MMA_SHARED_BYTES) || !defined(SLIDING_WINDOW)
+#error "paged_decode_mma.cu needs -DDECODE_MMA_WARPS -DDECODE_MMA_KEYS -DDECODE_MMA_STAGES -DDECODE_MMA_VEC_BYTES -DDECODE_MMA_SHARED_BYTES -DSLIDING_WINDOW (backends/cuda_build.py)"
 #endif
 #if defined(DTYPE_F32)
 #error "paged_decode_mma.cu runs on bf16/fp16 tensor cores; float32 takes paged_attention.cu (backends/cuda_build.py)"
@@ -83,15 +88,21 @@ static_assert(WARPS * GQA * HEAD_DIM * 4 <= SMEM_BYTES, "the warps' outputs must
 
 // Copy keys key0 .. key0 + KEYS - 1 of the sequence (K and V, one block-table lookup for both)
 // into a stage (rows DST_ROW bytes apart, the V tile DST_TILE bytes after the K tile); keys at or
-// past `context` become zeros (so 0 x garbage can never make a NaN).
+// past `context`, and before `first_key` (a window's: their blocks may have been given back),
+// become zeros (so 0 x garbage can never make a NaN).
 template <int DST_ROW, int DST_TILE>
 __device__ __forceinline__ void copy_stage(unsigned char* stage, const unsigned char* __restrict__ k_base,
-                                           const int* __restrict__ seq_table, int key0, int context, int lane) {
+                                           const int* __restrict__ seq_table, int key0, int first_key, int context,
+                                           int lane) {
 #pragma unroll 4
     for (int i = lane; i < KEYS * COPIES_PER_ROW; i += WARP_SIZE) {
         const int r = i / COPIES_PER_ROW, c = i % COPIES_PER_ROW;
         const int pos = key0 + r;
-        const bool valid = pos < context;
+#if SLIDING_WINDOW > 0
+        const bool valid = pos >= first_key && pos < context;
+#else
+        const bool valid = pos < context;  // (first_key is 0)
+#endif
         const size_t offset = valid ? token_offset(seq_table, pos) + (size_t)c * COPY_BYTES : 0;
         unsigned char* dst = stage + r * DST_ROW + c * COPY_BYTES;
         copy_async<COPY_BYTES>(dst, k_base + offset, valid);
@@ -102,8 +113,9 @@ __device__ __forceinline__ void copy_stage(unsigned char* stage, const unsigned 
 #if defined(KV_FP8)
 // The keys of a ring stage: e4m3 rows, unpadded.
 __device__ __forceinline__ void copy_stage(unsigned char* stage, const unsigned char* __restrict__ k_base,
-                                           const int* __restrict__ seq_table, int key0, int context, int lane) {
-    copy_stage<HEAD_DIM, RAW_TILE_BYTES>(stage, k_base, seq_table, key0, context, lane);
+                                           const int* __restrict__ seq_table, int key0, int first_key, int context,
+                                           int lane) {
+    copy_stage<HEAD_DIM, RAW_TILE_BYTES>(stage, k_base, seq_table, key0, first_key, context, lane);
 }
 
 // The e4m3 stage this lane copied (copy_stage's loop: its own copies, which its wait has completed)
@@ -120,9 +132,10 @@ __device__ __forceinline__ void convert_stage(scalar_t* kv_tiles, const unsigned
 #else
 // The keys of a ring stage: the mma's tiles themselves.
 __device__ __forceinline__ void copy_stage(scalar_t* stage, const unsigned char* __restrict__ k_base,
-                                           const int* __restrict__ seq_table, int key0, int context, int lane) {
+                                           const int* __restrict__ seq_table, int key0, int first_key, int context,
+                                           int lane) {
     copy_stage<ROW_STRIDE * (int)sizeof(scalar_t), TILE_ELEMS * (int)sizeof(scalar_t)>(
-        reinterpret_cast<unsigned char*>(stage), k_base, seq_table, key0, context, lane);
+        reinterpret_cast<unsigned char*>(stage), k_base, seq_table, key0, first_key, context, lane);
 }
 #endif
 
@@ -145,8 +158,8 @@ __device__ __forceinline__ void mma_rows(float (&c)[2], const unsigned int (&a)[
 // g + 8; key column 2 (lane % 4) + {0, 1} of each n-tile), O += P V.
 __device__ __forceinline__ void attend_tile(float (&o)[O_TILES][C_REGS], float (&run_max)[2], float (&run_sum)[2],
                                             const unsigned int (&qa)[K_STEPS][4], const scalar_t* k_tile,
-                                            const scalar_t* v_tile, int key0, int context, float scale_log2,
-                                            int lane) {
+                                            const scalar_t* v_tile, int key0, int first_key, int context,
+                                            float scale_log2, int lane) {
     float s[S_TILES][C_REGS];
 #pragma unroll
     for (int j = 0; j < S_TILES; ++j) {
@@ -163,10 +176,12 @@ __device__ __forceinline__ void attend_tile(float (&o)[O_TILES][C_REGS], float (
             mma_rows(s[j + 1], qa[ks], b[2], b[3]);
         }
     }
-    const bool partial = key0 + KEYS > context;  // the last tile: mask the keys past the context
+    // the last tile: mask the keys past the context; a window's first: those before first_key
+    const bool partial = key0 + KEYS > context || (SLIDING_WINDOW > 0 && key0 < first_key);
 #pragma unroll
-    for (int half = 0; half < C_REGS / 2; ++half) {  // a row's max is finite: the tile holds key key0 < context
-        online_softmax_rows(s, o, run_max[half], run_sum[half], half, partial, key0, context - 1, scale_log2, lane);
+    for (int half = 0; half < C_REGS / 2; ++half) {  // a row's max is finite: the tile holds a key it sees
+        online_softmax_rows(s, o, run_max[half], run_sum[half], half, partial, key0, context - 1, scale_log2, lane,
+                            first_key);
     }
 #pragma unroll
     for (int kk = 0; kk < KEYS / 16; ++kk) {  // 16 keys: n-tiles 2 kk and 2 kk + 1 of S
@@ -238,12 +253,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_decode_mma
     }
 #endif
 
-    // This warp's tiles: w, w + WARPS, ... of the context's num_tiles; the first STAGES - 1 start now.
-    const int num_tiles = (context + KEYS - 1) / KEYS;
+    // This warp's tiles: w, w + WARPS, ... of the num_tiles from key_base (the tile holding the
+    // window's first key; 0 without a window); the first STAGES - 1 start now.
+    const int first_key = window_first(context - 1);
+    const int key_base = first_key / KEYS * KEYS;
+    const int num_tiles = (context - key_base + KEYS - 1) / KEYS;
     const int my_tiles = warp < num_tiles ? (num_tiles - warp + WARPS - 1) / WARPS : 0;
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
-        if (i < my_tiles) copy_stage(ring + i * RAW_STAGE, k_base, seq_table, (warp + i * WARPS) * KEYS, context, lane);
+        if (i < my_tiles) {
+            copy_stage(ring + i * RAW_STAGE, k_base, seq_table, key_base + (warp + i * WARPS) * KEYS, first_key,
+                       context, lane);
+        }
         copy_async_commit();  // one group a tile, empty or not, so that the waits count alike
     }
 
@@ -268,8 +289,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_decode_mma
     for (int i = 0; i < my_tiles; ++i) {
         const int next = i + STAGES - 1;  // into the stage tile i - 1 used (the warp is done with it)
         if (next < my_tiles) {
-            copy_stage(ring + (next % STAGES) * RAW_STAGE, k_base, seq_table, (warp + next * WARPS) * KEYS, context,
-                       lane);
+            copy_stage(ring + (next % STAGES) * RAW_STAGE, k_base, seq_table, key_base + (warp + next * WARPS) * KEYS,
+                       first_key, context, lane);
         }
         copy_async_commit();
         copy_async_wait<STAGES - 1>();  // tile i's group has landed (this lane's copies)
@@ -281,8 +302,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_decode_mma
         __syncwarp();                   // and every lane's
         const scalar_t* stage = ring + (i % STAGES) * RAW_STAGE;
 #endif
-        attend_tile(o, run_max, run_sum, qa, stage, stage + TILE_ELEMS, (warp + i * WARPS) * KEYS, context,
-                    scale_log2, lane);
+        attend_tile(o, run_max, run_sum, qa, stage, stage + TILE_ELEMS, key_base + (warp + i * WARPS) * KEYS,
+                    first_key, context, scale_log2, lane);
         __syncwarp();  // every lane is done with the stage before it is copied into again
     }
 
@@ -314,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_decode_mma
         const int row = i / HEAD_DIM;
         float m = neg_infinity();
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, warp_max[w][row]);  // finite: warp 0 has key 0
+        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, warp_max[w][row]);  // finite: warp 0 has key first_key
         float denom = 0.0f, acc = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {

@@ -2,9 +2,10 @@
 // single tokens of decoding sequences that ride along), over the paged KV pool, on tensor cores.
 //
 // FlashAttention-2's scheme: a CTA takes PREFILL_BLOCK_M consecutive query rows of one sequence
-// and one query head, walks that sequence's keys in tiles of PREFILL_BLOCK_N from position 0 up
-// to its last row's position, and keeps the softmax online (a running max and sum per row), so no
-// score matrix is ever stored. Each of the PREFILL_WARPS warps owns PREFILL_M_TILES x 16 of the
+// and one query head, walks that sequence's keys in tiles of PREFILL_BLOCK_N from position 0 (with
+// a sliding window: from the tile holding its first row's window's first key) up to its last row's
+// position, and keeps the softmax online (a running max and sum per row), so no score matrix is
+// ever stored. Each of the PREFILL_WARPS warps owns PREFILL_M_TILES x 16 of the
 // query rows:
 //   S = Q K^T    mma.sync m16n8k16 (bf16 or fp16 in, fp32 accumulators), Q and K from shared memory
 //   P = exp2(S - running max), the causal mask applied in the tiles that cross the diagonal
@@ -20,7 +21,8 @@
 // prefix: a chat turn, or the last chunks of a long prompt) the host cuts a tile's keys into
 // `parts` consecutive ranges (cuda_launch.prefill_tile_lists), each a tile of the list of its own,
 // as the decode kernel splits a context. Every range starts at or before the tile's first row, so
-// each row sees its range's first key and its max is finite from the first tile on. A part
+// without a window each row sees its range's first key and its max is finite from the first tile
+// on (with one, a row may see none of a range: mma.cuh's online softmax keeps it at zeros). A part
 // publishes its unnormalised rows, maxima and sums (float32 scratch, a slot per listed tile), and
 // the last of the tile's parts to finish (a counter, reset by that CTA) merges them and writes the
 // output, as paged_attention.cu's publish_and_merge does (here each thread merges the elements it
@@ -29,6 +31,13 @@
 // Token i of a sequence is row i % BLOCK_SIZE of physical block table[slot][layer][i / BLOCK_SIZE]:
 // cached prefix blocks are read like any other. A sequence's new tokens are the last num_new of its context_len: row r sits
 // at position context_len - num_new + r and sees positions 0 .. that.
+//
+// A sliding window (-DSLIDING_WINDOW=W over 0, geometry.cuh): row p sees positions p - W + 1 .. p.
+// A CTA reads no key before window_first(its first row), the first its rows see (the blocks
+// before it may have been given back: engine/cache.py's slide); its key tiles start at the tile
+// holding that key, rows before it in that tile are copied as zeros, a warp skips the tiles wholly
+// before its rows' windows, and each row masks the keys before its own window in the tiles that
+// hold some. So a chunk's work is bounded by its rows and the window, not its position.
 //
 // Head dims that are not a multiple of 16 (the mma's k) are padded with zeros in shared memory
 // (the pad columns are never copied into, so they stay zero); rows that are not whole 16-byte
@@ -48,8 +57,8 @@
 #include "mma.cuh"
 
 #if !defined(PREFILL_BLOCK_M) || !defined(PREFILL_BLOCK_N) || !defined(PREFILL_WARPS) || !defined(PREFILL_M_TILES) || \
-    !defined(PREFILL_VEC_BYTES) || !defined(PREFILL_SHARED_BYTES)
-#error "paged_prefill.cu needs -DPREFILL_BLOCK_M -DPREFILL_BLOCK_N -DPREFILL_WARPS -DPREFILL_M_TILES -DPREFILL_VEC_BYTES -DPREFILL_SHARED_BYTES (backends/cuda_build.py)"
+    !defined(PREFILL_VEC_BYTES) || !defined(PREFILL_SHARED_BYTES) || !defined(SLIDING_WINDOW)
+#error "paged_prefill.cu needs -DPREFILL_BLOCK_M -DPREFILL_BLOCK_N -DPREFILL_WARPS -DPREFILL_M_TILES -DPREFILL_VEC_BYTES -DPREFILL_SHARED_BYTES -DSLIDING_WINDOW (backends/cuda_build.py)"
 #endif
 #if defined(DTYPE_F32)
 #error "paged_prefill.cu runs on bf16/fp16 tensor cores; float32 prefill takes the torch path (backends/cuda_build.py)"
@@ -100,16 +109,22 @@ static_assert(SMEM_BYTES == PREFILL_SHARED_BYTES, "cuda_build.prefill_shared_byt
 
 // Copy the key and value rows of BLOCK_N positions starting at `first` of the sequence, COPY pool
 // bytes at a time, into k_dst and v_dst (rows DST_ROW bytes apart; one block-table lookup serves
-// both); rows at or past `limit` become zeros (so 0 x garbage can never make a NaN).
+// both); rows at or past `limit`, and before `lower` (a sliding window's first key: the blocks
+// before it may have been given back), become zeros (so 0 x garbage can never make a NaN).
 template <int COPY, int DST_ROW>
 __device__ __forceinline__ void copy_kv_rows(unsigned char* k_dst, unsigned char* v_dst,
                                              const unsigned char* __restrict__ k_base,
-                                             const int* __restrict__ seq_table, int first, int limit, int tid) {
+                                             const int* __restrict__ seq_table, int first, int lower, int limit,
+                                             int tid) {
     constexpr int COPIES = KV_ROW_BYTES / COPY;  // whole: the file's static_asserts above
     for (int i = tid; i < BLOCK_N * COPIES; i += THREADS) {
         const int r = i / COPIES, c = i % COPIES;
         const int pos = first + r;
-        const bool valid = pos < limit;
+#if SLIDING_WINDOW > 0
+        const bool valid = pos >= lower && pos < limit;
+#else
+        const bool valid = pos < limit;  // (lower is 0)
+#endif
         const size_t offset = valid ? token_offset(seq_table, pos) + (size_t)c * COPY : 0;
         const int at = r * DST_ROW + c * COPY;  // bytes into a tile
         copy_async<COPY>(k_dst + at, k_base + offset, valid);
@@ -119,17 +134,19 @@ __device__ __forceinline__ void copy_kv_rows(unsigned char* k_dst, unsigned char
 
 // A pool in the model dtype: straight into the K and V tiles the mma reads.
 __device__ __forceinline__ void copy_kv_tiles(scalar_t* k_tile, scalar_t* v_tile, const unsigned char* __restrict__ k_base,
-                                              const int* __restrict__ seq_table, int first, int limit, int tid) {
+                                              const int* __restrict__ seq_table, int first, int lower, int limit,
+                                              int tid) {
     copy_kv_rows<VEC_BYTES_COPY, ROW_STRIDE * (int)sizeof(scalar_t)>(
         reinterpret_cast<unsigned char*>(k_tile), reinterpret_cast<unsigned char*>(v_tile), k_base, seq_table, first,
-        limit, tid);
+        lower, limit, tid);
 }
 
 #if defined(KV_FP8)
 // An fp8 pool: the e4m3 rows into a staging buffer (K, then V at STAGE_BYTES).
 __device__ __forceinline__ void copy_kv_stage(unsigned char* stage, const unsigned char* __restrict__ k_base,
-                                              const int* __restrict__ seq_table, int first, int limit, int tid) {
-    copy_kv_rows<KV_COPY_BYTES, HEAD_DIM>(stage, stage + STAGE_BYTES, k_base, seq_table, first, limit, tid);
+                                              const int* __restrict__ seq_table, int first, int lower, int limit,
+                                              int tid) {
+    copy_kv_rows<KV_COPY_BYTES, HEAD_DIM>(stage, stage + STAGE_BYTES, k_base, seq_table, first, lower, limit, tid);
 }
 
 // The staged e4m3 tiles -> the K and V tiles of the mma. Each thread converts the copies it made
@@ -188,14 +205,17 @@ __device__ __forceinline__ void score_tile(float (&s)[M_TILES][S_TILES][4], cons
 }
 
 // Online softmax over one row tile (mma.cuh), the causal mask in the tiles that cross the
-// diagonal. A thread holds rows g = lane / 4 and g + 8 of the tile, at positions q_pos[0] and
-// q_pos[1]; the CTA's first key precedes every row, so a row's max is finite from its first tile on.
+// diagonal (`mask`), and a sliding window's in those that hold keys before some row's window. A
+// thread holds rows g = lane / 4 and g + 8 of the tile, at positions q_pos[0] and q_pos[1];
+// without a window the CTA's first key precedes every row, so a row's max is finite from its first
+// tile on.
 __device__ __forceinline__ void softmax_rows(float (&s)[S_TILES][4], float (&o)[O_TILES][4], float (&run_max)[2],
-                                             float (&run_sum)[2], const int (&q_pos)[2], int key0, bool diagonal,
+                                             float (&run_sum)[2], const int (&q_pos)[2], int key0, bool mask,
                                              float scale_log2, int lane) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        online_softmax_rows(s, o, run_max[half], run_sum[half], half, diagonal, key0, q_pos[half], scale_log2, lane);
+        online_softmax_rows(s, o, run_max[half], run_sum[half], half, mask, key0, q_pos[half], scale_log2, lane,
+                            window_first(q_pos[half]));
     }
 }
 
@@ -348,15 +368,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
     const int new_tokens = num_new[seq], context = context_lens[seq];
     const int rows = min(BLOCK_M, new_tokens - row0);
     const int first_pos = context - new_tokens + row0;  // position of the CTA's first row
-    const int keys = first_pos + rows;                  // keys 0 .. keys - 1 are seen by some row
+    const int keys = first_pos + rows;                  // keys lower .. keys - 1 are seen by some row
+    const int lower = window_first(first_pos);          // 0 without a sliding window
     const int num_tiles = (keys + BLOCK_N - 1) / BLOCK_N;
     const int first_token = seq_start[seq] + row0;
-    // This part's key tiles: the tiles that start at or before the first row (`lead`) cut evenly,
-    // the last part also taking those past it (the diagonal's).
+    // This part's key tiles: from the one holding `lower`, the tiles that start at or before the
+    // first row (`lead`) cut evenly, the last part also taking those past it (the diagonal's).
+    // (cuda_launch.key_parts counts the same tiles.)
     const int part = tile_part[tile], parts = tile_parts[tile];
-    const int lead = first_pos / BLOCK_N + 1;
-    const int tile_begin = part * lead / parts;
-    const int tile_end = part + 1 == parts ? num_tiles : (part + 1) * lead / parts;
+    const int tile_low = lower / BLOCK_N;
+    const int lead = first_pos / BLOCK_N + 1 - tile_low;
+    const int tile_begin = tile_low + part * lead / parts;
+    const int tile_end = part + 1 == parts ? num_tiles : tile_low + (part + 1) * lead / parts;
 
     // Zero the pad columns (D_PAD - HEAD_DIM and the 8 of ROW_STRIDE) once: no copy writes them.
 #if defined(KV_FP8)
@@ -382,9 +405,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
 
     copy_q_tile(q_tile, q, first_token, rows, head, tid);
 #if defined(KV_FP8)
-    copy_kv_stage(stages, k_base, seq_table, tile_begin * BLOCK_N, keys, tid);
+    copy_kv_stage(stages, k_base, seq_table, tile_begin * BLOCK_N, lower, keys, tid);
 #else
-    copy_kv_tiles(k_tiles, v_tiles, k_base, seq_table, tile_begin * BLOCK_N, keys, tid);
+    copy_kv_tiles(k_tiles, v_tiles, k_base, seq_table, tile_begin * BLOCK_N, lower, keys, tid);
 #endif
     copy_async_commit();
 
@@ -405,13 +428,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
         for (int d = 0; d < O_TILES; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.0f;
     }
     const int warp_last = first_pos + min(warp_row0 + WARP_ROWS - 1, rows - 1);  // this warp's latest position
+    // the first key this warp's earliest row sees, and the first its latest row sees (a key tile
+    // before the latter holds keys some row of the warp must mask)
+    const int warp_lower = window_first(first_pos + min(warp_row0, rows - 1));
+    const int warp_all_see = window_first(warp_last);
     const scalar_t* q_warp = q_tile + warp_row0 * ROW_STRIDE;
 
     for (int t = tile_begin; t < tile_end; ++t) {
         const int buf = (t - tile_begin) % 2, key0 = t * BLOCK_N;
 #if defined(KV_FP8)
         if (t + 1 < tile_end) {  // the next tile's copies fly while this one is converted and multiplied
-            copy_kv_stage(stages + (buf ^ 1) * 2 * STAGE_BYTES, k_base, seq_table, key0 + BLOCK_N, keys, tid);
+            copy_kv_stage(stages + (buf ^ 1) * 2 * STAGE_BYTES, k_base, seq_table, key0 + BLOCK_N, lower, keys, tid);
         }
         copy_async_commit();
         copy_async_wait<1>();  // every group but the newest: tile t (and Q) have landed
@@ -421,13 +448,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
 #else
         if (t + 1 < tile_end) {  // the next tile's copies fly while this one is multiplied
             copy_kv_tiles(k_tiles + (buf ^ 1) * TILE_ELEMS_N, v_tiles + (buf ^ 1) * TILE_ELEMS_N, k_base, seq_table,
-                          key0 + BLOCK_N, keys, tid);
+                          key0 + BLOCK_N, lower, keys, tid);
         }
         copy_async_commit();
         copy_async_wait<1>();  // every group but the newest: tile t (and Q) have landed
         __syncthreads();
 #endif
-        if (key0 <= warp_last) {  // a warp whose rows all precede the tile has nothing to add
+        // a warp whose rows all precede the tile, or whose windows all start past it, has nothing to add
+        if (key0 <= warp_last && (SLIDING_WINDOW == 0 || key0 + BLOCK_N > warp_lower)) {
             float s[M_TILES][S_TILES][4];
 #if defined(KV_FP8)
             score_tile(s, q_warp, k_tile, lane);
@@ -437,7 +465,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_prefill_attention(
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
                 const bool diagonal = key0 + BLOCK_N - 1 > first_pos + warp_row0 + mt * 16;  // a key after a row
-                softmax_rows(s[mt], o[mt], run_max[mt], run_sum[mt], q_pos[mt], key0, diagonal, scale_log2, lane);
+                const bool before_window = SLIDING_WINDOW > 0 && key0 < warp_all_see;  // a key before a row's window
+                softmax_rows(s[mt], o[mt], run_max[mt], run_sum[mt], q_pos[mt], key0, diagonal || before_window,
+                             scale_log2, lane);
             }
 #if defined(KV_FP8)
             accumulate_values(o, s, v_tile, lane);

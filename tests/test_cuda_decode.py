@@ -2,20 +2,23 @@
 cache, on a GPU: the split-KV kernel (mixed lengths, clusters merged on sm_90+, one split, batch 64,
 the batch read early with fp8 weights) and the tensor-core kernel (paged_decode_mma.cu) in every
 test geometry and block size; a decode step captured in a CUDA graph and replayed with new contents;
-padding rows, which write nothing and stay finite. How the caches are set up, and the tolerances:
-cuda_checks.py."""
+padding rows, which write nothing and stay finite; a sliding window (WindowSetup: the blocks behind
+it given back and filled with NaN) through every decode kernel, in the model dtype and an fp8 pool.
+How the caches are set up, and the tolerances: cuda_checks.py."""
 
 from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from cuda_checks import (DECODE_MMA, GEOMETRIES, LENGTHS, PARTIAL_TILE_GEOMETRIES, Setup, assert_attention_close,
-                         assert_decode_close, assert_ulp_close, poison_allocator, poison_scratch,
-                         reference_attention_fp64)
+from cuda_checks import (DECODE_MMA, DEVICE, GEOMETRIES, LENGTHS, PARTIAL_TILE_GEOMETRIES, Setup,
+                         assert_attention_close, assert_decode_close, assert_ulp_close, make_config, poison_allocator,
+                         poison_scratch, reference_attention_fp64)
 from helpers import rope_kernel, spy_launches, use_rope_width
 from pagedcli.backends.cuda import cuda_available
 
@@ -232,3 +235,192 @@ def test_padding_rows_write_nothing_and_stay_finite(width, attention, monkeypatc
     assert torch.equal(s.cache.store.pool, after_padded)
     assert torch.equal(q_rot[real], q_real)
     torch.testing.assert_close(out[real].float(), out_real.float(), rtol=2.0**-7, atol=1e-3)
+
+
+# --- a sliding window -----------------------------------------------------------------------------
+
+class WindowSetup:
+    """A cache with a sliding window of `window` tokens: sequences of `lengths` tokens in shuffled
+    blocks (scrambled slots), each given back its blocks behind the window as KVCache.slide does
+    after the step that cached `cached[b]` of them (the next query is at position cached[b]), and
+    those blocks filled with NaN: a kernel that reads one, even to multiply it by zero, fails. A pool
+    in the model dtype, or with `fp8` an e4m3 pool with per-layer-and-head scales (as
+    test_gpu_fp8_kv.py's). Both backends over it; `cuda=False` builds the torch reference alone
+    (the CPU checks of this setup and of window_reference_fp64)."""
+
+    def __init__(self, geometry, lengths, cached, window, seed=0, block_size=None, fp8=False, device=DEVICE,
+                 max_model_len=8192, cuda=True):
+        from pagedcli.backends.torch import TorchBackend
+        from pagedcli.core.fp8 import FP8_DTYPE, KVScales, raw, to_fp8
+        from pagedcli.core.geometry import CacheGeometry
+        from pagedcli.engine.cache import KVCache
+
+        g = {**GEOMETRIES, **PARTIAL_TILE_GEOMETRIES}[geometry]
+        block_size = block_size or g.block_size
+        self.dtype, self.window, self.fp8, self.device = g.dtype, window, fp8, device
+        self.config = replace(make_config(g.num_heads, g.num_kv_heads, g.head_dim, g.dtype, max_len=max_model_len),
+                              architecture="MistralForCausalLM", sliding_window=window)
+        layers = self.config.num_layers
+        blocks = sum(math.ceil(n / block_size) for n in lengths) * layers + 64
+        geo = CacheGeometry.build(self.config, g.dtype, block_size, num_blocks=blocks,
+                                  cache_dtype=FP8_DTYPE if fp8 else None)
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        scales = None
+        if fp8:
+            scales = KVScales(*(torch.rand((layers, g.num_kv_heads), generator=self.gen, device=device) * 0.1 + 0.02
+                                for _ in "kv"))
+        self.cache = KVCache(geo, len(lengths), max_model_len, device=device, shuffle_seed=seed, kv_scales=scales,
+                             sliding_window=window)
+        pool = self.cache.store.pool
+        values = torch.randn(pool.shape, generator=self.gen, device=device)
+        if fp8:
+            raw(pool).copy_(raw(to_fp8(values * 16)))
+        else:
+            pool.copy_(values.to(g.dtype))
+        self.slots = random.Random(seed).sample(range(len(lengths)), len(lengths))
+        for slot, n in zip(self.slots, lengths):
+            self.cache.grow(slot, n)
+        held = self.cache.table.copy()
+        self.cache.slide([SimpleNamespace(slot=slot, num_cached=c) for slot, c in zip(self.slots, cached)])
+        self.freed = torch.as_tensor(held[(held >= 0) & (self.cache.table < 0)], dtype=torch.long, device=device)
+        if fp8:
+            raw(pool)[self.freed] = 0x7F  # e4m3's NaN
+        else:
+            pool[self.freed] = float("nan")
+        self.cache.sync_device_table()
+        self.ref = TorchBackend(self.cache.store, self.config)
+        self.cuda = None
+        if cuda:
+            from pagedcli.backends.cuda import CudaBackend
+
+            self.cuda = CudaBackend(self.cache.store, self.config)
+            attention = {"decode attention", "prefill attention"} if g.dtype != torch.float32 else {"decode attention"}
+            assert not attention & self.cuda.fallbacks.keys(), self.cuda.fallbacks  # the window is the kernels'
+
+    def randn(self, *shape, scale=1.0):
+        x = torch.randn(shape, generator=self.gen, device=self.device, dtype=torch.float32)
+        return x.mul_(scale).to(self.dtype)
+
+    def kv64(self, layer: int, slot: int, first: int, stop: int):
+        """Keys and values first .. stop - 1 of a sequence in float64 (an fp8 pool's dequantized),
+        read through the host table from first's block on (never a block given back), repeated for
+        GQA: [stop - first, heads, head_dim] each."""
+        from pagedcli.core.fp8 import FP8_DTYPE, raw
+
+        geo = self.cache.geometry
+        gqa = self.config.num_heads // geo.num_kv_heads
+        b0, b1 = first // geo.block_size, math.ceil(stop / geo.block_size)
+        at = b0 * geo.block_size  # the first block's first position
+        blocks = torch.as_tensor(self.cache.table[slot, layer, b0:b1], device=self.device).long()
+        assert (blocks >= 0).all(), "a key in the window sits in a block given back"
+        pool = raw(self.cache.store.pool)[blocks].view(FP8_DTYPE) if self.fp8 else self.cache.store.pool[blocks]
+        kv = pool.double()  # [blocks, 2, block_size, kv_heads, D]
+        out = []
+        for i in range(2):
+            x = kv[:, i].reshape(-1, geo.num_kv_heads, geo.head_dim)[first - at:stop - at]
+            if self.fp8:
+                scale = (self.cache.store.kv_scales.k, self.cache.store.kv_scales.v)[i][layer]
+                x = x * scale.double()[None, :, None]
+            out.append(x.repeat_interleave(gqa, dim=1))
+        return out
+
+
+def window_reference_fp64(setup: WindowSetup, layer, q, seqs, slots, rows=None):
+    """Attention of each sequence's new tokens (seqs: (new, cached) each) in float64 under the
+    sliding window: the row at position p sees keys max(p - W + 1, 0) .. p. rows: only the last
+    `rows` new tokens of each sequence. [T or rows per sequence, heads, head_dim]."""
+    W, out, start = setup.window, [], 0
+    for (n, cached), slot in zip(seqs, slots):
+        first = max(0, n - rows) if rows else 0
+        pos = torch.arange(cached + first, cached + n, device=setup.device)
+        low = max(cached + first - W + 1, 0)
+        k, v = setup.kv64(layer, slot, low, cached + n)
+        key = torch.arange(low, cached + n, device=setup.device)
+        s = torch.einsum("qhd,thd->hqt", q[start + first:start + n].double(), k) / math.sqrt(setup.config.head_dim)
+        seen = (key[None, :] <= pos[:, None]) & (key[None, :] > pos[:, None] - W)
+        s = s.masked_fill(~seen[None], float("-inf"))
+        out.append(torch.einsum("hqt,thd->qhd", s.softmax(-1), v))
+        start += n
+    return torch.cat(out)
+
+
+def window_decode_case(geometry, lengths, window, seed=21, block_size=None, fp8=False, layer=1):
+    """One decode step under a window (each sequence's last token the query), the blocks behind
+    the window given back and poisoned, against float64 and the torch reference; returns the setup
+    and the kernels launched."""
+    s = WindowSetup(geometry, lengths, [n - 1 for n in lengths], window, seed=seed, block_size=block_size, fp8=fp8)
+    from pagedcli.core.batch import StepBatch
+
+    batch = StepBatch.build(False, s.slots, [[1]] * len(lengths), [n - 1 for n in lengths], torch.device(DEVICE))
+    q = s.randn(len(lengths), s.config.num_heads, s.config.head_dim, scale=2.0)
+    s.ref.prepare(batch)
+    ref_torch = s.ref.attend(layer, q, batch)
+    s.cuda.prepare(batch)
+    poison_scratch(s.cuda)
+    poison_allocator(q.shape, dtype=s.dtype)
+    launched = spy_launches(s.cuda)
+    out = s.cuda.attend(layer, q, batch)
+    torch.cuda.synchronize()
+    assert launched and launched[0].startswith("paged_attention_decode"), launched  # no torch fallback
+    ref64 = window_reference_fp64(s, layer, q, [(1, n - 1) for n in lengths], s.slots)
+    assert_decode_close(out, ref64, ref_torch, launched)
+    return s, launched
+
+
+# contexts around a window of 40 (not a multiple of 16): within it, at it, one past, a block past,
+# far past (blocks given back), and a long one
+WINDOW_LENGTHS = (1, 15, 39, 40, 41, 57, 100, 1000, 4097)
+
+
+@pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32", "mha-d64", "stories-fp32", "fp16", "gqa2-d256"])
+@pytest.mark.parametrize("window", [40, 1, 4096])
+def test_decode_attend_a_sliding_window(geometry, window):
+    """The split-KV kernels (in clusters on sm_90+ at this batch) read only each sequence's window,
+    never a block given back behind it: a window of 40, of 1 (the token alone), and Mistral's
+    4,096 (larger than most contexts here, crossed by the last)."""
+    s, launched = window_decode_case(geometry, WINDOW_LENGTHS, window)
+    assert window == 4096 or s.freed.numel() > 0, "no block was given back: the case tests nothing"
+    assert launched != [DECODE_MMA]
+
+
+@pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32", "mha-d64", "fp16", "gqa2-d256", "gqa12-d64"])
+@pytest.mark.parametrize("block_size", [None, 8])
+def test_decode_attend_a_sliding_window_on_tensor_cores(geometry, block_size, monkeypatch):
+    """paged_decode_mma.cu under a window of 40: its key tiles start at the tile holding the
+    window's first key, which at blocks of 8 may start in a block given back (copied as zeros,
+    masked)."""
+    one_cta_per_kv_head(monkeypatch)
+    s, launched = window_decode_case(geometry, WINDOW_LENGTHS, 40, block_size=block_size)
+    assert launched == [DECODE_MMA] and s.freed.numel() > 0
+
+
+@pytest.mark.parametrize("window", [40, 700])
+def test_decode_attend_a_sliding_window_in_one_split(window, monkeypatch):
+    """paged_attention.cu's own one-split path (no split, no tensor cores): one CTA walks the
+    window's chunks from its first block, the first chunk's tokens before the window unscored."""
+    monkeypatch.setattr(cuda_launch, "SPLIT_CTAS_PER_SM", 0)
+    monkeypatch.setattr(cuda_build, "DECODE_MMA_KERNEL", False)
+    s, launched = window_decode_case("llama1b", WINDOW_LENGTHS, window)
+    assert s.cuda.shapes.num_splits(len(WINDOW_LENGTHS)) == 1 and launched == ["paged_attention_decode"]
+
+
+def test_decode_splits_are_bounded_by_the_window():
+    """A context of 8,000 under a window of 600: the splits cut the window's 600 to 615 keys, so
+    no more splits than those have chunks (or one cluster's CTAs), not the 8,192-token cache's 16,
+    and batch 64 (few splits each) reads them right."""
+    s, _ = window_decode_case("llama1b", [8000, 700, 601, 600, 599, 5] * 3, 600)
+    keys = 600 + s.cache.geometry.block_size - 1
+    assert s.cuda.shapes.num_splits(1) <= max(math.ceil(keys / cuda_build.PARTITION_SIZE), s.cuda.cluster)
+    lengths = random.Random(4).choices([8000, 700, 601, 600, 599, 5, 1], k=64)
+    window_decode_case("llama1b", lengths, 600, seed=22)
+
+
+@pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32"])
+@pytest.mark.parametrize("kernel", ["split-kv", "tensor cores"])
+def test_decode_attend_a_sliding_window_over_an_fp8_pool(geometry, kernel, monkeypatch):
+    """An e4m3 pool with per-head scales, the blocks behind a window of 40 given back (NaN bytes):
+    both decode kernels dequantize only the window's keys."""
+    if kernel == "tensor cores":
+        one_cta_per_kv_head(monkeypatch)
+    s, launched = window_decode_case(geometry, WINDOW_LENGTHS, 40, fp8=True, block_size=8)
+    assert (launched == [DECODE_MMA]) == (kernel == "tensor cores") and s.freed.numel() > 0

@@ -1,8 +1,9 @@
 """Prefill attention of the CUDA backend (paged_prefill.cu, and cuDNN's for whole long prompts on
 sm_90+) against float64 and the torch reference backend, on the same cache, on a GPU: whole prompts,
 chunks after cached prefixes, decode rows first, short chunks after long prefixes whose keys split
-into parts, every block size, 16k-token prompts. How the caches are set up, and the tolerances:
-cuda_checks.py."""
+into parts, every block size, 16k-token prompts; a sliding window (test_cuda_decode.WindowSetup: the
+blocks behind it given back and filled with NaN) across chunks, split keys and an fp8 pool, never
+through cuDNN. How the caches are set up, and the tolerances: cuda_checks.py."""
 
 from __future__ import annotations
 
@@ -128,3 +129,79 @@ def test_prefill_attend_long_prompts(seqs, monkeypatch):
     ends = torch.cumsum(torch.tensor([n for n, _ in seqs]), 0).tolist()
     picked = torch.cat([out[e - min(rows, n):e] for e, (n, _) in zip(ends, seqs)])
     assert_prefill_close(picked, ref64)
+
+
+
+# --- a sliding window -----------------------------------------------------------------------------
+
+# (new tokens, tokens cached before them) per sequence of one prefill step, under a window of 40 (not
+# a multiple of 16 or of a key tile) unless the case names another
+WINDOW_CASES = {
+    # whole prompts shorter than, as long as and longer than the window (nothing given back yet:
+    # each row masks its own window's start)
+    "prompts": [(1, 0), (39, 0), (40, 0), (41, 0), (100, 0), (1000, 0)],
+    # chunks that start before the window's length and end past it, and chunks far past it (the
+    # blocks before the first row's window given back), beside decoding rows
+    "chunks across the window": [(1, 999), (64, 20), (64, 50), (64, 100), (130, 300), (1, 30), (200, 37)],
+    # a tile's rows whose windows start in different key tiles (a row may see none of a tile a
+    # warp reads: its softmax stays at zeros there)
+    "rows across key tiles": [(128, 3000), (256, 2000), (77, 4001)],
+}
+
+
+def _window_prefill_case(geometry, seqs, window, monkeypatch, block_size=None, fp8=False, seed=31, layer=1):
+    """One prefill step's attention under a sliding window against float64 (every row) and the
+    torch reference; our kernels only (cuDNN never takes a windowed model)."""
+    from test_cuda_decode import WindowSetup, window_reference_fp64
+
+    lengths = [n + c for n, c in seqs]
+    s = WindowSetup(geometry, lengths, [c for _, c in seqs], window, seed=seed, block_size=block_size, fp8=fp8,
+                    max_model_len=max(lengths) + 16)
+    assert not s.cuda.cudnn_prefill and "sliding_window" in s.cuda.cudnn_prefill_missing
+    batch = StepBatch.build(True, s.slots, [[1] * n for n, _ in seqs], [c for _, c in seqs], torch.device(DEVICE))
+    q = s.randn(sum(n for n, _ in seqs), s.config.num_heads, s.config.head_dim, scale=2.0)
+    s.ref.prepare(batch)
+    ref_torch = s.ref.attend(layer, q, batch)
+    forbid_torch_fallback(monkeypatch, "attend")
+    s.cuda.prepare(batch)
+    poison_scratch(s.cuda)
+    poison_allocator(q.shape, dtype=s.dtype)
+    out = s.cuda.attend(layer, q, batch)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert_prefill_counters_reset(s.cuda)
+    loose = (out.float() - ref_torch.float()).abs().max().item()
+    assert loose <= 2e-2 * ref_torch.float().abs().max().item(), f"off the torch reference by {loose}"
+    assert_prefill_close(out, window_reference_fp64(s, layer, q, seqs, s.slots))
+    return s
+
+
+@pytest.mark.parametrize("geometry", [g for g, spec in GEOMETRIES.items() if spec.dtype != torch.float32])
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_prefill_attend_a_sliding_window(geometry, case, monkeypatch):
+    s = _window_prefill_case(geometry, WINDOW_CASES[case], 40, monkeypatch)
+    assert case == "prompts" or s.freed.numel() > 0, "no block was given back: the case tests nothing"
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 64])
+@pytest.mark.parametrize("window", [40, 1, 100])
+def test_prefill_attend_a_sliding_window_every_block_size(block_size, window, monkeypatch):
+    seqs = WINDOW_CASES["chunks across the window"]
+    _window_prefill_case("llama1b", seqs, window, monkeypatch, block_size=block_size)
+
+
+@pytest.mark.parametrize("window", [1500, 4096])
+def test_prefill_attend_a_sliding_window_with_split_keys(window, monkeypatch):
+    """Short chunks after long prefixes, too few tiles to fill the GPU: their keys, from the tile
+    holding the first row's window's first key, split into parts (cuda_launch.key_parts counts the
+    window's tiles) and merged; 4,096 is Mistral-7B-v0.1's (wider than the first chunk's prefix)."""
+    seqs = [(1, 700), (60, 4000), (37, 5000), (130, 2500)]
+    s = _window_prefill_case("llama1b", seqs, window, monkeypatch)
+    assert s.cuda._prefill_work.tile_parts.max().item() > 1, "no tile's keys were split"
+
+
+@pytest.mark.parametrize("geometry", ["llama1b", "gqa8-d128-b32"])
+def test_prefill_attend_a_sliding_window_over_an_fp8_pool(geometry, monkeypatch):
+    for case in ("chunks across the window", "rows across key tiles"):
+        s = _window_prefill_case(geometry, WINDOW_CASES[case], 40, monkeypatch, block_size=8, fp8=True)
+        assert s.freed.numel() > 0

@@ -19,10 +19,11 @@ from pagedcli.model.source import RANDOM_PRESETS
 SPLIT_KV, CLUSTER, MMA = "paged_attention_decode", "paged_attention_decode_cluster", "paged_attention_decode_mma"
 
 
-def kernels_at(batches, max_model_len=131072, clusters=True, mma_built=True) -> dict[int, str]:
+def kernels_at(batches, max_model_len=131072, clusters=True, mma_built=True, window=None) -> dict[int, str]:
     config = ModelConfig.from_file(RANDOM_PRESETS["llama-3.2-1b"])
     cache = KVCache(CacheGeometry.build(config, torch.bfloat16, 16, num_blocks=64), 4, max_model_len, device="cpu")
-    shapes = LaunchShapes(cache, config.num_heads, heads_per_cta=4, vec=8, num_sms=132, cluster=8 if clusters else 1)
+    shapes = LaunchShapes(cache, config.num_heads, heads_per_cta=4, vec=8, num_sms=132, cluster=8 if clusters else 1,
+                          window=window)
     backend = SimpleNamespace(shapes=shapes, decode_mma_shared=36864 if mma_built else 0)
     return {b: CudaBackend.decode_kernel(backend, b) for b in batches}
 
@@ -45,3 +46,11 @@ def test_contexts_of_one_chunk_take_one_split_at_any_batch_without_clusters():
     small batches still spread each context over a cluster's 8 CTAs."""
     assert kernels_at([1, 16], max_model_len=512, clusters=False) == {1: MMA, 16: MMA}
     assert kernels_at([1, 16], max_model_len=512) == {1: CLUSTER, 16: MMA}
+
+
+def test_a_sliding_window_bounds_the_splits_as_a_short_cache_does():
+    """A window of 497 (its keys: at most 497 + 15, one chunk) takes the dispatch of a 512-token
+    cache whatever max_model_len is; Mistral's 4,096 that of a cache of 4,111 tokens."""
+    assert kernels_at([1, 16], window=497, clusters=False) == {1: MMA, 16: MMA}
+    assert kernels_at([1, 16, 34], window=497) == kernels_at([1, 16, 34], max_model_len=512)
+    assert kernels_at([1, 9, 16, 34], window=4096) == kernels_at([1, 9, 16, 34], max_model_len=4096 + 15)

@@ -209,8 +209,10 @@ def test_a_hub_id_offline_says_how_to_get_it(tmp_path):
 
 @pytest.mark.parametrize("args, size, hint", [
     ([], "4.6 GiB in float32", "use --dtype bfloat16 (half the bytes), or a smaller model"),
-    (["--dtype", "bfloat16"], "2.3 GiB in bfloat16", "use --quantization fp8 (about half the bytes)"),
+    (["--dtype", "bfloat16"], "2.3 GiB in bfloat16", "use --quantization fp8 (about half the bytes) or int4"),
     (["--dtype", "bfloat16", "--quantization", "fp8"], "1.6 GiB in bfloat16 with fp8 weights", "use a smaller model"),
+    # float32 activations keep a float32 copy beside the 4-bit values (backends/cpu_quant.py)
+    (["--quantization", "int4"], "6.2 GiB in float32 with int4 weights", "use --dtype bfloat16"),
 ])
 def test_weights_past_the_hosts_free_memory_are_one_line_before_they_load(monkeypatch, args, size, hint):
     """On Linux the out-of-memory killer would end the run without a word: the loader refuses first."""

@@ -350,7 +350,7 @@ def test_vllms_other_name_fp8_e4m3_is_fp8():
     assert EngineOptions(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8"
 
 
-@pytest.mark.parametrize("flag,value", [("--kv-cache-dtype", "fp16"), ("--quantization", "int4")])
+@pytest.mark.parametrize("flag,value", [("--kv-cache-dtype", "fp16"), ("--quantization", "int2")])
 def test_an_unknown_fp8_option_is_one_line(stories, flag, value):
     code, out, err = invoke("generate", "--model", str(stories), "--device", "cpu", flag, value, "hi")
     assert code == 2 and flag in err and repr(value) in err and len(err.strip().splitlines()) == 1
@@ -414,8 +414,8 @@ def test_bench_quality_reports_each_fp8_option_against_the_model_dtype(stories):
                             "--quality-text", str(text), "--num-prompts", "2", "--output-len", "12", "--json")
     assert code == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
-    assert [r["variant"] for r in rows] == ["model dtype", "fp8 KV", "fp8 weights", "fp8 weights + KV",
-                                            "float32, for scale"]
+    assert [r["variant"] for r in rows] == ["model dtype", "fp8 KV", "fp8 weights", "fp8 weights + KV", "int8 weights",
+                                            "int4 weights", "float32, for scale"]
     base = rows[0]
     assert base["perplexity_change"] == 0 and base["greedy_match"] == 1 and base["identical_prompts"] == 2
     assert rows[-1]["dtype"] == "float32" and all(r["dtype"] == "bfloat16" for r in rows[:-1])

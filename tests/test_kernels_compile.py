@@ -98,14 +98,28 @@ def all_builds() -> list[Build]:
                 for file, (defines, names) in plan.files.items():
                     if pool is None or file != "gemv.cu" or dtype == torch.bfloat16:
                         builds.setdefault((file, defines), Build(what, file, defines, cubin, names=names))
-    # the block sizes the kernels unroll over, at the reference geometry
+    # the block sizes the kernels unroll over, at the reference geometry; and with a sliding window
+    # (Mistral-7B-v0.1's, above at blocks of 16, on beside v0.3's geometry without one), the attention
+    # kernels at blocks of 8, shorter than a key tile of the tensor-core decode (the window's first
+    # tile then starts in a block that may have been given back) and of 64
     config = configs["llama-3.2-1b"]
     for block_size in (8, 32, 64):
         for pool in (None, FP8_DTYPE):
             plan = plan_kernels(config, geometry(config, torch.bfloat16, block_size, pool), clusters=True)
             for file, (defines, _) in plan.files.items():
                 builds.setdefault((file, defines), Build(f"llama-3.2-1b block {block_size}", file, defines, False))
+    config = configs["mistral-7b-v0.1"]
+    for block_size in (8, 64):
+        for pool in (None, FP8_DTYPE):
+            plan = plan_kernels(config, geometry(config, torch.bfloat16, block_size, pool), clusters=True)
+            for file in WINDOWED_FILES:
+                defines, names = plan.files[file]
+                builds.setdefault((file, defines), Build(f"mistral-7b-v0.1 block {block_size}", file, defines, False,
+                                                         names=names))
     return list(builds.values())
+
+
+WINDOWED_FILES = ("paged_attention.cu", "paged_decode_mma.cu", "paged_prefill.cu")  # what takes SLIDING_WINDOW
 
 
 def nvcc(build: Build) -> tuple[bool, str]:
@@ -150,11 +164,13 @@ def test_kernels_compile_without_clusters_for_older_gpus(dtype):
     config = preset_configs()["llama-3.2-1b"]
     builds = []
     for pool in (None, FP8_DTYPE):
-        plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=False)
+        plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=False,
+                            quant=QUANT_FORMATS if pool is None else ())  # (gemv_quant.cu's loads on sm_80)
         assert plan.files["paged_attention.cu"][1] == ("paged_attention_decode",)
         what = f"llama-3.2-1b {str(dtype).removeprefix('torch.')}" + (" fp8 pool" if pool else "")
         builds += [Build(what, file, plan.files[file][0], arch="sm_80")
-                   for file in ("paged_attention.cu", "paged_prefill.cu", "paged_decode_mma.cu", "gemv.cu", "kv_write.cu")
+                   for file in ("paged_attention.cu", "paged_prefill.cu", "paged_decode_mma.cu", "gemv.cu", "kv_write.cu",
+                                "gemv_quant.cu")
                    if file in plan.files]
     results = compile_all(builds)
     assert all(ok for ok, _ in results), failures(builds, results)
@@ -170,14 +186,10 @@ def test_plan_sends_to_torch_only_what_the_kernel_cannot_serve():
             plan = plan_kernels(config, geometry(config, dtype), clusters=True)
             expected = ({"prefill attention"} if dtype == torch.float32 else set()) | family_fallbacks(config)
             assert set(plan.fallbacks) == expected, (name, dtype, plan.fallbacks)
-            if config.sliding_window:
-                assert not plan.attention_decode and not plan.attention_prefill
-                assert all(f"sliding_window {config.sliding_window}" in plan.fallbacks[op]
-                           for op in ("decode attention", "prefill attention"))
-                continue
             assert plan.attention_decode and plan.attention_prefill == (dtype != torch.float32)
+            assert_window_defines(plan, config)
         plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=False, tensor_cores=False)
-        assert ("sliding_window" if config.sliding_window else "sm_80") in plan.fallbacks["prefill attention"]
+        assert "sm_80" in plan.fallbacks["prefill attention"]
         assert not plan.attention_prefill
     odd = synthetic_config(32, 32, 100)
     width = {dt: dict(plan_kernels(odd, geometry(odd, dt), clusters=True).files["paged_attention.cu"][0])
@@ -191,11 +203,38 @@ def test_plan_sends_to_torch_only_what_the_kernel_cannot_serve():
 
 def family_fallbacks(config: ModelConfig) -> set[str]:
     """What a family's additions send to other ops than the fused kernels (model/families/): Qwen2's
-    q/k/v biases and Qwen3's head norms (the qkv GEMV's epilogue has neither), a sliding window's
-    attention (the kernels read every key from position 0)."""
+    q/k/v biases and Qwen3's head norms (the qkv GEMV's epilogue has neither). A sliding window
+    sends nothing: the attention kernels take it (SLIDING_WINDOW)."""
     out = {"q/k/v projections"} if config.qkv_bias and not config.o_bias else set()
-    out |= {"q/k head norms"} if config.qk_norm else set()
-    return out | ({"decode attention", "prefill attention"} if config.sliding_window else set())
+    return out | ({"q/k head norms"} if config.qk_norm else set())
+
+
+def assert_window_defines(plan, config: ModelConfig) -> None:
+    """The attention kernels are built with the model's window (0: none), the others without the
+    define (their builds are the same for a model with or without a window)."""
+    for file, (defines, _) in plan.files.items():
+        window = dict(defines).get("SLIDING_WINDOW")
+        assert window == ((config.sliding_window or 0) if file in WINDOWED_FILES else None), (file, window)
+
+
+def test_a_sliding_window_is_served_by_our_attention_kernels():
+    """Mistral-7B-v0.1 (a window of 4,096) has every attention kernel Mistral-7B-v0.3 (none, the
+    same heads) has, in every dtype and pool, with SLIDING_WINDOW its only difference; no attention
+    op falls back to torch for the window."""
+    windowed, plain = preset_configs()["mistral-7b-v0.1"], preset_configs()["mistral-7b-v0.3"]
+    assert windowed.sliding_window == 4096 and not plain.sliding_window
+    for dtype in DTYPES:
+        for pool in (None, FP8_DTYPE):
+            a = plan_kernels(windowed, geometry(windowed, dtype, cache_dtype=pool), clusters=True)
+            b = plan_kernels(plain, geometry(plain, dtype, cache_dtype=pool), clusters=True)
+            assert a.fallbacks == b.fallbacks and a.files.keys() == b.files.keys(), (dtype, pool, a.fallbacks)
+            assert "paged_attention.cu" in a.files
+            assert {"paged_decode_mma.cu", "paged_prefill.cu"} <= a.files.keys() or dtype == torch.float32
+            for file, (defines, names) in a.files.items():
+                other = dict(b.files[file][0])
+                if file in WINDOWED_FILES:
+                    other["SLIDING_WINDOW"] = 4096
+                assert dict(defines) == other and names == b.files[file][1], file
 
 
 def test_decode_on_tensor_cores_where_the_model_is_bf16_or_fp16():
@@ -209,8 +248,7 @@ def test_decode_on_tensor_cores_where_the_model_is_bf16_or_fp16():
             for pool in (None, FP8_DTYPE):
                 plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True)
                 built = "paged_decode_mma.cu" in plan.files
-                expected = (dtype != torch.float32 and (pool is None or config.head_dim % 8 == 0)
-                            and not config.sliding_window)
+                expected = dtype != torch.float32 and (pool is None or config.head_dim % 8 == 0)
                 assert built == expected, (name, dtype, pool)
                 assert (plan.decode_mma_shared > 0) == built and (plan.attention_decode or not built)
         plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=False, tensor_cores=False)
@@ -232,7 +270,7 @@ def test_an_fp8_pool_has_its_kernels_where_the_model_dtype_has_them():
                 expected = {"decode attention", "prefill attention"}
             assert set(plan.fallbacks) == expected, (name, dtype, plan.fallbacks)
             assert {"kv_write.cu", "gemv.cu"} <= set(plan.files)
-            assert plan.attention_decode == (config.head_dim != 100 and not config.sliding_window)
+            assert plan.attention_decode == (config.head_dim != 100)
             for file in ("kv_write.cu", "gemv.cu", "paged_attention.cu", "paged_prefill.cu", "paged_decode_mma.cu"):
                 if file in plan.files:
                     defines = dict(plan.files[file][0])
@@ -336,9 +374,10 @@ def ptx_of(build: Build) -> str:
 GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:(?:ldu?|st|atom|red|cp\.async|prefetch|tex|multimem)"
                            r"(?!\.(?:param|shared|local|const)\b)(?:\.[\w:]+)*\s|call\b)", re.M)
 # gemv.cu's weight loads (load_weight with GEMV_EVICT_FIRST, the plan's: past L1 with an L2
-# eviction hint, which no other load of gemv.cu has), the only global access a kernel of ours
-# makes before wait_for_previous_kernels.
-WEIGHT_LOAD = re.compile(r"ld\.global\.nc\.L1::no_allocate\.L2::cache_hint\.v4\.u32")
+# eviction hint, which no other load of gemv.cu has; a compressed weight's group scales and offsets,
+# load_group, likewise as f32), the only global access a kernel of ours makes before
+# wait_for_previous_kernels.
+WEIGHT_LOAD = re.compile(r"ld\.global\.nc\.L1::no_allocate\.L2::cache_hint\.(?:v4\.u32|f32)")
 # paged_attention.cu's reads of what the host copied in before the step (lengths, slots, block
 # table entries: host_written, past L1), before the wait with ATTN_READ_BATCH_EARLY.
 HOST_WRITTEN_READ = re.compile(r"^(?:@!?%p\d+\s+)?ld\.global\.cg\.s32$")
@@ -396,7 +435,8 @@ def test_every_kernel_waits_for_the_previous_kernel_before_touching_memory():
     builds = {}
     for dtype, pool in ((torch.bfloat16, None), (torch.bfloat16, FP8_DTYPE), (torch.float32, None)):
         for fp8_weights in (False, True):  # (paged_attention.cu reads the batch early with fp8 weights)
-            plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True, fp8_weights=fp8_weights)
+            plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True, fp8_weights=fp8_weights,
+                                quant=QUANT_FORMATS)  # (gemv_quant.cu: compressed weights)
             label = f"{dtype} {pool}{' fp8 weights' if fp8_weights else ''}"
             for file, (defines, names) in plan.files.items():
                 builds.setdefault((file, defines), Build(label, file, defines, cubin=False, names=names))
@@ -412,7 +452,7 @@ def test_every_kernel_waits_for_the_previous_kernel_before_touching_memory():
                 problems.append(f"{build.file} {name}: no griddepcontrol.wait, or no launch_dependents")
                 continue
             early = accesses_before_wait(body)
-            gemv = name.startswith(("gemv_", "gemv8_"))
+            gemv = name.startswith(("gemv_", "gemv8_", "gemvq"))
             decode_early = name.startswith("paged_attention_decode") and ("ATTN_READ_BATCH_EARLY", 1) in build.defines
             early_readers += decode_early
             allowed = WEIGHT_LOAD if gemv else HOST_WRITTEN_READ if decode_early else None
@@ -424,3 +464,100 @@ def test_every_kernel_waits_for_the_previous_kernel_before_touching_memory():
     assert not problems, "\n".join(problems)
     assert checked >= 40, f"only {checked} kernels checked"
     assert early_readers >= 4, "no decode kernel of the fp8-weights plans reads the batch before its wait"
+
+
+# --- compressed weights (model/quant.py's QuantWeight: backends/cuda_quant.py) ----------------------
+
+# (bits, group, out, in): 4-bit group 128 and per channel, 8-bit group 32 (GGUF Q8_0), 16 (Q6_K)
+QUANT_FORMATS = ((4, 128, 3072, 2048), (4, 2048, 2048, 2048), (8, 32, 2048, 2048), (8, 16, 2048, 8192))
+
+
+def test_compressed_weight_kernels_compile_for_every_preset():
+    """gemv_quant.cu (gemv.cu's gemvq4_ and gemvq8_ kernels) for every preset and synthetic geometry
+    in every dtype as the plan builds it (PTX: every kernel the plan names is defined), with an fp8
+    pool in bf16 (the qkv epilogue's store), and through ptxas in bf16 for Llama-3.2-1B (the
+    registers its launch bounds allow)."""
+    configs = preset_configs() | {k: synthetic_config(*v) for k, v in SYNTHETIC.items()}
+    builds = {}
+    for name, config in configs.items():
+        for dtype, pool in [(d, None) for d in DTYPES] + [(torch.bfloat16, FP8_DTYPE)]:
+            plan = plan_kernels(config, geometry(config, dtype, cache_dtype=pool), clusters=True, quant=QUANT_FORMATS)
+            defines, names = plan.files["gemv_quant.cu"]
+            what = f"{name} {str(dtype).removeprefix('torch.')}" + (" fp8 pool" if pool else "")
+            cubin = name == "llama-3.2-1b" and dtype == torch.bfloat16 and pool is None
+            builds.setdefault(defines, Build(what, "gemv_quant.cu", defines, cubin, names=names))
+    builds = list(builds.values())
+    assert len(builds) >= 2 * len(configs)  # (presets of the same geometry share a build)
+    results = compile_all(builds)
+    assert all(ok for ok, _ in results), failures(builds, results)
+
+
+def test_the_plan_builds_compressed_weight_kernels_only_for_their_bits():
+    """gemv_quant.cu is planned only for a model with QuantWeights, with the kernels of their bits
+    (the same -D defines as gemv.cu's and its own launch bounds), and what goes past 2 rows to a
+    dequantized copy is named: 8-bit weights, groups or dtypes torch's int4 GEMM does not take."""
+    from pagedcli.backends.cuda_build import GEMV_QUANT_CTAS_PER_SM, quant_kernel_names
+
+    config = preset_configs()["llama-3.2-1b"]
+    bf16 = geometry(config, torch.bfloat16)
+    assert "gemv_quant.cu" not in plan_kernels(config, bf16, clusters=True).files
+    int4 = plan_kernels(config, bf16, clusters=True, quant=((4, 128, 3072, 2048), (4, 64, 2048, 8192)))
+    defines, names = int4.files["gemv_quant.cu"]
+    assert dict(defines) == dict(int4.files["gemv.cu"][0]) | {"GEMV_QUANT_MIN_CTAS": GEMV_QUANT_CTAS_PER_SM}
+    assert names == tuple(quant_kernel_names((4,))) and len(names) == 10
+    assert all(n.startswith("gemvq4_") for n in names) and "gemvq4_2_rms_norm_rope_kv" in names
+    assert not any("compressed" in op for op in int4.fallbacks), int4.fallbacks
+    both = plan_kernels(config, bf16, clusters=True, quant=QUANT_FORMATS)
+    assert set(both.files["gemv_quant.cu"][1]) == set(quant_kernel_names((4, 8)))
+    assert "8-bit weights" in both.fallbacks["compressed linear layers over 2 rows"]
+    fp16 = plan_kernels(config, geometry(config, torch.float16), clusters=True, quant=((4, 128, 3072, 2048),))
+    assert "bfloat16 activations" in fp16.fallbacks["compressed linear layers over 2 rows"]
+    odd = plan_kernels(config, bf16, clusters=True, quant=((4, 16, 64, 2048), (8, 96, 64, 2016)))
+    small = odd.fallbacks["compressed linear layers at 1 and 2 rows"]
+    assert "groups of 16" in small and "groups of 96" in small
+
+
+def test_gemv_quant_kernels_hold_their_registers_without_much_spilling():
+    """The compressed weights' GEMVs at GEMV_QUANT_CTAS_PER_SM (their launch bounds) through ptxas on
+    sm_90: each kernel within the registers the bound allows and at most 64 bytes of spill stores
+    (the 1-row kernels none): more would mean a change made the dequantization heavier than the
+    bound the grid is sized for (cuda_build.GEMV_QUANT_CTAS_PER_SM says what was measured)."""
+    config = preset_configs()["llama-3.2-1b"]
+    plan = plan_kernels(config, geometry(config, torch.bfloat16), clusters=True, quant=QUANT_FORMATS)
+    defines, names = plan.files["gemv_quant.cu"]
+    folder = kernel_folder()
+    cmd = [NVCC, *COMPILE_OPTIONS, "-arch=sm_90", "-cubin", "-o", "/dev/null", "-Xptxas", "-v", f"-I{folder}",
+           *define_flags(defines), str(folder / "gemv_quant.cu")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-600:]
+    found = {}
+    for name, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry|\Z)", done.stderr, re.S):
+        spill = int(re.search(r"(\d+) bytes spill stores", body).group(1))
+        registers = int(re.search(r"Used (\d+) registers", body).group(1))
+        found[name] = (registers, spill)
+    assert set(found) == set(names), sorted(set(names) ^ set(found))
+    limit = 65536 // (dict(defines)["GEMV_QUANT_MIN_CTAS"] * dict(defines)["GEMV_THREADS"])
+    for name, (registers, spill) in found.items():
+        assert registers <= limit and spill <= (0 if "_1_" in name and "rope_kv" not in name else 64), (name, registers, spill)
+
+
+def test_kernels_awaiting_their_gpu_tests_are_used_only_when_asked(monkeypatch):
+    """Without PAGEDCLI_UNVERIFIED_KERNELS=1 a windowed model's attention and compressed weights at
+    1 and 2 rows take the paths they took before the new kernels (named in the plan's notices), and
+    no windowed or compressed-weight build is planned; with it, both are (the other tests here)."""
+    from pagedcli.backends.cuda_build import UNVERIFIED_KERNELS_VAR
+
+    monkeypatch.delenv(UNVERIFIED_KERNELS_VAR, raising=False)
+    windowed = preset_configs()["mistral-7b-v0.1"]
+    plan = plan_kernels(windowed, geometry(windowed, torch.bfloat16), clusters=True)
+    assert not {"paged_attention.cu", "paged_decode_mma.cu", "paged_prefill.cu"} & plan.files.keys()
+    for op in ("decode attention", "prefill attention"):
+        assert UNVERIFIED_KERNELS_VAR in plan.fallbacks[op] and "sliding_window 4096" in plan.fallbacks[op]
+    config = preset_configs()["llama-3.2-1b"]
+    plain = plan_kernels(config, geometry(config, torch.bfloat16), clusters=True)
+    assert "paged_attention.cu" in plain.files and "decode attention" not in plain.fallbacks
+    quant = plan_kernels(config, geometry(config, torch.bfloat16), clusters=True, quant=((4, 128, 3072, 2048),))
+    assert "gemv_quant.cu" not in quant.files
+    assert UNVERIFIED_KERNELS_VAR in quant.fallbacks["compressed linear layers at 1 and 2 rows"]
+    monkeypatch.setenv(UNVERIFIED_KERNELS_VAR, "1")
+    assert "paged_attention.cu" in plan_kernels(windowed, geometry(windowed, torch.bfloat16), clusters=True).files

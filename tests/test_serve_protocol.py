@@ -303,7 +303,8 @@ def test_the_cache_endpoint_shows_inspect_caches_fields_per_running_request(serv
     entry = running[0]
     assert set(entry) == {"request_id", "slot", "step", "geometry", "free_blocks", "used_blocks", "request",
                           "prompt_token_ids", "output_token_ids", "num_cached", "prefill", "layers",
-                          "sliding_window", "released_blocks"}
+                          "sliding_window", "released_blocks", "weights"}
+    assert entry["weights"] == "float32"  # the demo model's, as inspect-cache names it
     assert entry["request"]["prompt"] == PROMPTS[2] and entry["output_token_ids"]
     assert entry["prompt_token_ids"] == server.ready.tokenizer.encode(PROMPTS[2])
     geo = server.ready.geometry

@@ -7,6 +7,8 @@
 #   TUNE=1 BENCH=0 TESTS="tests/test_cuda_*.py" tools/gpu_round.sh   # kernels, tunables, profile
 #   ZOO=1 BENCH=0 TESTS=none tools/gpu_round.sh   # bench every preset at batch 1 and 16 (docs/performance.md's table)
 #   ZOO=1 ZOO_PRESETS="qwen3-8b mistral-7b-v0.3" BENCH=0 TESTS=none tools/gpu_round.sh   # only these presets
+#   QUANT=1 BENCH=0 TESTS=none tools/gpu_round.sh   # issue 50's figures: int4 against bf16, 1B and 8B shapes
+#   BENCH=0 TESTS="tests/test_cuda_quant.py" tools/gpu_round.sh   # the compressed weights' GPU tests
 #
 # The whole GPU suite comes close to 10 minutes on one GPU, most of it the kernels' tests and the
 # end-to-end tests against transformers (docs/performance-log.md, "How long the GPU suite takes"): where one call is
@@ -16,6 +18,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/pagedcli-out}
 mkdir -p "$OUT"
 export PAGEDCLI_SHARED=$PWD/.gpu/shared PYTHONUNBUFFERED=1
+# the kernels that wait for their GPU tests (backends/cuda_build.py) run here: this round is those tests
+export PAGEDCLI_UNVERIFIED_KERNELS=${PAGEDCLI_UNVERIFIED_KERNELS:-1}
 log() { echo "=== $* ($(date +%T))"; }
 
 log install
@@ -55,6 +59,20 @@ if [ "${ZOO:-0}" = 1 ]; then
       >>"$OUT/zoo.jsonl" 2>>"$OUT/zoo.err" || echo "$preset: exit $?" | tee -a "$OUT/zoo.err"
   done
   python3 tools/zoo_table.py "$OUT/zoo.jsonl" | tee "$OUT/zoo.md"
+fi
+
+if [ "${QUANT:-0}" = 1 ]; then
+  # compressed weights (issue 50): random weights of Llama-3.2-1B and Llama-3.1-8B shapes, 4-bit group 128
+  # (`--quantization int4`) beside bf16 on the same card, batch 1 and 64, 128-token prompts, 256 new tokens
+  log "bench --quantization int4 against bf16, random Llama-3.2-1B and Llama-3.1-8B, batch 1 and 64, 128 in / 256 out"
+  for preset in ${QUANT_PRESETS:-llama-3.2-1b llama-3.1-8b}; do
+    for quant in none int4; do
+      timeout "${QUANT_TIMEOUT:-240}" pagedcli bench --model "random:$preset" --quantization "$quant" \
+        --batch "${QUANT_BATCHES:-1,64}" --input-len 128 --output-len 256 --json \
+        >>"$OUT/quant.jsonl" 2>>"$OUT/quant.err" || echo "$preset $quant: exit $?" | tee -a "$OUT/quant.err"
+    done
+  done
+  cat "$OUT/quant.jsonl"; tail -5 "$OUT/quant.err"
 fi
 
 if [ "${BENCH:-1}" = 1 ]; then

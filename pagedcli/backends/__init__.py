@@ -28,8 +28,9 @@ The halves the fused steps are made of are methods too, used by fallbacks and te
 `norm_linear`, `linear_add`, `silu_mul`, `rope_write_kv`, `logits` and `argmax`; composed.py builds
 the fused steps from any backend's halves.
 
-`TorchBackend` is the reference (CPU and GPU); `CudaBackend` runs our own CUDA kernels and holds a
-`TorchBackend` for what they do not serve.
+`TorchBackend` is the reference (CPU and GPU); `CpuBackend` (cpu.py), what a CPU run uses, is the
+reference with a decode step of few ops and oneDNN's GEMMs; `CudaBackend` runs our own CUDA kernels
+and holds a `TorchBackend` for what they do not serve.
 """
 
 from pagedcli.backends.torch import TorchBackend

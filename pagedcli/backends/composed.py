@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from pagedcli.backends.cpu_quant import quant_linear
 from pagedcli.model.fp8 import Fp8Weight, fp8_linear
 from pagedcli.model.quant import QuantWeight
 
 
 def linear(x, weight, bias=None):
     """x @ weight.T (+ bias, as nn.Linear adds it); an fp8 weight through fp8_linear (its float32
-    dot times the row's scale)."""
+    dot times the row's scale); a QuantWeight on the CPU through cpu_quant.py's forms of it, on a
+    GPU dequantized (where the CUDA backend's own kernels do not take it)."""
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight, bias)
     if isinstance(weight, QuantWeight):
+        if x.device.type == "cpu":
+            return quant_linear(x, weight, bias)
         weight = weight.dequantize(x.dtype)
     return x @ weight.T if bias is None else F.linear(x, weight, bias)
 

@@ -17,7 +17,9 @@ What runs where:
                       the tiles are too few to fill the GPU, their keys split into parts);
                       on sm_90+ a whole prompt of cudnn_prefill.CUDNN_MIN_TOKENS (3,072) or more
                       through cuDNN's fused attention instead (cudnn_prefill.py: wgmma, twice
-                      paged_prefill.cu's rate);
+                      paged_prefill.cu's rate); a sliding window (Mistral) is compiled into all
+                      three of ours (SLIDING_WINDOW: they read only the window's keys), and
+                      keeps its prompts off cuDNN's path, which has no window;
 - `argmax`         -> argmax.cu: greedy tokens, the vocabulary split over many CTAs; with
                       `logits_greedy` past gemv.cu's rows, the same pass widens the LM head's
                       product to the float32 logits.
@@ -28,6 +30,10 @@ where a GPU has none, composed.linear's torch ops (`fallbacks` says so, and the 
 pool is written and read by the same kernels, compiled for it (cuda_build.KV_DTYPE_DEFINES): the
 K/V write (kv_write.cu and gemv.cu's qkv epilogue) quantizes, both attentions dequantize, with the
 layer's scales (`store.kv_scales`) as their last arguments.
+
+Compressed weights (model/quant.py's QuantWeight: GGUF, AWQ/GPTQ, `quantization` int4/int8): gemv.cu's
+gemvq4_/gemvq8_ kernels (built from gemv_quant.cu) at up to GEMV_MAX_ROWS rows, with the same
+fusions; more rows through cuda_quant.py (torch's int4 GEMM, or a copy dequantized once and cuBLAS).
 
 Kernels are compiled once per geometry (the `-D` defines from `CacheGeometry.defines()`, plus the
 head count and the dtype) and cached in-process; CuPy also caches the binaries on disk. Every
@@ -65,6 +71,8 @@ from pagedcli.backends.cuda_build import (
     fp8_fallback_note,
     gemv_kernel_names,
     plan_kernels,
+    quant_kernel_names,
+    unverified_kernels,
 )
 from pagedcli.backends.cuda_compile import compile_kernels, cuda_available
 from pagedcli.backends.cuda_fp8_gemm import fp8_gemm, scaled_mm_missing
@@ -80,6 +88,7 @@ from pagedcli.backends.cuda_launch import (
     resident_ctas,
     row_threads,
 )
+from pagedcli.backends.cuda_quant import int4mm_probe, int4mm_unsupported, is_quant, quant_gemm
 from pagedcli.backends.cudnn_prefill import attend_whole_prompt, cudnn_prefill_missing, warm_up, whole_prompt_rows
 from pagedcli.backends.torch import TorchBackend
 from pagedcli.backends.torch_decode import decode_attention_full_width
@@ -90,7 +99,8 @@ from pagedcli.model.config import ModelConfig
 
 
 class CudaBackend:
-    def __init__(self, store: KVStore, config: ModelConfig, fp8_weights: bool = False):
+    def __init__(self, store: KVStore, config: ModelConfig, fp8_weights: bool = False,
+                 quant: tuple[tuple[int, int, int, int], ...] = ()):
         ok, why = cuda_available()
         if not ok:
             raise RunError(f"the CUDA backend cannot run: {why}", "use the torch backend instead")
@@ -121,8 +131,17 @@ class CudaBackend:
 
         optin = cupy.cuda.Device(self.device_index).attributes["MaxSharedMemoryPerBlockOptin"]
         plan = plan_kernels(config, geo, clusters=self.cluster > 1, tensor_cores=capability >= (8, 0), max_shared=optin,
-                            fp8_weights=fp8_weights, fp8_tensor_cores=capability >= (8, 9))
+                            fp8_weights=fp8_weights, fp8_tensor_cores=capability >= (8, 9), quant=quant)
         self.fallbacks = dict(plan.fallbacks)
+        # compressed weights (`quant`: their formats, cuda_quant.quant_formats): gemv_quant.cu's bits,
+        # and past 2 rows torch's int4 GEMM in the nibble order it reads here (None: the dense copies)
+        self.quant_bits = tuple(sorted({f[0] for f in quant})) if unverified_kernels() else ()
+        self.int4mm_order = None
+        if any(int4mm_unsupported(*f, geo.dtype, capability >= (8, 0)) is None for f in quant):
+            self.int4mm_order, why = int4mm_probe(store.device)
+            if why is not None:
+                self.fallbacks["compressed linear layers over 2 rows"] = (
+                    f"{why}: a copy dequantized to {str(geo.dtype).removeprefix('torch.')} once, then cuBLAS")
         self.fp8_gemm = plan.fp8_gemm  # cuda_fp8_gemm.py's W8A8 GEMMs serve fp8 weights over W8A16_MAX_ROWS rows
         missing = scaled_mm_missing(self.device_index, self.dtype) if self.fp8_gemm else None
         if missing is not None:
@@ -142,7 +161,8 @@ class CudaBackend:
             self.cudnn_prefill_missing = "switched off (cuda_build.CUDNN_PREFILL)"
         else:
             self.cudnn_prefill_missing = cudnn_prefill_missing(store.device, geo.dtype, config.num_heads,
-                                                               geo.num_kv_heads, geo.head_dim, geo.kv_fp8)
+                                                               geo.num_kv_heads, geo.head_dim, geo.kv_fp8,
+                                                               config.sliding_window)
         self.cudnn_prefill = self.cudnn_prefill_missing is None
         self._whole_prompts: list[tuple[int, int, int]] = []  # this step's (sequence, first row, rows) for cuDNN
         # a prefill step can be replayed from a CUDA graph (cuda_prefill_graphs.py) when nothing in
@@ -150,13 +170,14 @@ class CudaBackend:
         # staged, RoPE from fixed tables (and the K/V write with them); not with fp8 weights, whose
         # product depends on the step's rows (W8A16_MAX_ROWS), which the graphs pad
         self.captures_prefill = self.prefill_kernel and self.rope.static and not fp8_weights
-        self.shapes = LaunchShapes(store, self.num_heads, self.heads_per_cta, self.vec, self.num_sms, self.cluster)
+        self.shapes = LaunchShapes(store, self.num_heads, self.heads_per_cta, self.vec, self.num_sms, self.cluster,
+                                   config.sliding_window)
         d = self.device_index
         self.kernels = {}
         for file, (defines, names) in plan.files.items():
             self.kernels.update(compile_kernels(file, defines, names, d))
-        for name in gemv_kernel_names():  # staged inputs may pass CUDA's default 48 KiB of shared memory
-            self.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED
+        for name in [*gemv_kernel_names(), *quant_kernel_names(self.quant_bits)]:  # staged inputs may pass
+            self.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SHARED  # CUDA's default 48 KiB
         # a step's prefill tiles too few to fill the GPU have their keys split until the work list has
         # this many entries (cuda_launch.key_parts); 0: never
         self.prefill_split_tiles = 0
@@ -210,7 +231,8 @@ class CudaBackend:
                 self._whole_prompts = [(b, starts[b], batch.num_new[b]) for b in whole]
                 self._prefill_work = prefill_work(batch.num_new, batch.context_lens_host, self.prefill_rows,
                                                   self.store.device, batch.slots[:d], batch.context_lens[:d], skip=d,
-                                                  elsewhere=whole, split_tiles=self.prefill_split_tiles)
+                                                  elsewhere=whole, split_tiles=self.prefill_split_tiles,
+                                                  window=self.config.sliding_window)
             if self._prefill_work.decode_slots.shape[0]:
                 self.shapes.scratch_for(self._prefill_work.decode_slots.shape[0])
         elif not batch.is_prefill:
@@ -488,8 +510,10 @@ class CudaBackend:
     def _normed_product(self, x, norm_weight, weight, eps, bias=None, normed=None):
         """RMSNorm(x) @ weight.T (+ bias) where gemv.cu does not serve (past its rows, a bias, shapes
         it does not take): W8A8 for an fp8 weight (whose quantization of the rows does the norm,
-        unless `normed` holds it already: the same bytes), else cuBLAS after our rms_norm (or on
-        `normed`)."""
+        unless `normed` holds it already: the same bytes), cuda_quant.py's GEMMs for a QuantWeight,
+        else cuBLAS after our rms_norm (or on `normed`)."""
+        if is_quant(weight):
+            return quant_gemm(self, self.rms_norm(x, norm_weight, eps) if normed is None else normed, weight, bias)
         if normed is None:
             out = fp8_gemm(self, x, weight, norm_weight, eps, bias)
         else:
@@ -507,7 +531,7 @@ class CudaBackend:
         out = gemv(self, "plain_add", x, weight, residual=residual) if bias is None else None  # (no bias)
         if out is not None:
             return out, None
-        product = fp8_gemm(self, x, weight, bias=bias)
+        product = quant_gemm(self, x, weight, bias) if is_quant(weight) else fp8_gemm(self, x, weight, bias=bias)
         if product is None:
             product = composed.linear(x, weight, bias)
         return self.add_norm(residual, product, norm_weight, eps)

@@ -12,11 +12,13 @@ The tuning constants are written here only; the .cu files receive them as -D def
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from pagedcli.backends.cuda_compile import Defines
+from pagedcli.backends.cuda_quant import plan_notes
 from pagedcli.core.batch import NOT_FINITE
 from pagedcli.core.fp8 import FP8_DTYPE
 from pagedcli.core.geometry import CacheGeometry
@@ -98,7 +100,19 @@ GEMV_CTAS_PER_SM = 4  # CTAs launched per SM, each looping over its rows: one wa
 GEMV_SPLITS = (1, 2, 4)  # warps that may share a row (each over a slice of K) when rows are too few to fill the GPU
 GEMV_MAX_SHARED = 64 * 1024  # bytes of staged input per CTA (rows x K); more: cuBLAS
 GEMV_EVICT_FIRST = 1  # weight loads ask L2 to evict their lines first (gemv.cu says why)
+# gemv_quant.cu (compressed weights: cuda_quant.py): CTAs per SM its registers allow, and launched.
+# Dequantizing a 16-byte load's 32 weights (and its group's scale and offset, double-buffered like
+# the values) takes more registers than the dtype's 8: at 4 CTAs (64 registers) ptxas spills 100 to
+# 270 bytes a thread, at 3 (80) at most 44 bytes in the 2-row kernels, at 2 none (sm_90, CUDA 13). A
+# tunable until measured: 3 CTAs of 8 warps keep 6 KB a warp in flight.
+GEMV_QUANT_CTAS_PER_SM = 3
 VEC_BYTES = 16  # the kernels' vector width (uint4)
+# Kernels written where no GPU could be had to run them: a sliding window in the three attention
+# kernels, gemv_quant.cu's compressed GEMVs. They pass every check a CPU allows (built for every
+# geometry, their index arithmetic emulated), but until their GPU tests have run, a model that needs
+# them takes the path it took before (torch attention; the compressed weights' cuBLAS path), with a
+# notice. This variable set to 1 uses them (the GPU tests set it: tests/conftest.py).
+UNVERIFIED_KERNELS_VAR = "PAGEDCLI_UNVERIFIED_KERNELS"
 WARP_SIZE = 32
 
 DTYPE_DEFINES = {torch.bfloat16: "DTYPE_BF16", torch.float16: "DTYPE_F16", torch.float32: "DTYPE_F32"}
@@ -106,6 +120,7 @@ DTYPE_DEFINES = {torch.bfloat16: "DTYPE_BF16", torch.float16: "DTYPE_F16", torch
 # the k_scale/v_scale parameters of the kernels that touch the pool.
 KV_DTYPE_DEFINES = {FP8_DTYPE: "KV_FP8"}
 GEMV_OPS = ("rms_norm_store", "rms_norm_float", "rms_norm_silu_mul", "plain_add", "rms_norm_rope_kv")
+QUANT_BITS = (4, 8)  # gemv_quant.cu's compressed weights (model/quant.py)
 # fp8 weights on more rows (cuda_fp8_gemm.py): the activations' per-row quantization, then torch._scaled_mm
 FP8_QUANT_KERNELS = ("quantize_rows_vec", "quantize_rows_scalar", "rms_norm_quantize_rows_vec",
                      "rms_norm_quantize_rows_scalar")
@@ -118,6 +133,19 @@ def gemv_kernel_names():
         for op in GEMV_OPS:
             yield f"gemv_{rows}_{op}"
             yield f"gemv8_{rows}_{op}"
+
+
+def unverified_kernels() -> bool:
+    """Whether kernels not yet run on a GPU are used (UNVERIFIED_KERNELS_VAR)."""
+    return os.environ.get(UNVERIFIED_KERNELS_VAR) == "1"
+
+
+def quant_kernel_names(bits: tuple[int, ...] = QUANT_BITS):
+    """gemv_quant.cu's kernels for weights of these bits: gemvq<bits>_<rows>_<op> (its GEMVQ_KERNELS)."""
+    for b in bits:
+        for rows in GEMV_ROW_BUCKETS:
+            for op in GEMV_OPS:
+                yield f"gemvq{b}_{rows}_{op}"
 
 
 def heads_per_cta(gqa: int) -> int:
@@ -297,12 +325,13 @@ def fp8_gemm_unsupported(config: ModelConfig, fp8_tensor_cores: bool) -> str | N
 
 def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, tensor_cores: bool = True,
                  max_shared: int = H100_MAX_SHARED, fp8_weights: bool = False,
-                 fp8_tensor_cores: bool = True) -> KernelPlan:
+                 fp8_tensor_cores: bool = True, quant: tuple[tuple[int, int, int, int], ...] = ()) -> KernelPlan:
     """The kernels for `config` with the cache of `geometry` (its dtype is the model's; its pool's
     may be fp8: KV_DTYPE_DEFINES) on a GPU with thread-block clusters (`clusters`: sm_90+),
     bf16/fp16 mma.sync (`tensor_cores`: sm_80+), fp8 tensor cores (`fp8_tensor_cores`: sm_89+)
     and `max_shared` bytes of shared memory a CTA may opt in to; `fp8_weights`: the linear layers
-    (and the LM head) are Fp8Weights (model/fp8.py)."""
+    (and the LM head) are Fp8Weights (model/fp8.py); `quant`: the (bits, group, out, in) of the
+    QuantWeights among them (cuda_quant.quant_formats; model/quant.py)."""
     if geometry.dtype not in DTYPE_DEFINES:
         raise ValueError(f"no CUDA kernels for {geometry.dtype}")
     dtype = ((DTYPE_DEFINES[geometry.dtype], None),)
@@ -324,6 +353,15 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
     gemv = model + (("GEMV_THREADS", GEMV_THREADS), ("GEMV_UNROLL", GEMV_UNROLL), ("GEMV_MIN_CTAS", GEMV_MIN_CTAS),
                     ("GEMV_EVICT_FIRST", GEMV_EVICT_FIRST))
     plan.files["gemv.cu"] = (gemv, tuple(gemv_kernel_names()))
+    if quant:  # compressed weights: gemv_quant.cu at 1 and 2 rows, torch's int4 GEMM or a dense copy beyond
+        bits = tuple(sorted({f[0] for f in quant}))
+        plan.fallbacks.update(plan_notes(quant, geometry.dtype, tensor_cores))
+        if unverified_kernels():
+            plan.files["gemv_quant.cu"] = (gemv + (("GEMV_QUANT_MIN_CTAS", GEMV_QUANT_CTAS_PER_SM),),
+                                           tuple(quant_kernel_names(bits)))
+        else:
+            plan.fallbacks["compressed linear layers at 1 and 2 rows"] = (
+                f"gemv_quant.cu awaits its GPU tests ({UNVERIFIED_KERNELS_VAR}=1 uses it): the path of more rows")
     plan.files["argmax.cu"] = (dtype + (("ARGMAX_THREADS", ARGMAX_THREADS), ("NOT_FINITE", NOT_FINITE)),
                                ("argmax_rows", "argmax_rows_widen"))
 
@@ -341,17 +379,18 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
         plan.fallbacks["RoPE and the K/V write"] = ("dynamic NTK RoPE rotates each token by its sequence's length, "
                                                     "not by one fixed table")
 
-    # our attention kernels read every key from position 0 (a sliding window's freed blocks included)
-    window = (f"sliding_window {config.sliding_window}: the kernels read every key from position 0"
-              if config.sliding_window else None)
-    why = window or prefill_unsupported(geometry, tensor_cores, max_shared)
+    # the attention kernels read only a sliding window's keys (0: none), never the blocks behind it
+    window = (("SLIDING_WINDOW", config.sliding_window or 0),)
+    held = (f"sliding_window {config.sliding_window}: our kernels' window awaits its GPU tests "
+            f"({UNVERIFIED_KERNELS_VAR}=1 uses it)" if config.sliding_window and not unverified_kernels() else None)
+    why = held or prefill_unsupported(geometry, tensor_cores, max_shared)
     if why is None:
         plan.prefill_shared = prefill_shared_bytes(geometry.head_dim, geometry.dtype.itemsize, geometry.kv_fp8)
         plan.prefill_rows = prefill_rows(geometry.head_dim)
         prefill = model + (("PREFILL_BLOCK_M", prefill_rows(geometry.head_dim)), ("PREFILL_BLOCK_N", PREFILL_BLOCK_N),
                            ("PREFILL_WARPS", PREFILL_WARPS), ("PREFILL_M_TILES", prefill_m_tiles(geometry.head_dim)),
                            ("PREFILL_VEC_BYTES", row_vec_bytes(geometry.head_dim * geometry.dtype.itemsize)),
-                           ("PREFILL_SHARED_BYTES", plan.prefill_shared))
+                           ("PREFILL_SHARED_BYTES", plan.prefill_shared)) + window
         if geometry.kv_fp8:  # the e4m3 rows' copies (Q's are PREFILL_VEC_BYTES)
             prefill += (("PREFILL_KV_VEC_BYTES", row_vec_bytes(geometry.head_dim)),)
         plan.files["paged_prefill.cu"] = (prefill, ("paged_prefill_attention",))
@@ -365,9 +404,9 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
     shape = AttentionShape(geometry.head_dim, geometry.itemsize, plan.heads_per_cta, geometry.block_size, unroll,
                            geometry.kv_fp8)
     why = shape.unsupported()
-    if window or why is not None:
+    if held or why is not None:
         pool = " with an fp8 pool" if geometry.kv_fp8 else ""
-        plan.fallbacks["decode attention"] = window or (
+        plan.fallbacks["decode attention"] = held or (
             f"head_dim {geometry.head_dim} in {str(geometry.dtype).removeprefix('torch.')}{pool}: {why}")
         return plan
     attention = model + (
@@ -384,7 +423,7 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
         # the batch's lengths, slots and first blocks read before the programmatic-launch wait: with
         # fp8 weights that measured faster at batches 1 and 2, with bf16 weights slower
         ("ATTN_READ_BATCH_EARLY", int(fp8_weights)),
-    )
+    ) + window
     names = ("paged_attention_decode",) + (("paged_attention_decode_cluster",) if clusters else ())
     plan.files["paged_attention.cu"] = (attention, names)
     if DECODE_MMA_KERNEL and decode_mma_unsupported(config, geometry, tensor_cores, max_shared) is None:
@@ -392,7 +431,7 @@ def plan_kernels(config: ModelConfig, geometry: CacheGeometry, clusters: bool, t
         decode_mma = model + (("DECODE_MMA_WARPS", DECODE_MMA_WARPS), ("DECODE_MMA_KEYS", DECODE_MMA_KEYS),
                               ("DECODE_MMA_STAGES", DECODE_MMA_STAGES),
                               ("DECODE_MMA_VEC_BYTES", row_vec_bytes(geometry.head_dim * geometry.itemsize)),
-                              ("DECODE_MMA_SHARED_BYTES", plan.decode_mma_shared))
+                              ("DECODE_MMA_SHARED_BYTES", plan.decode_mma_shared)) + window
         plan.files["paged_decode_mma.cu"] = (decode_mma, ("paged_attention_decode_mma",))
     return plan
 

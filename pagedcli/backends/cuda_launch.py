@@ -208,19 +208,25 @@ class PrefillWork(NamedTuple):
     decode_context: torch.Tensor
 
 
+def window_first(pos: int, window: int | None) -> int:
+    """The first key a query at `pos` sees under a sliding window (0 without one): kernels/geometry.cuh's."""
+    return max(pos - window + 1, 0) if window else 0
+
+
 def prefill_tile_lists(num_new: list[int], context_lens: list[int], rows: int, skip: int = 0,
-                       elsewhere: Collection[int] = (), split_tiles: int = 0) -> TileLists:
+                       elsewhere: Collection[int] = (), split_tiles: int = 0, window: int | None = None) -> TileLists:
     """paged_prefill.cu's work list for a step: a tile per `rows` new tokens of each sequence past
     the first `skip` (those the decode kernel serves) and not in `elsewhere` (those cudnn_prefill.py
-    serves), the tiles that read the most keys first (a causal tile's keys end at its last row:
-    launched early, the long ones do not trail the rest). Where they are fewer than `split_tiles`
-    (what fills the GPU, CudaBackend.prefill_split_tiles; 0: never split), the longest ones' keys
-    are cut into parts (key_parts), each an entry of its own: those come first, a tile's parts in a row."""
+    serves), the tiles that read the most keys first (a causal tile's keys end at its last row, and
+    with a sliding `window` start at its first row's window: launched early, the long ones do not
+    trail the rest). Where they are fewer than `split_tiles` (what fills the GPU,
+    CudaBackend.prefill_split_tiles; 0: never split), the longest ones' keys are cut into parts
+    (key_parts), each an entry of its own: those come first, a tile's parts in a row."""
     elsewhere = set(elsewhere)
-    tiles = [(ctx - n + r + min(rows, n - r), ctx - n + r, b, r)  # (keys, first row's position, sequence, row)
+    tiles = [(ctx - n + r + min(rows, n - r) - window_first(ctx - n + r, window), ctx - n + r, b, r)
              for b, (n, ctx) in enumerate(zip(num_new, context_lens)) if b >= skip and b not in elsewhere
-             for r in range(0, n, rows)]
-    parts = key_parts([t[0] for t in tiles], [t[1] for t in tiles], split_tiles)
+             for r in range(0, n, rows)]  # (keys read, first row's position, sequence, row)
+    parts = key_parts([t[0] for t in tiles], [t[1] for t in tiles], split_tiles, window)
     order = sorted(range(len(tiles)), key=lambda i: (parts[i] == 1, -tiles[i][0]))
     lists = TileLists([], [], [], [], [0])
     for i in order:
@@ -235,17 +241,19 @@ def prefill_tile_lists(num_new: list[int], context_lens: list[int], rows: int, s
     return lists
 
 
-def key_parts(keys: list[int], first_pos: list[int], split_tiles: int) -> list[int]:
+def key_parts(keys: list[int], first_pos: list[int], split_tiles: int, window: int | None = None) -> list[int]:
     """Into how many parts each tile's keys are cut so that the list holds up to `split_tiles`
     entries: one more part at a time to the tile whose parts are longest. A part takes at least
-    PREFILL_SPLIT_MIN_TILES of the key tiles that start at or before the tile's first row (which
-    paged_prefill.cu cuts evenly, the diagonal's going to the last part), and a tile at most
+    PREFILL_SPLIT_MIN_TILES of the key tiles that start at or before the tile's first row (from the
+    one holding its first row's window's first key, with a sliding `window`), which
+    paged_prefill.cu cuts evenly, the diagonal's going to the last part; a tile at most
     PREFILL_MAX_PARTS parts."""
     parts = [1] * len(keys)
     spare = split_tiles - len(keys)
     if spare <= 0:
         return parts
-    most = [min(PREFILL_MAX_PARTS, (f // PREFILL_BLOCK_N + 1) // PREFILL_SPLIT_MIN_TILES) for f in first_pos]
+    lead = [f // PREFILL_BLOCK_N + 1 - window_first(f, window) // PREFILL_BLOCK_N for f in first_pos]
+    most = [min(PREFILL_MAX_PARTS, n // PREFILL_SPLIT_MIN_TILES) for n in lead]
     longest = [(-k, i) for i, k in enumerate(keys) if most[i] > 1]  # (-keys a part, tile)
     heapq.heapify(longest)
     while spare and longest:
@@ -265,10 +273,10 @@ def max_prefill_tiles(num_tokens: int, num_seqs: int, rows: int, split_tiles: in
 
 def prefill_work(num_new: list[int], context_lens: list[int], rows: int, device: torch.device,
                  decode_slots: torch.Tensor, decode_context: torch.Tensor, skip: int = 0,
-                 elsewhere: Collection[int] = (), split_tiles: int = 0) -> PrefillWork:
+                 elsewhere: Collection[int] = (), split_tiles: int = 0, window: int | None = None) -> PrefillWork:
     """prefill_tile_lists on `device` in one host-to-device copy (batch.to_device), with the decode
     kernel's rows."""
-    lists = prefill_tile_lists(num_new, context_lens, rows, skip, elsewhere, split_tiles)
+    lists = prefill_tile_lists(num_new, context_lens, rows, skip, elsewhere, split_tiles, window)
     int32 = torch.int32
     t = to_device({"seq": (lists.seq, int32), "row": (lists.row, int32), "part": (lists.part, int32),
                    "parts": (lists.parts, int32), "start": (lists.starts, int32),
@@ -296,8 +304,10 @@ def resident_ctas(kernel, threads: int, device_index: int, fallback: int, dynami
 
 
 class LaunchShapes:
-    def __init__(self, store: KVStore, num_heads: int, heads_per_cta: int, vec: int, num_sms: int, cluster: int):
+    def __init__(self, store: KVStore, num_heads: int, heads_per_cta: int, vec: int, num_sms: int, cluster: int,
+                 window: int | None = None):
         self.store = store
+        self.window = window  # a sliding window's length (the model's), or None
         self.num_heads, self.heads_per_cta = num_heads, heads_per_cta
         self.head_dim = store.geometry.head_dim
         self.vec = vec  # elements in a 16-byte vector
@@ -311,8 +321,12 @@ class LaunchShapes:
         (at most SPLIT_CTAS_PER_SM per SM), no more than the longest context has chunks; with
         clusters, a multiple of the cluster size. Depends on nothing else (not the contexts), so one
         CUDA graph per batch size serves every context length: the kernel cuts each actual context
-        into this many spans."""
-        chunks = math.ceil(self.store.max_model_len / PARTITION_SIZE)
+        into this many spans. With a sliding window a context's keys are at most the window and the
+        rest of its first block (paged_attention.cu): no more splits than those have chunks."""
+        keys = self.store.max_model_len
+        if self.window:
+            keys = min(keys, self.window + self.store.geometry.block_size - 1)
+        chunks = math.ceil(keys / PARTITION_SIZE)
         splits = max(1, min(chunks, self._split_budget(batch_size)))
         if self.uses_clusters(batch_size):
             splits = self.cluster * max(1, splits // self.cluster)
@@ -354,16 +368,18 @@ class LaunchShapes:
                                                torch.zeros(batch_size, dtype=torch.int32, **z))
         return self.argmax_scratch[batch_size]
 
-    def gemv_split(self, units: int, K: int, weight_itemsize: int | None = None) -> int:
+    def gemv_split(self, units: int, K: int, weight_itemsize: float | None = None,
+                   ctas_per_sm: int = GEMV_CTAS_PER_SM) -> int:
         """Warps per unit of gemv.cu: the most of GEMV_SPLITS whose warps still fit in one wave of
-        GEMV_CTAS_PER_SM CTAs an SM, each warp with at least one tile of K (Llama-3.2-1B at batch 1:
-        2 for o, down and qkv, 1 for gate/up and the LM head). weight_itemsize: 1 for fp8 weights
-        (16 to a load), else the model dtype's."""
-        warp_slots = GEMV_CTAS_PER_SM * self.num_sms * (GEMV_THREADS // 32)
-        vec = self.vec if weight_itemsize is None else VEC_BYTES // weight_itemsize
+        `ctas_per_sm` CTAs an SM (GEMV_CTAS_PER_SM; compressed weights' kernels hold fewer), each
+        warp with at least one tile of K (Llama-3.2-1B at batch 1: 2 for o, down and qkv, 1 for
+        gate/up and the LM head). weight_itemsize: 1 for fp8 weights (16 to a load), 0.5 for 4-bit
+        ones (32), else the model dtype's."""
+        warp_slots = ctas_per_sm * self.num_sms * (GEMV_THREADS // 32)
+        vec = self.vec if weight_itemsize is None else round(VEC_BYTES / weight_itemsize)
         tiles = -(-K // (32 * vec * GEMV_UNROLL))  # gemv.cu's tile_elems: a warp's 16-byte loads of one step
         return max(s for s in GEMV_SPLITS if s == 1 or (units * s <= warp_slots and s <= tiles))
 
-    def gemv_ctas(self, units: int, split: int) -> int:
-        """gemv.cu's grid: a warp per (unit, split), in at most one wave of GEMV_CTAS_PER_SM CTAs an SM."""
-        return min(-(-units * split // (GEMV_THREADS // 32)), GEMV_CTAS_PER_SM * self.num_sms)
+    def gemv_ctas(self, units: int, split: int, ctas_per_sm: int = GEMV_CTAS_PER_SM) -> int:
+        """gemv.cu's grid: a warp per (unit, split), in at most one wave of `ctas_per_sm` CTAs an SM."""
+        return min(-(-units * split // (GEMV_THREADS // 32)), ctas_per_sm * self.num_sms)

@@ -45,6 +45,7 @@ class PrefillGraphs(CapturedGraphs):
         self.max_seqs = store.max_slots
         self.decode_kernel = model.backend.attention_kernel  # serves the one-token sequences
         self.split_tiles = model.backend.prefill_split_tiles  # the work list's splits (cuda_launch.key_parts)
+        self.window = model.backend.config.sliding_window  # (the parts count only the window's key tiles)
         self.pad = self.max_seqs  # the padding sequence's row
         self.buckets = [b for b in BUCKETS if b < min(max_tokens, MAX_GRAPH_TOKENS)]
         self.buckets.append(min(max_tokens, MAX_GRAPH_TOKENS))
@@ -117,7 +118,8 @@ class PrefillGraphs(CapturedGraphs):
         num_new = [len(ids) for ids in token_ids]
         context = [c + k for c, k in zip(num_cached, num_new)]
         d = leading_single_rows(num_new) if self.decode_kernel else 0
-        lists = prefill_tile_lists(num_new, context, self.rows, skip=d, split_tiles=self.split_tiles)
+        lists = prefill_tile_lists(num_new, context, self.rows, skip=d, split_tiles=self.split_tiles,
+                                   window=self.window)
         k, tiles = len(lists.seq), self._tiles(n)
         h = self.host_np
         h["token_ids"][:T], h["positions"][:T], h["token_seq"][:T] = flat, positions, token_seq

@@ -14,6 +14,9 @@ the top left) is the prompt's. Its K and V are gathered from the pool through it
 values the decode steps will read, after RoPE, in the pool's dtype; at Llama-3.2-1B ~2 KB a token
 a layer), once, straight into the padded rows SDPA reads; q's rows are copied once into theirs.
 Pools in the model dtype only: an fp8 pool keeps paged_prefill.cu, which dequantizes as it reads.
+No sliding window: torch's SDPA takes a causal mask or a whole mask tensor, not a window, and a
+tensor mask would leave cuDNN's fast path; a windowed model's prompts keep paged_prefill.cu, which
+reads only each tile's window.
 
 cuDNN plans each new shape the first time it meets it; `pagedcli serve` plans every padded length
 its step budget allows before the first request (`warm_up`), as it captures its CUDA graphs.
@@ -61,10 +64,12 @@ def _cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int
 
 
 def cudnn_prefill_missing(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                          head_dim: int, kv_fp8: bool) -> str | None:
+                          head_dim: int, kv_fp8: bool, sliding_window: int | None = None) -> str | None:
     """Why whole prompts cannot take cuDNN's attention on this device, or None: it must be sm_90+
-    (where it was measured faster), the pool in the model's 16-bit dtype, and cuDNN's SDPA must run
-    a small causal GQA product of these shapes here (tried once, at start)."""
+    (where it was measured faster), the pool in the model's 16-bit dtype, no sliding window, and
+    cuDNN's SDPA must run a small causal GQA product of these shapes here (tried once, at start)."""
+    if sliding_window:
+        return f"sliding_window {sliding_window} (SDPA's causal mask has no window; paged_prefill.cu has)"
     if kv_fp8:
         return "an fp8 pool (paged_prefill.cu dequantizes it)"
     if dtype not in (torch.bfloat16, torch.float16):

@@ -11,6 +11,7 @@ import torch
 from pagedcli.core.errors import UsageError
 from pagedcli.model.fp8 import Fp8Weight
 from pagedcli.model.loader import Model
+from pagedcli.model.quant import QuantWeight
 
 
 def hf_model(model: Model):
@@ -36,12 +37,12 @@ def hf_model(model: Model):
 
 
 def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
-    """Our fused weights split back into transformers' names (views, no copies; fp8 weights, which
-    transformers does not take as ours, dequantized into the model dtype)."""
+    """Our fused weights split back into transformers' names (views, no copies; fp8 and quantized
+    weights (a GGUF file's), which transformers does not take as ours, dequantized into the model dtype)."""
     c, w = model.source.config, model.weights
 
     def dense(t):
-        return t.dequantize(model.dtype) if isinstance(t, Fp8Weight) else t
+        return t.dequantize(model.dtype) if isinstance(t, (Fp8Weight, QuantWeight)) else t
 
     sd = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.norm, "lm_head.weight": dense(w.lm_head)}
     for i, lw in enumerate(w.layers):

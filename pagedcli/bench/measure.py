@@ -275,7 +275,8 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
         "dtype": str(model.dtype).removeprefix("torch."),
         "kv_cache_dtype": opts.kv_cache_dtype,
         "quantization": opts.quantization,
-        "weight_bytes_per_step": weight_bytes,  # what the roofline counts: fp8 weights at a byte each, plus scales
+        "weights": model.weights.format,  # the linear layers' format: bfloat16, fp8 (per channel), int4 (group 128, ...)
+        "weight_bytes_per_step": weight_bytes,  # what the roofline counts: fp8 or 4-bit values as stored, plus scales
         "model": model.source.name,
     }
 

@@ -1,6 +1,7 @@
-"""`pagedcli bench --quality`: what FP8 costs in quality, measured against the model dtype.
+"""`pagedcli bench --quality`: what FP8, int4 and int8 cost in quality, measured against the model dtype.
 
-For the model in its dtype and for each fp8 option (K/V, weights, both; model/fp8.py):
+For the model in its dtype and for each fp8 option (K/V, weights, both; model/fp8.py) and the int4
+and int8 weights quantized at load (model/quant.py):
 - perplexity on held-out text: the text's tokens in windows of WINDOW_TOKENS, each window one
   prefill through the paged cache (its K/V written to the pool and read back, so an fp8 pool's
   rounding counts), every position's next-token loss but the window's first;
@@ -24,6 +25,7 @@ from pagedcli.core.errors import UsageError, plural
 from pagedcli.core.options import EngineOptions, SamplingParams
 from pagedcli.engine.build import build_engine, load_model
 from pagedcli.model.files import read_given_text
+from pagedcli.model.hub_quant import packed_scheme
 from pagedcli.model.source import DEMO_FOLDER, ModelSource, resolve_model
 
 WINDOW_TOKENS = 256  # tokens a perplexity window holds (the demo model's training windows)
@@ -33,7 +35,7 @@ HELDOUT_FILE = "heldout.txt"  # the built-in model's held-out slice, in its fold
 
 # (name, kv_cache_dtype, quantization); the first is the baseline the others are held against
 VARIANTS = (("model dtype", "auto", "none"), ("fp8 KV", "fp8", "none"), ("fp8 weights", "auto", "fp8"),
-            ("fp8 weights + KV", "fp8", "fp8"))
+            ("fp8 weights + KV", "fp8", "fp8"), ("int8 weights", "auto", "int8"), ("int4 weights", "auto", "int4"))
 # beside a baseline in a 16-bit dtype, float32 shows how far that dtype itself is from exact
 SCALE_VARIANT = "float32, for scale"
 
@@ -59,6 +61,16 @@ def quality_text(path: Path | None, source: ModelSource) -> str:
             raise UsageError(f"--quality needs held-out text for {source.name}", "give it with --quality-text FILE")
         path = DEMO_FOLDER / HELDOUT_FILE
     return read_given_text(path, f"--quality-text {path}", "give a text file")
+
+
+def compressed_as(source: ModelSource) -> str | None:
+    """What `source`'s weights are compressed as where it ships them so (a GGUF file, a 4-bit Hub
+    checkpoint), which `quantization` refuses to quantize again; None for float (or fp8) weights."""
+    if source.gguf is not None:
+        return "a GGUF file's quant types"
+    if not source.random and (scheme := packed_scheme(source.config)) is not None:
+        return f"{scheme.method} 4-bit"
+    return None
 
 
 def windows_of(ids: list[int], window: int) -> list[list[int]]:
@@ -115,9 +127,13 @@ def measure_quality(opts: EngineOptions, text_path: Path | None, num_prompts: in
                     notice=lambda _: None, progress=lambda _: None) -> tuple[list[QualityRow], SimpleNamespace]:
     """The table's rows, one per VARIANTS entry, each on the model loaded with its options; and
     the baseline's source, device and dtype (for the table's title)."""
-    text = quality_text(text_path, resolve_model(opts.model))  # refused before anything loads
+    source = resolve_model(opts.model)
+    text = quality_text(text_path, source)  # refused before anything loads
     rows, base_ppl, base_tokens, base = [], None, None, None
-    variants = [(name, kv, quant, opts.dtype) for name, kv, quant in VARIANTS]
+    stored = compressed_as(source)  # (weights a file ships compressed take no `quantization`: only the KV's variants)
+    variants = [(name, kv, quant, opts.dtype) for name, kv, quant in VARIANTS if quant == "none" or stored is None]
+    if stored is not None:
+        notice(f"the weights are {stored} as the model ships them: measuring the KV cache's variants alone")
     for name, kv, quant, dtype in variants:
         progress(name)
         variant = replace(opts, kv_cache_dtype=kv, quantization=quant, dtype=dtype, batch=max(1, num_prompts),

@@ -140,7 +140,6 @@ def prompt_model(served_id: str, wanted: str | None, with_tokenizer: bool = Fals
     the tokenizer too (`with_tokenizer`: for --prompt-file). A stand-in for measure.Model with what
     requests_for reads."""
     from pagedcli.model.source import found_here, resolve_model
-    from pagedcli.model.tokenizer import Tokenizer
 
     spec = wanted or served_id
     if wanted is not None and wanted != served_id and found_here(served_id):
@@ -150,7 +149,7 @@ def prompt_model(served_id: str, wanted: str | None, with_tokenizer: bool = Fals
         raise UsageError(f"the server serves {served_id!r}, not a model found here: the prompts are drawn from its "
                          f"vocabulary", "pass the same model with --model (a folder, Hub id, demo or random:<preset>)")
     source = resolve_model(spec)
-    tokenizer = Tokenizer(source.folder) if with_tokenizer and source.has_tokenizer else None
+    tokenizer = source.read_tokenizer() if with_tokenizer else None
     return SimpleNamespace(source=source, tokenizer=tokenizer)
 
 

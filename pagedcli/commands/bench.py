@@ -38,9 +38,10 @@ def bench(
                                             "prompts than slots: --num-prompts).")] = 0,
     request_rate: Annotated[float, typer.Option(help="Requests a second, arriving as a Poisson process seeded by --seed "
                                                 "(vLLM's serving benchmark); inf: all at the start.")] = math.inf,
-    quality: Annotated[bool, typer.Option("--quality", help="Measure what fp8 costs instead of speed: perplexity on "
-                                          "held-out text and greedy agreement for the model's dtype, --kv-cache-dtype "
-                                          "fp8, --quantization fp8 and both (--num-prompts prompts, default 8, of "
+    quality: Annotated[bool, typer.Option("--quality", help="Measure what fp8, int8 and int4 cost instead of speed: "
+                                          "perplexity on held-out text and greedy agreement for the model's dtype, "
+                                          "--kv-cache-dtype fp8, --quantization fp8 and both, --quantization int8 and "
+                                          "int4 (--num-prompts prompts, default 8, of "
                                           "--output-len greedy tokens).")] = False,
     quality_text: Annotated[Optional[Path], typer.Option(help="With --quality: the held-out text (default: the "
                                                          "built-in model's held-out slice).", parser=given_path)] = None,
@@ -225,7 +226,7 @@ def _quality_bench(engine_flags: EngineFlags, text_path: Path | None, num_prompt
     if lo != hi:
         raise UsageError(f"--output-len {output_len}: --quality compares one length of greedy tokens", "give one number")
     if engine_flags.kv_cache_dtype != "auto" or engine_flags.quantization != "none":
-        raise UsageError("--quality measures every fp8 option itself", "leave out --kv-cache-dtype and --quantization")
+        raise UsageError("--quality measures every fp8, int8 and int4 option itself", "leave out --kv-cache-dtype and --quantization")
     opts = engine_flags.options()
     told = set()
 

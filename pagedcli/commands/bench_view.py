@@ -102,8 +102,10 @@ def _chunking(r: dict) -> str:
 
 
 def _precision(r: dict) -> str:
-    """`bfloat16`, or `bfloat16, fp8 weights, fp8 KV`."""
+    """`bfloat16`, or `bfloat16, fp8 weights, fp8 KV`, or `bfloat16, weights int4 (group 128, asymmetric)`."""
+    weights = r.get("weights")  # the weights' format (Weights.format) where it is not the dtype alone
     fp8 = [what for what, on in (("fp8 weights", r.get("quantization") == "fp8"),
+                                 (f"weights {weights}", weights not in (None, r["dtype"]) and r.get("quantization") != "fp8"),
                                  ("fp8 KV", r.get("kv_cache_dtype") == "fp8")) if on]
     return ", ".join([r["dtype"]] + fp8)
 
@@ -190,8 +192,8 @@ def kernel_table(rows: list[dict], bandwidth_gbps: float) -> Table:
 
 
 def quality_table(rows, model: str, dtype: str, device: str, num_tokens: int) -> Table:
-    """`bench --quality`: perplexity and greedy agreement of each fp8 option against the model dtype."""
-    table = Table(title=f"{model} on {device}: fp8 against {dtype}", title_justify="left",
+    """`bench --quality`: perplexity and greedy agreement of each fp8, int8 and int4 option against the model dtype."""
+    table = Table(title=f"{model} on {device}: fp8, int8 and int4 against {dtype}", title_justify="left",
                   caption=f"perplexity on the held-out text; greedy match: the share of the first {num_tokens} greedy "
                           f"tokens equal to {dtype}'s, up to the first difference (mean over the prompts; identical: "
                           "prompts whose tokens all are)",

@@ -168,6 +168,8 @@ def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0, other_la
                              f"{geo.head_dim} dims, "
                              f"{geo.kv_dtype_name}: {geo.block_bytes:,} bytes a block, "
                              f"K at +0x0, V at +{geo.v_offset:#x}")
+    if snap.weights:
+        head.add_row("weights", snap.weights)
     head.add_row("pool", f"{geo.num_blocks:,} blocks = {geo.pool_bytes:,} bytes ({human_bytes(geo.pool_bytes)}); "
                          f"{snap.num_free_blocks:,} free, {snap.num_used_blocks:,} used")
     head.add_row(f"layer {layer}", Text(other_layers_note(view, layer) + (f"; {other_layers}" if other_layers else ""),

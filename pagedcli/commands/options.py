@@ -7,9 +7,9 @@ adds a group's fields to a command's options and hands them to the command as on
 from __future__ import annotations
 
 import dataclasses
-import json
 import functools
 import inspect
+import json
 import typing
 from pathlib import Path
 from typing import Annotated, Optional

@@ -34,8 +34,15 @@ from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
 from pagedcli.core.errors import PagedCliError, RunError, UsageError, plural
 from pagedcli.core.heap import frozen_heap
 from pagedcli.core.signals import signals_handled
-from pagedcli.serve import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, ENGINE_TIMEOUT_S, LOG_FORMAT, STOP_SIGNALS,
-                            ignore_stop_signals, stop_signals_ignored)
+from pagedcli.serve import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_WAITING,
+    ENGINE_TIMEOUT_S,
+    LOG_FORMAT,
+    STOP_SIGNALS,
+    ignore_stop_signals,
+    stop_signals_ignored,
+)
 
 GRACE_S = 10.0  # seconds the requests in flight get to finish once a signal stops the server
 CLOSE_S = 5.0  # then, after they are aborted, seconds their handlers get to write their endings

@@ -63,6 +63,7 @@ def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
                      "num_blocks": geo.num_blocks, "num_layers": geo.num_layers, "pool_bytes": geo.pool_bytes,
                      "dtype": str(geo.dtype).removeprefix("torch."),
                      "kv_dtype": str(geo.kv_dtype).removeprefix("torch.")},
+        "weights": snap.weights,
         "free_blocks": snap.num_free_blocks,
         "used_blocks": snap.num_used_blocks,
         "request": {"id": view.seq_id, "prompt": view.prompt},

@@ -287,7 +287,8 @@ def render(snap: CacheSnapshot, decode: Decode | None = None, max_rows: int = 32
     if tokens_per_s is not None:
         title += f" · {tokens_per_s:,.0f} tokens/s"
     subtitle = (f"{geo.num_layers} layers x {geo.num_kv_heads} kv heads x {geo.head_dim} dims, "
-                f"{geo.kv_dtype_name}; every layer owns its own blocks")
+                f"{geo.kv_dtype_name}; every layer owns its own blocks"
+                + (f"; weights {snap.weights}" if snap.weights else ""))
     inner = width - 4  # the panel's border and padding
     body = Group(*pool_lines(snap), requests_line(snap), sharing_line(snap), *window_lines(snap), Text(),
                  *slot_rows(snap, decode, max_rows, inner), Text(), *waste_lines(snap))

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # The values some options may take, and the bounds of their counts.
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 (core/fp8.py)
-QUANTIZATIONS = ("none", "fp8")  # the linear layers' and LM head's weights (model/fp8.py)
+QUANTIZATIONS = ("none", "fp8", "int4", "int8")  # the linear layers' and LM head's weights (model/fp8.py, quant.py)
 MAX_ID = 2**31 - 1  # block ids and slots are int32 (the table, the step's batch): at most this
 
 # The pool's size by device: 2 GiB on a GPU, as tiny-vllm.
@@ -120,11 +120,16 @@ class EngineOptions:
         "the same pool holds twice the tokens of bf16; scaled per layer and KV head by the checkpoint's "
         "k_scale/v_scale, else 1.0 (vLLM's default)."))
     quantization: str = option("none", (
-        "none or fp8: the linear layers' and the LM head's weights as float8 e4m3 with a scale per output "
+        "none, fp8, int4 or int8. fp8: the linear layers' and the LM head's weights as float8 e4m3 with a scale per output "
         "channel, quantized at load (the embeddings stay in --dtype for their lookups); over 2 rows (prefill, "
         "larger batches) the activations too, per token, for fp8 tensor cores (W8A8), so a greedy text can "
         "depend on the batch. A checkpoint that ships fp8 weights (quant_method fp8) has its fp8 tensors read "
-        "as they are; with none they are dequantized to --dtype."))
+        "as they are; with none they are dequantized to --dtype. int4: 4-bit values with a scale and minimum per "
+        "group of 128 inputs (64 or 32 where 128 does not divide a layer), int8: 8-bit values with a scale per "
+        "output channel, both rounded to nearest at load, the activations left in --dtype (W4A16, W8A16)."))
+    threads: int | None = option(None, (
+        "CPU threads for a run on the CPU (llama.cpp's -t). Default: the cores torch sees, but 1 for a model of a "
+        "few MB such as the built-in demo, whose steps are too small to share between threads."))
     overlap: bool = option(True, "On a GPU, queue the next decode step before this one's tokens reach the host, "
                                  "so Python's work per step hides behind the GPU's.")
     shuffle_blocks: int | None = option(None, "Hand blocks out in an order shuffled by this seed (tests, demos).",
@@ -160,6 +165,8 @@ class EngineOptions:
             given = [f"`{name}`" for name in ("cache_size", "num_blocks") if getattr(self, name) is not None]
             if given:
                 raise _usage_error(f"`gpu_memory_utilization` and {given[0]} both size the pool", "give one of them")
+        if self.threads is not None and self.threads < 1:
+            raise _usage_error(f"`threads` {self.threads}: needs at least 1", "leave it out for the cores torch sees")
         n = self.max_num_batched_tokens
         if n is not None and n < 1:
             raise _usage_error(f"`max_num_batched_tokens` {n}: must be at least 1", "leave it out for the device's default")

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from pagedcli.backends import TorchBackend
+from pagedcli.backends.cpu import CpuBackend
 from pagedcli.core.errors import UsageError
 from pagedcli.core.fp8 import FP8_DTYPE
 from pagedcli.core.geometry import CacheGeometry, parse_size
@@ -52,7 +52,8 @@ def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: No
     before its weights are read."""
     device = pick_device(opts.device)
     check_device_options(opts, device)
-    return read_model(opts.model, device, pick_dtype(opts.dtype, device), opts.quantization, opts.seed, notice, check)
+    return read_model(opts.model, device, pick_dtype(opts.dtype, device), opts.quantization, opts.seed, notice, check,
+                      threads=opts.threads)
 
 
 def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None] = lambda _: None) -> Engine:
@@ -86,12 +87,16 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
                     kv_scales=model.weights.kv_scales)
     if device.type == "cuda":
         from pagedcli.backends.cuda import CudaBackend
+        from pagedcli.backends.cuda_quant import quant_formats
 
-        backend = CudaBackend(cache.store, config, fp8_weights=model.weights.quantized)
+        # fp8_weights: Fp8Weights (Weights.quantized); quant: the QuantWeights' formats (model/quant.py)
+        backend = CudaBackend(cache.store, config, fp8_weights=model.weights.quantized,
+                              quant=quant_formats(model.weights))
         for op, why in backend.fallbacks.items():
             notice(f"CUDA: {op} runs as torch ops on the GPU ({why})")
-    else:
-        backend = TorchBackend(cache.store, config)
+    else:  # the reference's decode step with few ops (backends/cpu.py)
+        backend = CpuBackend(cache.store, config)
+        backend.take_weights(model.weights)
     llama = Llama(config, model.weights, backend)
     runner = ModelRunner(llama, cache, use_graphs=device.type == "cuda" and not opts.eager,
                          max_step_tokens=opts.batched_tokens(device))

@@ -34,6 +34,7 @@ import torch
 
 from pagedcli.core.errors import UsageError
 from pagedcli.core.options import SamplingParams
+from pagedcli.engine import structured
 from pagedcli.engine.cache import KVCache
 from pagedcli.engine.outputs import QueuedStep, StepCounts, StepOutput
 from pagedcli.engine.runner import ModelRunner
@@ -41,7 +42,6 @@ from pagedcli.engine.sampler import PromptLogprobs, Sampler
 from pagedcli.engine.scheduler import Schedule, Scheduler
 from pagedcli.engine.sequence import Sequence
 from pagedcli.engine.snapshot import CacheSnapshot, take_snapshot
-from pagedcli.engine import structured
 from pagedcli.engine.stop_strings import MakeDetokenizer, StopStrings
 from pagedcli.engine.structured import StructuredOutputs
 

@@ -76,6 +76,7 @@ class CacheSnapshot:
     num_aborted: int = 0  # ended by abort_all (Ctrl-C) or abort (a client gone): cut short, or never run
     sliding_window: int | None = None  # the model's (Mistral's): blocks behind it are given back
     num_window_freed: int = 0  # blocks (all layers) given back behind sliding windows so far
+    weights: str = ""  # the weights' format for people (Weights.format): bfloat16, int4 (group 128, asymmetric), Q4_K
 
     @property
     def num_used_blocks(self) -> int:
@@ -109,4 +110,4 @@ def take_snapshot(engine) -> CacheSnapshot:
     return CacheSnapshot(engine.num_steps, cache.geometry, cache.num_free_blocks, tuple(slots), waiting,
                          finished, sched.num_preemptions, cache.max_slots, cache.max_model_len,
                          sched.prefix_hit_rate, cache.num_copied_blocks, aborted, cache.sliding_window,
-                         cache.num_window_freed)
+                         cache.num_window_freed, engine.runner.model.w.format)

@@ -9,12 +9,15 @@ from typing import Callable
 import torch
 
 from pagedcli.core.errors import UsageError
+from pagedcli.model.gguf import load_gguf_weights
 from pagedcli.model.source import ModelSource, resolve_model
 from pagedcli.model.tokenizer import Tokenizer
 from pagedcli.model.weights import Weights, load_weights, random_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMALL_MODEL_BYTES = 64 << 20
+# the threads torch chose at start, the cores it sees (as llama.cpp's -t): --threads's default
+DEFAULT_THREADS = torch.get_num_threads()
 
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
@@ -38,12 +41,14 @@ class Model:
 
 def read_model(name: str | None, device: torch.device, dtype: torch.dtype, quantization: str = "none", seed: int = 0,
                notice: Callable[[str], None] = lambda _: None,
-               check: Callable[[ModelSource, Tokenizer | None], None] = lambda *_: None) -> Model:
-    """The model `name` names (model/source.py: a folder, a Hub id, `demo`, `random:<preset>`), its
+               check: Callable[[ModelSource, Tokenizer | None], None] = lambda *_: None,
+               threads: int | None = None) -> Model:
+    """The model `name` names (model/source.py: a folder, a GGUF file, a Hub id, `demo`, `random:<preset>`), its
     weights on `device` in `dtype` (`quantization` fp8: the linear layers' in e4m3; `seed`: random
-    weights'). `check(source, tokenizer)` may refuse the model before its weights are read."""
+    weights'). `check(source, tokenizer)` may refuse the model before its weights are read. On the CPU,
+    torch's threads become `threads` (cpu_threads: None is the default)."""
     source = resolve_model(name, notice)
-    tokenizer = Tokenizer(source.folder) if source.has_tokenizer else None
+    tokenizer = source.read_tokenizer()
     if tokenizer is not None and source.config.vocab_size > tokenizer.vocab_size:
         v, t = source.config.vocab_size, tokenizer.vocab_size
         notice(f"warning: config.json's vocab_size {v} is above the tokenizer's {t}: ids {t}-{v - 1} have no text "
@@ -51,10 +56,22 @@ def read_model(name: str | None, device: torch.device, dtype: torch.dtype, quant
     check(source, tokenizer)
     if source.random:
         weights = random_weights(source.config, dtype, device, seed, quantization)
+    elif source.gguf is not None:
+        weights = load_gguf_weights(source.gguf, dtype, device, quantization)
     else:
         weights = load_weights(source.folder, source.config, dtype, device, quantization)
-    if device.type == "cpu" and weights.nbytes < SMALL_MODEL_BYTES:
-        torch.set_num_threads(1)  # a few MB of weights: threads cost more in handoffs than they save
+    if quantization == "int4" and (left := weights.float_linears()):
+        notice(f"note: {left} of the model's {len(weights.layers) * 4} linear layers stay in "
+               f"{str(dtype).removeprefix('torch.')}: their inputs are not a multiple of 32 (`quantization` int4's groups)")
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(threads, weights.nbytes))
     return Model(source, tokenizer, weights, device, dtype)
 
 
+def cpu_threads(requested: int | None, weight_bytes: int) -> int:
+    """The threads a CPU run uses: `requested` (--threads), else every core torch sees, but 1 for a
+    model of a few MB (the built-in demo): its GEMMs are too small to share, and each handoff
+    between threads costs more than it saves."""
+    if requested is not None:
+        return requested
+    return 1 if weight_bytes < SMALL_MODEL_BYTES else DEFAULT_THREADS

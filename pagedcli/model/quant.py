@@ -14,9 +14,15 @@ reference computes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+# `quantization` int4's group (gpt-fast's default); a layer whose inputs it does not divide takes the
+# largest of INT4_GROUPS that does, or stays in the model dtype
+INT4_GROUP = 128
+INT4_GROUPS = (128, 64, 32)
 
 
 @dataclass
@@ -32,6 +38,8 @@ class QuantWeight:
     bits: int
     group: int
     source: str
+    # forms a backend prepares once from these fields and keeps (backends/cpu_quant.py): key -> tensor(s)
+    forms: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         out, groups = self.scale.shape
@@ -62,6 +70,95 @@ class QuantWeight:
         if self.offset is not None:
             grouped = grouped + self.offset[..., None]
         return grouped.reshape(out, width).to(dtype)
+
+    def form(self, key, make: Callable[["QuantWeight"], object]):
+        """The prepared form `key` of this weight, made by `make(self)` the first time it is asked for."""
+        if key not in self.forms:
+            self.forms[key] = make(self)
+        return self.forms[key]
+
+    @property
+    def symmetric(self) -> bool:
+        return self.offset is None
+
+    def describe(self) -> str:
+        """The format for people: `Q4_K`, `int4 (group 128, asymmetric)`, `awq (4-bit, group 128)`."""
+        return describe([self])
+
+
+def describe(weights: list[QuantWeight]) -> str:
+    """The formats of `weights` for people, one entry a source with its groups: `Q4_K, Q6_K`,
+    `int4 (groups 64 and 128, asymmetric)`, `gptq (4-bit, group 128)`."""
+    kinds: dict[tuple, list[str]] = {}
+    for w in weights:
+        group = "per channel" if w.group == w.shape[1] else str(w.group)
+        for source in w.source.split("+"):  # a fused weight of parts from several (cat_quant)
+            groups = kinds.setdefault((source, w.bits, w.symmetric), [])
+            if group not in groups:
+                groups.append(group)
+    names = []
+    for (source, bits, symmetric), groups in kinds.items():
+        if source.startswith("Q"):  # GGUF's type names say it all
+            names.append(source)
+            continue
+        numbers = sorted(int(g) for g in groups if g != "per channel")
+        parts = [("groups " if len(numbers) > 1 else "group ") + " and ".join(map(str, numbers))] if numbers else []
+        detail = ", ".join(parts + (["per channel"] if "per channel" in groups else []))
+        if source in ("int4", "int8"):
+            names.append(f"{source} ({detail}, {'symmetric' if symmetric else 'asymmetric'})")
+        else:
+            names.append(f"{source} ({bits}-bit, {detail})")
+    return ", ".join(names)
+
+
+def cat_quant(parts: list[QuantWeight]) -> QuantWeight:
+    """QuantWeights of the same inputs, bits and group stacked along their outputs (fused qkv,
+    gate_up); a part without offsets takes zeros beside parts with them."""
+    first = parts[0]
+    assert all(p.bits == first.bits and p.group == first.group and p.shape[1] == first.shape[1] for p in parts)
+    offsets = None
+    if any(p.offset is not None for p in parts):
+        offsets = torch.cat([torch.zeros_like(p.scale) if p.offset is None else p.offset for p in parts])
+    sources = dict.fromkeys(p.source for p in parts)
+    return QuantWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offsets,
+                       first.bits, first.group, "+".join(sources))
+
+
+def int4_group(width: int) -> int | None:
+    """`quantization` int4's group for a layer of `width` inputs: INT4_GROUP, else the largest of
+    INT4_GROUPS dividing it; None: none does (the layer stays in the model dtype)."""
+    return next((g for g in INT4_GROUPS if width % g == 0), None)
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> QuantWeight:
+    """Round to nearest, asymmetric, a scale and minimum per `group` inputs of a row (gpt-fast's
+    int4): scale = (max - min) / 15, q = round((w - min) / scale) in 0..15, offset = min, so
+    |w - dequantized| <= scale / 2. A constant group takes scale 1e-6 and q = 0 (exact)."""
+    out, width = w.shape
+    grouped = w.float().reshape(out, width // group, group)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-6)
+    q = ((grouped - low[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(out, width)
+    return QuantWeight(pack_int4(q), scale, low, 4, group, "int4")
+
+
+def quantize_int8(w: torch.Tensor) -> QuantWeight:
+    """Round to nearest, symmetric, a scale per output row (group = the row): scale = amax(|row|) / 127,
+    q = round(w / scale) in -127..127; an all-zero row takes scale 1."""
+    w = w.float()
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, 1.0)
+    q = (w / scale).round().clamp(-127, 127).to(torch.int8)
+    return QuantWeight(q, scale, None, 8, w.shape[1], "int8")
+
+
+def quantize(w: torch.Tensor, quantization: str) -> QuantWeight | None:
+    """`quantization` int4 or int8 of a float [out, in] weight; None where int4 has no group for its
+    width (the caller keeps it in float)."""
+    if quantization == "int8":
+        return quantize_int8(w)
+    group = int4_group(w.shape[1])
+    return None if group is None else quantize_int4(w, group)
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:

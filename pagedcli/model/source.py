@@ -1,6 +1,7 @@
 """What `--model` names, resolved to a config and a place to read weights and tokenizer from:
 
 - a local Hugging Face folder (config.json, model.safetensors or a sharded index, tokenizer.json, ...);
+- a GGUF file (llama.cpp's, ollama's: model/gguf.py), or a folder holding one and no config.json;
 - a Hub id such as meta-llama/Llama-3.2-1B-Instruct, or one without a namespace such as gpt2 when
   no folder has that name (the local cache first, then a download);
 - `demo`: the small Shakespeare model that ships inside the package;
@@ -20,7 +21,10 @@ from pagedcli.core.errors import RunError, UsageError
 from pagedcli.model.config import ModelConfig, token_ids
 from pagedcli.model.config_checks import check_generation_config
 from pagedcli.model.files import read_json
+from pagedcli.model.gguf import GGUFModel, gguf_path, read_gguf
+from pagedcli.model.gguf_tokenizer import gguf_tokenizer
 from pagedcli.model.presets import RANDOM_PRESETS
+from pagedcli.model.tokenizer import Tokenizer
 
 DATA = Path(__file__).parent.parent / "data"
 DEMO_FOLDER = DATA / "demo"
@@ -35,6 +39,7 @@ class ModelSource:
     folder: Path | None  # weights and tokenizer; None for random weights
     random: bool = False
     generation_config: dict = field(default_factory=dict)
+    gguf: GGUFModel | None = None  # a GGUF file: its header, read once (folder: None)
 
     @property
     def stop_ids(self) -> set[int]:
@@ -42,7 +47,17 @@ class ModelSource:
 
     @property
     def has_tokenizer(self) -> bool:
+        if self.gguf is not None:
+            return "tokenizer.ggml.tokens" in self.gguf.file.metadata
         return self.folder is not None and (self.folder / "tokenizer.json").exists()  # unreadable: said on reading
+
+    def read_tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer: the folder's files, or a GGUF file's vocabulary; None without one."""
+        if not self.has_tokenizer:
+            return None
+        if self.gguf is not None:
+            return gguf_tokenizer(self.gguf.file.metadata, str(self.gguf.file.path))
+        return Tokenizer(self.folder)
 
 
 def resolve_model(spec: str | None, notice: Callable[[str], None] = lambda _: None) -> ModelSource:
@@ -61,10 +76,17 @@ def resolve_model(spec: str | None, notice: Callable[[str], None] = lambda _: No
     if spec.startswith("random:"):
         return _random(spec)
     path = Path(spec).expanduser()
+    gguf = gguf_path(path, spec)
+    if gguf is not None:
+        model = read_gguf(gguf)
+        return ModelSource(spec, model.config, None, generation_config=model.generation_config, gguf=model)
     if path.is_dir():
         return _from_folder(path, spec)
     if path.exists():
-        raise UsageError(f"`model` {spec}: is a file, not a model folder", "pass the folder that holds config.json")
+        raise UsageError(f"`model` {spec}: is a file, not a model folder or a .gguf file",
+                         "pass the folder that holds config.json, or a GGUF file")
+    if path.suffix.lower() == ".gguf":  # not a Hub id: no repository is named like a file
+        raise UsageError(f"`model` {spec}: no such file", "pass the path of a .gguf file")
     if not HUB_ID.fullmatch(spec) or spec.startswith((".", "/", "~")):
         raise UsageError(f"`model` {spec}: no such folder", "pass a model folder, a Hub id, or `demo`")
     return _from_folder(_download(spec), spec)
@@ -72,8 +94,10 @@ def resolve_model(spec: str | None, notice: Callable[[str], None] = lambda _: No
 
 def found_here(spec: str) -> bool:
     """Whether `spec` names a model resolve_model finds without a download: `demo`, `random:...`, a
-    folder, or a Hub id in the local cache."""
-    return (spec == "demo" or spec.startswith("random:") or Path(spec).expanduser().is_dir()
+    folder, a GGUF file, or a Hub id in the local cache."""
+    path = Path(spec).expanduser()
+    return (spec == "demo" or spec.startswith("random:") or path.is_dir()
+            or (path.is_file() and gguf_path(path, spec) is not None)
             or (HUB_ID.fullmatch(spec) is not None and _cached_snapshot(spec) is not None))
 
 

@@ -36,10 +36,22 @@ class Tokenizer:
             raise RunError(f"{path} could not be read ({_first_line(e)})") from None
         config = read_json(folder / "tokenizer_config.json")
         check_tokenizer_config(config, str(folder / "tokenizer_config.json"))
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
-        self.add_bos = bool(config.get("add_bos_token", False))
-        self.chat_template = config.get("chat_template") or _read_template(folder)
+        self._setup(_token_text(config.get("bos_token")), _token_text(config.get("eos_token")),
+                    bool(config.get("add_bos_token", False)), config.get("chat_template") or _read_template(folder))
+
+    @classmethod
+    def from_tokenizer(cls, tok: HFTokenizer, bos_token: str | None, eos_token: str | None, add_bos: bool,
+                       chat_template: str | None) -> Tokenizer:
+        """A tokenizer built in memory (a GGUF file's vocabulary: model/gguf_tokenizer.py) with the
+        special tokens and chat template a folder's tokenizer_config.json would give."""
+        self = cls.__new__(cls)
+        self.tok = tok
+        self._setup(bos_token, eos_token, add_bos, chat_template)
+        return self
+
+    def _setup(self, bos_token: str | None, eos_token: str | None, add_bos: bool, chat_template) -> None:
+        self.bos_token, self.eos_token, self.add_bos = bos_token, eos_token, add_bos
+        self.chat_template = chat_template
         self.template_source = "the model's chat template"  # as messages name it
         # variables every render passes the template beside the messages (vLLM's chat_template_kwargs,
         # e.g. Qwen3's enable_thinking); a request may add its own

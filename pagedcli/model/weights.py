@@ -27,13 +27,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagedcli.core.errors import RunError, plural, show_value
+from pagedcli.core.errors import RunError, UsageError, plural, show_value
 from pagedcli.core.fp8 import FP8_DTYPE, KVScales
 from pagedcli.model.config import ModelConfig
 from pagedcli.model.files import read_json
 from pagedcli.model.fp8 import FP8_MMA_MULTIPLE, Fp8Weight, quantize_weight
-from pagedcli.model.host_memory import check_weights_fit
-from pagedcli.model.quant import QuantWeight
+from pagedcli.model.host_memory import check_weights_fit, quant_linear_bytes
+from pagedcli.model.hub_quant import packed_scheme
+from pagedcli.model.quant import QuantWeight, cat_quant, describe, quantize
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of what a weight may be stored as
 FP8_STORED = "F8_E4M3"  # safetensors' name of float8_e4m3fn: an fp8 checkpoint's linear weights
@@ -44,12 +45,12 @@ LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    # the linear layers: a tensor in the model dtype, or an Fp8Weight of the same [out, in] shape
-    qkv: torch.Tensor | Fp8Weight  # [q_dim + 2 kv_dim, hidden]
-    o: torch.Tensor | Fp8Weight  # [hidden, q_dim]
+    # the linear layers: a tensor in the model dtype, or an Fp8Weight or QuantWeight of the same [out, in] shape
+    qkv: torch.Tensor | Fp8Weight | QuantWeight  # [q_dim + 2 kv_dim, hidden]
+    o: torch.Tensor | Fp8Weight | QuantWeight  # [hidden, q_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor | Fp8Weight  # [2 intermediate, hidden]
-    down: torch.Tensor | Fp8Weight  # [hidden, intermediate]
+    gate_up: torch.Tensor | Fp8Weight | QuantWeight  # [2 intermediate, hidden]
+    down: torch.Tensor | Fp8Weight | QuantWeight  # [hidden, intermediate]
     # biases, where the family or config.json has them (ModelConfig's qkv_bias, o_bias, mlp_bias), fused
     # like their weights
     qkv_bias: torch.Tensor | None = None  # [q_dim + 2 kv_dim]
@@ -70,7 +71,7 @@ class Weights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor | Fp8Weight  # [vocab, hidden]; the same tensor as embed when tied (and not fp8)
+    lm_head: torch.Tensor | Fp8Weight | QuantWeight  # [vocab, hidden]; the same tensor as embed when tied (and not quantized)
     kv_scales: KVScales | None = None  # K/V scales the checkpoint ships (for an fp8 KV cache)
 
     @property
@@ -91,6 +92,21 @@ class Weights:
     @property
     def quantized(self) -> bool:
         return any(isinstance(w, Fp8Weight) for l in self.layers for w in vars(l).values())
+
+    def float_linears(self) -> int:
+        """Linear layers (q/k/v, o, gate/up and down of every layer) still in the model dtype."""
+        return sum(isinstance(w, torch.Tensor) for l in self.layers for w in (l.qkv, l.o, l.gate_up, l.down))
+
+    @property
+    def format(self) -> str:
+        """The linear layers' and the LM head's format for people: `bfloat16`, `fp8 (per channel)`,
+        `int4 (groups 64 and 128, asymmetric)`, `Q4_K, Q6_K`, ... (a layer left in float named too)."""
+        matrices = [w for l in self.layers for w in (l.qkv, l.o, l.gate_up, l.down)] + [self.lm_head]
+        names = [str(w.dtype).removeprefix("torch.") for w in matrices if isinstance(w, torch.Tensor)]
+        if any(isinstance(w, Fp8Weight) for w in matrices):
+            names.append("fp8 (per channel)")
+        packed = describe([w for w in matrices if isinstance(w, QuantWeight)])
+        return ", ".join(dict.fromkeys(([packed] if packed else []) + names))
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -177,15 +193,19 @@ class _TensorReader:
                 raise RunError(f"{path} is not a readable safetensors file ({_first_line(e)})",
                                "download the checkpoint again") from None
         folder = files[0].parent
-        self.fp8 = fp8_checkpoint(config)
+        self.packed = packed_scheme(config)  # AWQ, GPTQ, compressed-tensors' 4-bit (model/hub_quant.py)
+        self.fp8 = self.packed is None and fp8_checkpoint(config)
         self._check_layers(config, folder)
         self.shapes = shapes = expected_shapes(config)
-        missing = [n for n in shapes if n not in self.where]
+        missing = [n for n in shapes if n not in self.where and not self.is_packed(n)]
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise RunError(f"tensor {missing[0]}{more} missing from {folder}", "is this a Llama checkpoint?")
         for name in shapes:  # from the headers, before any tensor is allocated or read
-            self._check_header(name)
+            if self.is_packed(name):
+                self.packed.check(self.where, name, shapes[name])
+            else:
+                self._check_header(name)
 
     def _check_layers(self, config: ModelConfig, folder: Path) -> None:
         """The checkpoint's layers are the config's: a layer more would go unused (and the output
@@ -233,6 +253,10 @@ class _TensorReader:
                            "use a checkpoint with per-tensor or per-channel scales, or its float original with "
                            "`quantization` fp8")
 
+    def is_packed(self, name: str) -> bool:
+        """Whether `name` is stored 4-bit packed (its float name absent: `qweight` and the rest)."""
+        return self.packed is not None and name not in self.where and self.packed.stores(self.where, name)
+
     def is_fp8(self, name: str) -> bool:
         return self.fp8 and self.where[name].get_slice(name).get_dtype() == FP8_STORED
 
@@ -279,13 +303,22 @@ class _TensorReader:
                            "the checkpoint is damaged; download it again")
         scale.copy_(stored.expand(scale.shape[0]))
 
-    def linear(self, names: list[str], quantize: bool) -> torch.Tensor | Fp8Weight:
-        """The fused weight of `names`: in the model dtype, or (`quantize`) an Fp8Weight. Float
-        tensors are quantized here; an fp8 checkpoint's values and scales are taken as they are
-        (dequantized to the model dtype unless `quantize`)."""
+    def linear(self, names: list[str], quantization: str = "none") -> torch.Tensor | Fp8Weight | QuantWeight:
+        """The fused weight of `names`: in the model dtype, or as `quantization` fp8 (an Fp8Weight)
+        or int4 / int8 (a QuantWeight: model/quant.py) makes it. Float tensors are quantized here; an
+        fp8 checkpoint's values and scales are taken as they are (dequantized to the model dtype
+        unless `quantization` fp8); a 4-bit checkpoint's packed weights become QuantWeights as they
+        are (dequantized where a fused matrix mixes them with float ones or other groups)."""
+        if self.packed is not None and any(self.is_packed(n) for n in names):
+            return self._packed_linear(names)
         if not any(self.is_fp8(n) for n in names):
             w = self.fused(names)
-            return quantize_weight(w) if quantize else w
+            if quantization in ("int4", "int8"):
+                return quantize(w, quantization) or w
+            return quantize_weight(w) if quantization == "fp8" else w
+        if quantization in ("int4", "int8"):  # an fp8 checkpoint's weights, dequantized, then quantized so
+            w = self.linear(names)
+            return quantize(w, quantization) or w
         rows = [self.shapes[n][0] for n in names]
         values = torch.empty((sum(rows),) + self.shapes[names[0]][1:], dtype=FP8_DTYPE, device=self.device)
         scale = torch.empty(sum(rows), dtype=torch.float32, device=self.device)
@@ -297,7 +330,14 @@ class _TensorReader:
                 part.copy_(q.values)
                 part_scale.copy_(q.scale)
         w = Fp8Weight(values, scale)
-        return w if quantize else w.dequantize(self.dtype)
+        return w if quantization == "fp8" else w.dequantize(self.dtype)
+
+    def _packed_linear(self, names: list[str]) -> QuantWeight | torch.Tensor:
+        parts = [self.packed.read(self.where, n, self.shapes[n], self.device) if self.is_packed(n) else self.read(n)
+                 for n in names]
+        if all(isinstance(p, QuantWeight) and p.group == parts[0].group for p in parts):
+            return parts[0] if len(parts) == 1 else cat_quant(parts)
+        return torch.cat([p.dequantize(self.dtype) if isinstance(p, QuantWeight) else p for p in parts])
 
     def kv_scales(self, config: ModelConfig) -> KVScales | None:
         """The checkpoint's K/V scales (vLLM's `self_attn.k_scale`, `self_attn.v_scale`: one per
@@ -342,7 +382,8 @@ def fp8_checkpoint(config: ModelConfig) -> bool:
         return _compressed_tensors_fp8(q)
     if method != "fp8":
         raise RunError(f"config.json: quantization_config's quant_method {show_value(method)} is not supported",
-                       "pagedcli reads float checkpoints and fp8 ones (quant_method fp8)")
+                       "pagedcli reads float checkpoints, fp8 ones (quant_method fp8) and 4-bit awq, gptq and "
+                       "compressed-tensors ones")
     if q.get("weight_block_size") is not None:
         raise RunError(f"config.json: block-wise fp8 scales (weight_block_size {show_value(q['weight_block_size'])}) "
                        "are not supported", BLOCK_WISE_HINT)
@@ -376,21 +417,26 @@ def fp8_lm_head(config: ModelConfig) -> bool:
 
 
 def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, quantization: str = "none") -> Weights:
-    """`quantization` fp8: the linear layers and the LM head as Fp8Weights (model/fp8.py)."""
+    """`quantization` fp8: the linear layers and the LM head as Fp8Weights (model/fp8.py); int4 /
+    int8: as QuantWeights (model/quant.py). A 4-bit checkpoint's (model/hub_quant.py) linear layers
+    are QuantWeights as they are stored."""
     reader = _TensorReader(safetensors_files(Path(folder)), config, dtype, device)
-    fp8 = quantization == "fp8"
-    check_weights_fit(config, dtype, device, fp8)  # (the checkpoint's headers agree with config.json by now)
+    if reader.packed is not None and quantization != "none":
+        raise UsageError(f"`quantization` {quantization}: the checkpoint's linear layers are {reader.packed.method} "
+                         "4-bit already", "leave out `quantization`")
+    # (the checkpoint's headers agree with config.json by now)
+    check_weights_fit(config, dtype, device, *host_bytes("4-bit" if reader.packed is not None else quantization, dtype))
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         mlp = config.mlp_bias
         layers.append(LayerWeights(
             input_norm=reader.read(p + "input_layernorm.weight"),
-            qkv=reader.linear([p + f"self_attn.{x}_proj.weight" for x in "qkv"], fp8),
-            o=reader.linear([p + "self_attn.o_proj.weight"], fp8),
+            qkv=reader.linear([p + f"self_attn.{x}_proj.weight" for x in "qkv"], quantization),
+            o=reader.linear([p + "self_attn.o_proj.weight"], quantization),
             post_norm=reader.read(p + "post_attention_layernorm.weight"),
-            gate_up=reader.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], fp8),
-            down=reader.linear([p + "mlp.down_proj.weight"], fp8),
+            gate_up=reader.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], quantization),
+            down=reader.linear([p + "mlp.down_proj.weight"], quantization),
             qkv_bias=reader.fused([p + f"self_attn.{x}_proj.bias" for x in "qkv"]) if config.qkv_bias else None,
             o_bias=reader.read(p + "self_attn.o_proj.bias") if config.o_bias else None,
             gate_up_bias=reader.fused([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]) if mlp else None,
@@ -399,12 +445,22 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, 
             k_norm=reader.read(p + "self_attn.k_norm.weight") if config.qk_norm else None,
         ))
     embed = reader.read("model.embed_tokens.weight")
-    if fp8 and fp8_lm_head(config):  # a copy of its own when it is the embedding table (which stays for lookups)
-        lm_head = quantize_weight(embed) if config.tie_word_embeddings else reader.linear(["lm_head.weight"], True)
-    else:
-        lm_head = embed if config.tie_word_embeddings else reader.read("lm_head.weight")
+    if quantization != "none" and fp8_lm_head(config):  # a copy of its own when tied (the table stays for lookups)
+        lm_head = (quantize_lm_head(embed, quantization) if config.tie_word_embeddings
+                   else reader.linear(["lm_head.weight"], quantization))
+    elif config.tie_word_embeddings:
+        lm_head = embed
+    else:  # (a 4-bit checkpoint's packed LM head as it is stored)
+        lm_head = reader.linear(["lm_head.weight"]) if reader.is_packed("lm_head.weight") else reader.read("lm_head.weight")
     return Weights(embed=embed, layers=layers, norm=reader.read("model.norm.weight"), lm_head=lm_head,
                    kv_scales=reader.kv_scales(config))
+
+
+def quantize_lm_head(w: torch.Tensor, quantization: str) -> torch.Tensor | Fp8Weight | QuantWeight:
+    """The LM head as `quantization` makes the linear layers (the same rule as fp8's: fp8_lm_head)."""
+    if quantization == "fp8":
+        return quantize_weight(w)
+    return quantize(w, quantization) or w
 
 
 def _first_line(e: Exception) -> str:
@@ -412,11 +468,20 @@ def _first_line(e: Exception) -> str:
     return lines[0][:200] if lines else type(e).__name__
 
 
+def host_bytes(weights: str, dtype: torch.dtype) -> tuple[float | None, str]:
+    """(bytes a linear weight on the host, the format's name) for check_weights_fit: `weights` is
+    `quantization` (none, fp8, int4, int8) or 4-bit (a packed checkpoint)."""
+    bits = {"int4": 4, "4-bit": 4, "int8": 8}.get(weights)
+    if bits is not None:
+        return quant_linear_bytes(bits, dtype), weights
+    return (1.0, "fp8") if weights == "fp8" else (None, "")
+
+
 def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0, quantization: str = "none") -> Weights:
     """Weights of the right shapes drawn from N(0, 0.02), norms at 1, made on `device` directly:
     the same work per token as the real checkpoint, for benchmarks without a download
     (`quantization` fp8: the linear layers and the LM head quantized as they are made)."""
-    check_weights_fit(config, dtype, device, quantization == "fp8")
+    check_weights_fit(config, dtype, device, *host_bytes(quantization, dtype))
     gen = torch.Generator(device=device).manual_seed(seed)
     h, i = config.hidden_size, config.intermediate_size
 
@@ -427,7 +492,7 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 
         return torch.ones(n, dtype=dtype, device=device)
 
     def linear(*shape):
-        return quantize_weight(normal(*shape)) if quantization == "fp8" else normal(*shape)
+        return normal(*shape) if quantization == "none" else quantize_lm_head(normal(*shape), quantization)
 
     qkv_rows = config.q_dim + 2 * config.kv_dim
     c, d = config, config.head_dim
@@ -438,6 +503,6 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 
               for _ in range(c.num_layers)]
     embed = normal(config.vocab_size, h)
     lm_head = embed if config.tie_word_embeddings else normal(config.vocab_size, h)
-    if quantization == "fp8" and fp8_lm_head(config):
-        lm_head = quantize_weight(lm_head)
+    if quantization != "none" and fp8_lm_head(config):
+        lm_head = quantize_lm_head(lm_head, quantization)
     return Weights(embed, layers, ones(h), lm_head)

@@ -3,7 +3,7 @@
 
 - protocol.py       the request bodies, with OpenAI's field names and types (pydantic)
 - sampling.py       a request's prompt and options -> token ids and SamplingParams, or a 400
-- tools.py          tool calls: the tools into the chat template, the answer back into tool_calls
+- tools.py          tool calls: the tools into the chat template, the answer back into tool_calls (streamed as written)
 - engine_process.py the one engine, in a process of its own: builds it, steps it, sends each turn's tokens
 - engine_client.py  the API process's side of it: requests (Jobs) in, their tokens out to each one
 - command_pipe.py   the pipe its commands go by, written from the event loop without blocking

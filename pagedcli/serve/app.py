@@ -23,18 +23,31 @@ from starlette.requests import ClientDisconnect
 from pagedcli.core.errors import UsageError
 from pagedcli.core.options import SamplingParams
 from pagedcli.engine.structured import StructuredOutputs
-from pagedcli.serve import tools
-from pagedcli.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, ENGINE_TIMEOUT_S, cache_view
+from pagedcli.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, ENGINE_TIMEOUT_S, cache_view, tools
 from pagedcli.serve.asgi import Endpoint, EventStream, watch_for_hang_up
 from pagedcli.serve.engine_client import ClientGone, EngineClient, Job, hung_message
 from pagedcli.serve.engine_process import Ready
-from pagedcli.serve.errors import (APIError, bad_request, not_allowed, not_found, server_error, too_large,
-                                   too_many_waiting, unauthorized)
+from pagedcli.serve.errors import (
+    APIError,
+    bad_request,
+    not_allowed,
+    not_found,
+    server_error,
+    too_large,
+    too_many_waiting,
+    unauthorized,
+)
 from pagedcli.serve.metrics import Metrics
 from pagedcli.serve.protocol import ChatRequest, CompletionRequest, parse
 from pagedcli.serve.responses import NO_USAGE, Answer, Shapes, failure, new_id, sse, usage
-from pagedcli.serve.sampling import (Prompts, chat_prompt, check_answer_count, completion_prompts, longest_text,
-                                     request_params)
+from pagedcli.serve.sampling import (
+    Prompts,
+    chat_prompt,
+    check_answer_count,
+    completion_prompts,
+    longest_text,
+    request_params,
+)
 
 log = logging.getLogger("pagedcli.serve")
 CLIENT_GONE = 499  # nginx's status for a request whose client closed the connection (logged only)

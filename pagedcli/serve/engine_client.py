@@ -3,8 +3,9 @@ start it, send it commands, and hand each request the tokens its answers gained.
 
 A request is a Job: the route submits it (an "add" command through the pipe) and awaits its
 deltas. The event loop watches the pipe from the server's start (loop.add_reader): each message
-the engine sends after a turn is read there, and its deltas go to their jobs, each waking its
-route, so a token reaches its client as soon as the engine has sampled it.
+the engine sends after a turn is read there (a large one in as many reads as it takes, without
+blocking: MessageReader), and its deltas go to their jobs, each waking its route, so a token
+reaches its client as soon as the engine has sampled it.
 
 Commands go down a pipe of their own (command_pipe.py), written from the event loop without ever
 blocking it: a blocked send (the pipe full while the engine waits for this process to read its
@@ -26,7 +27,10 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
+import pickle
 import select
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -149,6 +153,7 @@ class EngineClient:
         self.build, self.args, self.live = build, args, live
         self.metrics = metrics
         self.conn = None  # the engine's messages
+        self.reader: MessageReader | None = None  # reads them without blocking, once the loop watches them
         self.commands: CommandPipe | None = None
         self.process = None  # the engine's, when this process started it (the first API process)
         self.other_links: list[tuple] = []  # for the other API processes (--api-server-count), until handed out
@@ -249,8 +254,8 @@ class EngineClient:
         the engine's end has closed."""
         try:
             if self.conn.poll(0.05):
-                message = self.conn.recv()
-                if message[0] == "step":
+                message = self.conn.recv() if self.reader is None else self.reader.next()
+                if message is not None and message[0] == "step":
                     self.metrics.record(message[3])
             return True
         except (EOFError, OSError):
@@ -354,6 +359,7 @@ class EngineClient:
             self.loop = loop
             self.pending = select.poll()  # (Connection.poll builds a selector each call: a tenth of _read's time)
             self.pending.register(self.conn.fileno(), select.POLLIN)
+            self.reader = MessageReader(self.conn.fileno())
             self.loop.add_reader(self.conn.fileno(), self._read)
             self.commands.attach(self.loop)
             self.loop.call_later(WATCH_EVERY_S, self._watch)
@@ -364,9 +370,8 @@ class EngineClient:
         (the fd is still readable, so the loop calls this again), and a lagging client's deltas merge."""
         try:
             for _ in range(READ_AT_ONCE):
-                if not self.pending.poll(0):
+                if (message := self.reader.next()) is None:  # (not all of it has come: the loop calls again)
                     break
-                message = self.conn.recv()
                 self.last_heard = time.monotonic()
                 if message[0] == "step":
                     self._deliver(*message[1:])
@@ -426,6 +431,58 @@ class EngineClient:
             if not future.done():
                 future.set_exception(APIError(ENGINE_GONE, 503, type="server_error"))
         self.snapshots.clear()
+
+
+class MessageReader:
+    """The engine's messages, framed as multiprocessing's Connection frames them (a 4-byte size, or
+    -1 and an 8-byte one, then the pickle), read from the pipe without ever blocking: a message of
+    which only a part has come (one larger than the pipe holds, or one the engine is still writing)
+    waits here for the rest. (Connection.recv cannot: uvloop makes every fd it watches non-blocking,
+    and a recv in the middle of such a message raised BlockingIOError, which read as the engine's
+    death: a 500-token prompt's log-probabilities did it.)"""
+
+    LONG = b"\xff\xff\xff\xff"  # a size of -1: the real one follows in 8 bytes
+
+    def __init__(self, fd: int):
+        os.set_blocking(fd, False)  # (the stdlib's loop leaves it blocking: the same reads on both)
+        self.fd = fd
+        self.head = bytearray()
+        self.body: bytearray | None = None  # once the size is known
+        self.size = 0
+
+    def next(self):
+        """The next whole message, or None while it has not all come; EOFError once the pipe has closed."""
+        while True:
+            if self.body is None:
+                need = 12 if self.head[:4] == self.LONG else 4
+                if len(self.head) == need:
+                    self.size = struct.unpack("!i", self.head)[0] if need == 4 else struct.unpack("!Q", self.head[4:])[0]
+                    if need == 4 and self.size == -1:
+                        continue
+                    self.head.clear()
+                    self.body = bytearray()
+                    continue
+                piece = self._read(need - len(self.head))
+                if piece is None:
+                    return None
+                self.head += piece
+            elif len(self.body) == self.size:
+                body, self.body = self.body, None
+                return pickle.loads(body)
+            else:
+                piece = self._read(self.size - len(self.body))
+                if piece is None:
+                    return None
+                self.body += piece
+
+    def _read(self, n: int) -> bytes | None:
+        try:
+            piece = os.read(self.fd, n)
+        except (BlockingIOError, InterruptedError):
+            return None
+        if not piece:
+            raise EOFError
+        return piece
 
 
 def hung_message(silent: float) -> str:

@@ -74,6 +74,8 @@ class Request(Body):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's log-probability and the N likeliest
+    # OpenAI's, not done here: read so that asking for it is a 400, not ignored (sampling.py)
+    logit_bias: Optional[dict[str, Any]] = None
 
 
 _HINTS = typing.get_type_hints(SamplingParams)
@@ -134,6 +136,9 @@ class ChatRequest(Sampling):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedTool, None] = None
     parallel_tool_calls: Optional[bool] = None  # (calls are parsed as the model writes them, one or more)
+    # OpenAI's older form of tools: read so that asking for it is a 400 (give `tools`), not free text
+    functions: Optional[list[Any]] = None
+    function_call: Union[str, dict[str, Any], None] = None
 
 
 # a UTF-16 surrogate, as a JSON escape or as the bytes Python's json lets through (surrogatepass):

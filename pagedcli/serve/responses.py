@@ -78,7 +78,8 @@ class Shapes:
         # completions' echo: (each prompt's ids, its text or None, max_tokens 0: the prompt alone)
         self.echo: tuple[list[list[int]], list[str | None], bool] | None = None
         self.tools: tuple[str, set[str]] | None = None  # chat's tool-call parser and the tools' names
-        self.held: dict[int, Delta] = {}  # with tools: each answer's text until its end (it may be a call)
+        self.streams: dict[int, tools.CallStream] = {}  # with tools: each answer's calls, read as they come
+        self.held: dict[int, Delta] = {}  # with tools: each answer's tokens not yet sent (their logprobs)
         self.offsets: dict[int, int] = {}  # completions' text_offset so far, per answer
         # a stream's chunks differ only in their choice (and usage): the rest is written once
         head = one_line(to_json(self._head("chat.completion.chunk" if chat else "text_completion")))
@@ -124,7 +125,7 @@ class Shapes:
                 choice["message"] = {"role": "assistant", "content": content}
                 if calls:
                     choice["message"]["tool_calls"] = [c.to_openai() for c in calls]
-                    choice["finish_reason"] = "tool_calls"
+                    choice["finish_reason"] = "tool_calls" if finish == "stop" else finish
             else:
                 choice["text"] = text
             if self.prompt_logprobs_of is not None:
@@ -168,17 +169,10 @@ class Shapes:
         until the last chunk); NO_USAGE: none. Written as text around the values, the JSON of
         the dict {"index", "logprobs", "finish_reason", "delta" or "text"} (a chunk a step and
         stream: json.dumps of the whole took most of this process's own work for a token).
-        None while a chat answer with tools is held back: it may be a tool call, which goes out
-        whole at the answer's end (as OpenAI streams it: the call's id, name and arguments)."""
+        With tools, a chat answer's chunks come from _tool_chunks (None while it holds back text that
+        may begin a call)."""
         if self.tools:
-            held = self.held.setdefault(delta.index, Delta(delta.index, [], ""))
-            held.extend(delta)
-            if delta.finish_reason is None:
-                return None
-            delta = self.held.pop(delta.index)
-            content, calls = tools.parse(delta.text, *self.tools)
-            if calls:
-                return self._tool_chunk(delta, content, calls, usage)
+            return self._tool_chunks(delta, first, usage)
         entries = list(zip(delta.token_ids, delta.logprobs))
         if self.echo is not None:
             ids, texts, prompt_only, n = self.echo
@@ -201,15 +195,55 @@ class Shapes:
         choice = f'{{"index":{delta.index},"logprobs":{logprobs},"finish_reason":{finish},{body}}}{tail}\n\n'
         return self.chunk_start + one_line(choice).encode()
 
-    def _tool_chunk(self, delta: Delta, content: str | None, calls: list, usage) -> bytes:
-        """The chunk that ends an answer that was tool calls: its role, any text before them, and
-        the calls whole, with finish_reason tool_calls."""
-        message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}
-        choice = {"index": delta.index, "logprobs": None, "finish_reason": "tool_calls", "delta": message}
-        body = self._head("chat.completion.chunk") | {"choices": [choice]}
-        if usage is not NO_USAGE:
-            body["usage"] = usage
-        return sse(body)
+    def _tool_chunks(self, delta: Delta, first: bool, usage) -> bytes | None:
+        """A chat answer with tools, streamed as OpenAI streams it (tools.CallStream reads it): text
+        as content, held back only where it may begin a call; a call's first chunk with its index,
+        id, type, name and arguments "", then chunks of its index and pieces of its arguments; a last
+        chunk with finish_reason tool_calls. The log-probabilities of tokens held back go with the
+        next chunk. None while everything is held back."""
+        stream = self.streams.get(delta.index)
+        if stream is None:
+            stream = self.streams[delta.index] = tools.CallStream(*self.tools)
+        held = self.held.get(delta.index)
+        if held is None:
+            held = self.held[delta.index] = Delta(delta.index, [], None)  # (its tokens and logprobs: no text)
+        held.extend(delta)
+        events = stream.feed(delta.text or "")
+        if delta.finish_reason is not None:
+            events += stream.finish()
+            del self.streams[delta.index], self.held[delta.index]
+        elif not events:
+            return None
+        deltas = []
+        for event in events:
+            if event[0] == "content":
+                deltas.append({"content": event[1]})
+            elif event[0] == "call":
+                call = event[2]
+                deltas.append({"tool_calls": [{"index": event[1], "id": call.id, "type": "function",
+                                               "function": {"name": call.name, "arguments": ""}}]})
+            else:
+                deltas.append({"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]})
+        finish = delta.finish_reason
+        if finish is not None:
+            if stream.calls and finish == "stop":
+                finish = "tool_calls"
+            if not deltas or stream.calls:  # (OpenAI's last chunk after calls: an empty delta)
+                deltas.append({})
+        if first:
+            deltas[0] = {"role": "assistant", "content": deltas[0].get("content", None if stream.calls else "")} | deltas[0]
+        entries = list(zip(held.token_ids, held.logprobs))
+        held.token_ids, held.logprobs = [], []
+        out = []
+        for i, d in enumerate(deltas):
+            last = i == len(deltas) - 1
+            choice = {"index": delta.index, "logprobs": self.logprobs(delta.index, entries) if i == 0 and entries else None,
+                      "finish_reason": finish if last else None, "delta": d}
+            body = self._head("chat.completion.chunk") | {"choices": [choice]}
+            if usage is not NO_USAGE:
+                body["usage"] = usage
+            out.append(sse(body))
+        return b"".join(out)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [], "usage": usage}

@@ -21,7 +21,6 @@ from pagedcli.serve.errors import bad_request
 from pagedcli.serve.protocol import SAMPLING_FIELDS, ChatRequest, CompletionRequest, Sampling
 
 
-
 @dataclass
 class Prompts:
     """What the engine runs for one request: each prompt's token ids (and text, for the live
@@ -160,6 +159,7 @@ def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits
     `room`: the server's slots and --max-waiting; a request with more answers than both hold is
     refused (it would queue past --max-waiting)."""
     given = {f: getattr(req, f) for f in SAMPLING_FIELDS if getattr(req, f) is not None}
+    refuse_what_is_not_done(req)
     if req.stream_options is not None and not req.stream:  # (vLLM's 400 too: it would be silently ignored)
         raise bad_request("`stream_options` is for a streamed answer: send `stream: true` too, or leave it out",
                           "stream_options")
@@ -212,6 +212,19 @@ def request_params(req: Sampling, defaults: SamplingParams, limits: PromptLimits
         seeds = [None if p.seed is None else p.seed + len(params) * req.n + j for j in range(req.n)]
         params.append([replace(p, seed=s) for s in seeds])
     return params
+
+
+def refuse_what_is_not_done(req: Sampling) -> None:
+    """A 400 for a field this server reads but does not do, where ignoring it would hand the client
+    something else than it asked for (docs/serve.md, "Refused")."""
+    if req.logit_bias:
+        raise bad_request("`logit_bias` is not supported here (the logits are not biased); leave it out", "logit_bias")
+    if req.prompt_logprobs is not None and req.stream:  # (vLLM's 400 too)
+        raise bad_request("`prompt_logprobs` are not sent in a streamed answer: leave out `stream`, or them "
+                          "(completions' `echo` with `logprobs` streams the prompt's log-probabilities)", "prompt_logprobs")
+    if isinstance(req, ChatRequest) and (req.functions or req.function_call is not None):
+        raise bad_request("`functions` and `function_call` (OpenAI's deprecated form of tools) are not supported here: "
+                          "give `tools` and `tool_choice`", "functions" if req.functions else "function_call")
 
 
 def structured(req: Sampling, tool_parser: str) -> tuple[str, str] | None:
