@@ -178,3 +178,20 @@ def test_no_onednn_copies_where_they_would_take_much_of_the_memory(tiny, make_en
     assert not backend.onednn
     tokens, _ = recorded_run(make_engine(tiny), prompts_of([6], 211), max_tokens=3)
     assert len(tokens[0]) == 3
+
+
+def test_compressed_weights_with_float32_activations_multiply_by_one_onednn_copy():
+    """A QuantWeight times float32 activations goes through a oneDNN copy of its dequantized matrix,
+    made once and kept on the weight: the product is the dequantized reference's."""
+    from pagedcli.backends import cpu
+    from pagedcli.model.quant import quantize_int4
+
+    if not cpu.onednn_available():
+        pytest.skip("this torch has no oneDNN linear")
+    w = quantize_int4(torch.randn(48, 256, generator=torch.Generator().manual_seed(0)), 128)
+    x, bias = torch.randn(3, 256), torch.randn(48)
+    backend = cpu.CpuBackend.__new__(cpu.CpuBackend)  # (linear reads no cache)
+    y = backend.linear(x, w, bias)
+    torch.testing.assert_close(y, x @ w.dequantize().T + bias, rtol=1e-5, atol=1e-4)
+    copy = w.forms[("onednn", torch.float32)]
+    assert backend.linear(x[:1], w).shape == (1, 48) and w.forms[("onednn", torch.float32)] is copy

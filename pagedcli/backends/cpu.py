@@ -49,11 +49,16 @@ from pagedcli.backends.torch import TorchBackend
 from pagedcli.core.batch import NOT_FINITE, StepBatch
 from pagedcli.core.kv_store import KVStore
 from pagedcli.model.config import ModelConfig
+from pagedcli.model.quant import QuantWeight
 from pagedcli.model.weights import Weights
 
 # the most rows a bfloat16 GEMM runs on its reordered oneDNN copy: decode batches (1 and 8 measured
 # faster), not prompts (128 rows measured slower than torch's bfloat16 GEMM)
 ONEDNN_BF16_ROWS = 16
+
+
+def onednn_available() -> bool:
+    return hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
 
 
 def physical_memory() -> int:
@@ -137,7 +142,7 @@ class CpuBackend(TorchBackend):
         machine's. Compressed weights (fp8, QuantWeight) keep their own paths (composed.linear)."""
         linears = [w for lw in weights.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [weights.lm_head]
         linears = [w for w in linears if isinstance(w, torch.Tensor) and w.dtype in (torch.float32, torch.bfloat16)]
-        if not linears or not hasattr(torch.ops.mkldnn, "_linear_pointwise") or not torch.backends.mkldnn.is_available():
+        if not linears or not onednn_available():
             return
         if 4 * sum(w.numel() * w.element_size() for w in linears) > physical_memory():
             return
@@ -149,6 +154,11 @@ class CpuBackend(TorchBackend):
     def linear(self, x, weight, bias=None):
         """x @ weight.T (+ bias): through the weight's oneDNN copy where take_weights made one (a
         bfloat16 one for up to ONEDNN_BF16_ROWS rows: prompts run faster on torch's own)."""
+        if isinstance(weight, QuantWeight) and x.dtype == torch.float32 and onednn_available():
+            # float32 activations multiply by the dequantized matrix (backends/cpu_quant.py says why):
+            # its oneDNN copy, made once, in place of the plain one
+            copy = weight.form(("onednn", torch.float32), lambda w: w.dequantize(torch.float32).to_mkldnn())
+            return torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
         packed = self.onednn.get(id(weight))  # (the weight is held beside it: its id stays its own)
         if packed is None or (weight.dtype == torch.bfloat16 and x.shape[0] > ONEDNN_BF16_ROWS):
             return composed.linear(x, weight, bias)
