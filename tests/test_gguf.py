@@ -50,10 +50,10 @@ def stories_vocabulary() -> dict:
 def blocks(kind: str, rows: int, width: int, rng: np.random.Generator) -> np.ndarray:
     """[rows, bytes] of `kind`: quantized by gguf where it can; the K-quants (which gguf-py cannot
     quantize) as random blocks with small float16 scales in their places."""
-    if kind in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"):
+    if kind in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         w = (rng.standard_normal((rows, width)) * 0.15).astype(np.float32)
         return w if kind == "F32" else gguf.quants.quantize(w, Q[kind])
-    values, size = BLOCK_BYTES[kind]
+    values, size = gguf.GGML_QUANT_SIZES[Q[kind]]
     b = rng.integers(0, 256, (rows * width // values, size), dtype=np.uint8)
     scale = lambda: (rng.random(len(b)) * 3e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)
     if kind == "Q6_K":
@@ -194,8 +194,8 @@ def test_each_quant_type_decodes_to_what_ggml_dequantizes(kind):
     w = decode(raw.reshape(-1), kind, (rows, width))
     expected = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]))
     assert isinstance(w, QuantWeight) and w.shape == (rows, width) and w.source == kind
-    assert (w.bits, w.group) == {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32),
-                                 "Q5_K": (8, 32), "Q6_K": (8, 16)}[kind]
+    assert (w.bits, w.group) == {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (8, 32), "Q5_1": (8, 32),
+                                 "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}[kind]
     assert torch.equal(w.dequantize(torch.float32), expected)  # every value, exactly (float32)
 
 
@@ -355,10 +355,10 @@ def refused(spec, *fragments, code: int = 1):
 
 def test_an_unsupported_quant_type_is_one_line_naming_it_and_the_tensor(tmp_path):
     def kind(name):
-        return "Q5_0" if name == "blk.1.ffn_up.weight" else "Q8_0"
+        return "Q2_K" if name == "blk.1.ffn_up.weight" else "Q8_0"
 
     path = write_gguf(tmp_path / "m.gguf", kind=kind, tied=True, layers=2)
-    refused(path, "blk.1.ffn_up.weight", "Q5_0", "Q4_K")
+    refused(path, "blk.1.ffn_up.weight", "Q2_K", "Q4_K")
 
 
 def test_an_unsupported_architecture_is_one_line(tmp_path):

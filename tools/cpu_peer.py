@@ -73,7 +73,8 @@ def hf_folder(gguf: Path, workdir: Path) -> Path:
 
 
 FTYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0",
-          "Q4_1": "MOSTLY_Q4_1"}
+          "Q4_1": "MOSTLY_Q4_1", "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K"}  # (pure: every
+# tensor in the one type, so a K-quant's _M mix is plain Q4_K / Q5_K)
 
 
 def peer_file(gguf: Path, kind: str, workdir: Path, bin_dir: Path | None) -> Path:

@@ -2,8 +2,8 @@
 file's metadata, its weights as the `Weights` model/weights.py makes (the tokenizer:
 gguf_tokenizer.py; the header: gguf_file.py; the quant blocks: gguf_quants.py).
 
-Linear layers and the LM head stay compressed as QuantWeights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
-Q6_K); F32, F16 and BF16 tensors, the norms, the biases and the embedding table (read by lookups)
+Linear layers and the LM head stay compressed as QuantWeights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K); F32, F16 and BF16 tensors, the norms, the biases and the embedding table (read by lookups)
 are in the model dtype. llama.cpp's converter permutes the rows of a llama's q and k weights
 (interleaved RoPE pairs); the permutation is undone here, as transformers' GGUF loader undoes it.
 """

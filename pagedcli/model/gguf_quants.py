@@ -6,6 +6,9 @@ The layouts, from ggml-common.h (d, dmin: float16; a row of a tensor is a run of
   Q8_0  34 B / 32 values: d, int8 q[32]                          w = d * q
   Q4_0  18 B / 32: d, q[16] (value j in byte j's low nibble, j+16 in its high one)  w = d * (q - 8)
   Q4_1  20 B / 32: d, m, q[16] as Q4_0                            w = d * q + m
+  Q5_0  22 B / 32: d, qh (32 bits: bit j the fifth bit of value j), q[16] as Q4_0   w = d * (q - 16)
+  Q5_1  24 B / 32: d, m, qh, q[16] as Q5_0                        w = d * q + m
+        (K-quant files hold them where a row is no whole number of 256-value super-blocks)
   Q4_K 144 B / 256: d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, q[128]
         (each 64 values: 32 bytes, low nibbles the first 32, high nibbles the next)
                                                                   w = d * sc * q - dmin * m
@@ -22,11 +25,11 @@ import torch
 
 from pagedcli.model.quant import QuantWeight
 
-QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 FLOATS = ("F32", "F16", "BF16")
 SUPPORTED = FLOATS + QUANTIZED
-BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q5_K": (256, 176),
-         "Q6_K": (256, 210)}
+BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+         "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
 def floats(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -75,6 +78,12 @@ def decode(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> QuantWeight:
         data = blocks[:, 2:] if kind == "Q4_0" else blocks[:, 4:]
         q, scale, bits, group = _nibbles(data, 16), d, 4, 32
         offset = -8 * d if kind == "Q4_0" else _f16(blocks[:, 2:4])  # -8 d: exact in float32
+    elif kind in ("Q5_0", "Q5_1"):
+        d, start = _f16(blocks[:, :2]), 2 if kind == "Q5_0" else 4
+        qh = blocks[:, start:start + 4]  # little-endian: bit j of byte b, the fifth bit of value 8 b + j
+        high = ((qh[:, :, None] >> np.arange(8, dtype=np.uint8)[None, None, :]) & 1).reshape(n, 32)
+        q, scale, bits, group = (_nibbles(blocks[:, start + 4:], 16) | (high << 4)).astype(np.int8), d, 8, 32
+        offset = -16 * d if kind == "Q5_0" else _f16(blocks[:, 2:4])  # -16 d: exact in float32
     elif kind in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
         sc, mn = _k_scales(blocks[:, 4:16])
