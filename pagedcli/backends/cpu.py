@@ -139,7 +139,8 @@ class CpuBackend(TorchBackend):
         """oneDNN copies of the float32 and bfloat16 linear weights, which `linear` then multiplies
         by (the module's docstring says why; docs/performance.md, "CPU decode", by how much). They
         double those weights' memory, so only while the weights take at most a quarter of the
-        machine's. Compressed weights (fp8, QuantWeight) keep their own paths (composed.linear)."""
+        machine's. Compressed weights keep their own paths (composed.linear), but for a QuantWeight with
+        float32 activations, which multiplies by its dequantized matrix: `linear` makes its oneDNN copy."""
         linears = [w for lw in weights.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [weights.lm_head]
         linears = [w for w in linears if isinstance(w, torch.Tensor) and w.dtype in (torch.float32, torch.bfloat16)]
         if not linears or not onednn_available():

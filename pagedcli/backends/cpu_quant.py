@@ -10,7 +10,8 @@ The choice, by measurement on SmolLM2-135M's shapes at batches 1 and 8 (docs/per
   (grouped 8-bit: GGUF's Q8_0, Q5_K, Q6_K) as the matrix dequantized to the activations' dtype
   (float16 follows bfloat16's choice, unmeasured).
 - float32 activations: the float32 matrix (torch's weight-only kernels take a slow path for float32
-  activations, far behind the float32 GEMM: docs/performance.md).
+  activations, far behind the float32 GEMM: docs/performance.md); the CPU backend multiplies by a
+  oneDNN copy of it instead (backends/cpu.py), this module's copy serving the torch reference.
 Each form is prepared the first time a weight meets an activation dtype and kept on the weight
 (`QuantWeight.form`), never per step.
 """
