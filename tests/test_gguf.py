@@ -415,3 +415,31 @@ def test_a_folder_of_two_ggufs_and_a_missing_file_are_one_line(tmp_path):
         (tmp_path / name).write_bytes(b"GGUF")
     refused(tmp_path, "2 GGUF files (a.gguf, b.gguf)", code=2)
     refused(tmp_path / "nothing.gguf", "no such file", code=2)
+
+
+def test_a_sampling_temperature_that_is_no_number_is_one_line_not_greedy(tmp_path):
+    """general.sampling.temp NaN would compare as not above 0 and pass for greedy without a word: the
+    file's setting is used, and refused where sampling settings are checked, naming the file."""
+    def nan(w):
+        w.add_float32("general.sampling.temp", float("nan"))
+
+    path = write_gguf(tmp_path / "nan.gguf", extra=nan, layers=1, hidden=64, heads=2, kv_heads=1, ffn=64)
+    assert resolve_model(str(path)).generation_config["do_sample"]
+    refused(path, "temperature", "nan")
+
+
+@pytest.mark.parametrize("arch, kind", [("qwen2", "Q8_0"), ("qwen3", "Q6_K")])
+def test_compare_hf_builds_the_files_own_family(tmp_path, arch, kind):
+    """`bench --compare hf` on a GGUF hands transformers our weights: in the family's own class, with
+    its biases or head norms (a Llama of the same shapes would drop them and time another model),
+    computing the logits transformers' own GGUF loader does."""
+    from pagedcli.bench.hf import hf_model
+    from pagedcli.model.loader import read_model
+
+    path = write_gguf(tmp_path / "m.gguf", arch=arch, kind=kind, tied=True)
+    ours = hf_model(read_model(str(path), torch.device("cpu"), torch.float32))
+    reference = hf_gguf(path)
+    assert type(ours) is type(reference) and type(ours).__name__.lower().startswith(arch)
+    ids = torch.tensor([[5, 17, 42, 9, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)

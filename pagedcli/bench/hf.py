@@ -8,29 +8,36 @@ from dataclasses import replace
 
 import torch
 
-from pagedcli.core.errors import UsageError
+from pagedcli.core.errors import RunError, UsageError
 from pagedcli.model.fp8 import Fp8Weight
 from pagedcli.model.loader import Model
 from pagedcli.model.quant import QuantWeight
 
 
 def hf_model(model: Model):
+    """transformers' class of the model's architecture (LlamaForCausalLM, Qwen2ForCausalLM, ...): a
+    folder read by transformers itself; random weights and a GGUF file's handed over as ours."""
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
     except ImportError:
         raise UsageError("--compare hf needs transformers", 'pip install transformers, or "pagedcli[test]"') from None
     if model.source.folder is not None:
-        return LlamaForCausalLM.from_pretrained(model.source.folder, dtype=model.dtype).to(model.device).eval()
-    # random weights: hand transformers views of ours, so both run the very same numbers
-    cfg = LlamaConfig(**{k: v for k, v in model.source.config.raw.items() if not k.startswith("_")})
+        return AutoModelForCausalLM.from_pretrained(model.source.folder, dtype=model.dtype).to(model.device).eval()
+    # random weights, a GGUF file's: hand transformers views of ours, so both run the very same numbers
+    raw = {k: v for k, v in model.source.config.raw.items() if not k.startswith("_")}
+    cfg = AutoConfig.for_model(raw.pop("model_type", "llama"), **raw)
     with torch.device("meta"):
-        hf = LlamaForCausalLM(cfg)
-    hf.load_state_dict(hf_state_dict(model), assign=True, strict=False)
-    hf.model.rotary_emb = LlamaRotaryEmbedding(config=cfg).to(model.device)
+        hf = AutoModelForCausalLM.from_config(cfg)
+    state = hf_state_dict(model)
+    missing = [k for k in hf.state_dict() if k not in state and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing:  # a weight transformers' class has and ours does not name: it would run unset
+        raise RunError(f"--compare hf: {model.source.name}'s {missing[0]} has no counterpart here",
+                       "compare a model folder instead")
+    hf.load_state_dict(state, assign=True, strict=False)
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg).to(model.device)
     if cfg.tie_word_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
     return hf.eval()
@@ -38,7 +45,8 @@ def hf_model(model: Model):
 
 def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
     """Our fused weights split back into transformers' names (views, no copies; fp8 and quantized
-    weights (a GGUF file's), which transformers does not take as ours, dequantized into the model dtype)."""
+    weights (a GGUF file's), which transformers does not take as ours, dequantized into the model
+    dtype), the families' biases and head norms with them."""
     c, w = model.source.config, model.weights
 
     def dense(t):
@@ -53,6 +61,16 @@ def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
                p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
                p + "self_attn.o_proj.weight": dense(lw.o), p + "mlp.gate_proj.weight": gate,
                p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": dense(lw.down)}
+        if lw.qkv_bias is not None:
+            sd |= dict(zip((p + f"self_attn.{n}_proj.bias" for n in "qkv"), lw.qkv_bias.split([c.q_dim, c.kv_dim, c.kv_dim])))
+        if lw.o_bias is not None:
+            sd[p + "self_attn.o_proj.bias"] = lw.o_bias
+        if lw.gate_up_bias is not None:
+            sd |= dict(zip((p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"), lw.gate_up_bias.chunk(2)))
+        if lw.down_bias is not None:
+            sd[p + "mlp.down_proj.bias"] = lw.down_bias
+        if lw.q_norm is not None:
+            sd |= {p + "self_attn.q_norm.weight": lw.q_norm, p + "self_attn.k_norm.weight": lw.k_norm}
     return sd
 
 

@@ -167,7 +167,9 @@ def generation_config(meta: dict) -> dict:
     gives them; stop ids: eos, and llama.cpp's end-of-turn / end-of-message tokens."""
     out = {SAMPLING[k]: meta[k] for k in SAMPLING if isinstance(meta.get(k), (int, float))}
     if out:
-        out["do_sample"] = out.get("temperature", 1.0) > 0
+        # greedy only at temperature 0: any other value (a NaN, a negative) goes on to be checked where
+        # it is used (commands/generate.py sampling_defaults), and refused there in one line
+        out["do_sample"] = out.get("temperature", 1.0) != 0
     stops = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     stops = list(dict.fromkeys(s for s in stops if isinstance(s, int) and s >= 0))
     if stops:
