@@ -443,3 +443,14 @@ def test_compare_hf_builds_the_files_own_family(tmp_path, arch, kind):
     ids = torch.tensor([[5, 17, 42, 9, 3]])
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_part_of_a_split_gguf_is_one_line_saying_so(tmp_path):
+    """llama.cpp's gguf-split writes a model as parts (split.count, split.no): a part is no model, and
+    says so rather than naming a tensor it lacks."""
+    def part(w):
+        w.add_uint16("split.no", 0)
+        w.add_uint16("split.count", 3)
+
+    path = write_gguf(tmp_path / "m-00001-of-00003.gguf", extra=part, layers=1, hidden=64, heads=2, kv_heads=1, ffn=64)
+    refused(path, "part 1 of a GGUF split in 3 files", "llama-gguf-split --merge")

@@ -66,6 +66,10 @@ class GGUFModel:
 
 def read_gguf(path: Path) -> GGUFModel:
     f = GGUFFile(path)
+    parts = f.metadata.get("split.count")
+    if isinstance(parts, int) and parts > 1:  # (llama.cpp's gguf-split: each part holds some of the tensors)
+        raise RunError(f"{path} is part {f.metadata.get('split.no', 0) + 1} of a GGUF split in {parts} files",
+                       "merge them into one with llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`")
     config = ModelConfig.from_dict(config_dict(f), source=str(path))
     return GGUFModel(f, config, generation_config(f.metadata))
 
