@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import hf_checkpoint
+from helpers import invoke
 
 from pagedcli.backends import TorchBackend
 from pagedcli.backends.cpu import CpuBackend, DecodePlan
@@ -135,8 +136,11 @@ def test_threads_are_the_cores_torch_sees_but_one_for_a_small_model(tiny, make_e
     assert torch.get_num_threads() == 2
     make_engine(tiny)
     assert torch.get_num_threads() == 1
-    with pytest.raises(UsageError, match="`threads` 0"):
-        EngineOptions(threads=0)
+    for bad in (0, 10**9):
+        with pytest.raises(UsageError, match=f"`threads` {bad}: needs 1 to 1024"):
+            EngineOptions(threads=bad)
+    code, _, err = invoke("generate", "--threads", "100000", "hi")
+    assert code == 2 and "--threads 100000: needs 1 to 1024" in err and "Traceback" not in err
 
 
 def test_greedy_tokens_flag_every_row_holding_a_nan_or_an_inf_as_the_reference_does(tiny, make_engine):

@@ -27,6 +27,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 (core/fp8.py)
 QUANTIZATIONS = ("none", "fp8", "int4", "int8")  # the linear layers' and LM head's weights (model/fp8.py, quant.py)
 MAX_ID = 2**31 - 1  # block ids and slots are int32 (the table, the step's batch): at most this
+MAX_THREADS = 1024  # --threads: past this no machine has the cores, and each thread costs a stack
 
 # The pool's size by device: 2 GiB on a GPU, as tiny-vllm.
 DEFAULT_CACHE = {"cuda": "2GiB", "cpu": "256MiB"}
@@ -165,8 +166,8 @@ class EngineOptions:
             given = [f"`{name}`" for name in ("cache_size", "num_blocks") if getattr(self, name) is not None]
             if given:
                 raise _usage_error(f"`gpu_memory_utilization` and {given[0]} both size the pool", "give one of them")
-        if self.threads is not None and self.threads < 1:
-            raise _usage_error(f"`threads` {self.threads}: needs at least 1", "leave it out for the cores torch sees")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            raise _usage_error(f"`threads` {self.threads}: needs 1 to {MAX_THREADS}", "leave it out for the cores torch sees")
         n = self.max_num_batched_tokens
         if n is not None and n < 1:
             raise _usage_error(f"`max_num_batched_tokens` {n}: must be at least 1", "leave it out for the device's default")
