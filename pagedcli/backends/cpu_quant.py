@@ -58,6 +58,4 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
 def int4pack(w: QuantWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's packed int4 values and its [in / group, out, 2] scales and zeros in `dtype`."""
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.values().to(torch.int32), 1)
-    offset = torch.zeros_like(w.scale) if w.offset is None else w.offset
-    zeros = offset + 8 * w.scale
-    return packed, torch.stack([w.scale.T, zeros.T], dim=-1).to(dtype).contiguous()
+    return packed, w.scales_and_zeros(dtype)

@@ -144,9 +144,7 @@ def int4mm_form(weight: QuantWeight, high_first: bool) -> tuple[torch.Tensor, to
     tiles = next(t for t in INT4MM_INNER_K_TILES if K % (t * 16) == 0)
     q = weight.q if not high_first else (weight.q << 4) | (weight.q >> 4)  # ours: the even column low
     packed = torch.ops.aten._convert_weight_to_int4pack(q.contiguous(), tiles)
-    zero = 8 * weight.scale if weight.offset is None else weight.offset + 8 * weight.scale
-    scales_and_zeros = torch.stack([weight.scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return packed, scales_and_zeros
+    return packed, weight.scales_and_zeros(torch.bfloat16)
 
 
 def dense_form(weight: QuantWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -64,6 +64,12 @@ class QuantWeight:
         low, high = (self.q & 0xF).to(torch.int16), (self.q >> 4).to(torch.int16)
         return torch.stack([low, high], dim=-1).reshape(self.shape)
 
+    def scales_and_zeros(self, dtype: torch.dtype) -> torch.Tensor:
+        """[in / group, out, 2] scales and zeros in `dtype`, as torch's int4 kernels read a 4-bit
+        weight (CPU and CUDA alike): w = (q - 8) * scale + zero, so zero = offset + 8 * scale."""
+        zero = 8 * self.scale if self.offset is None else self.offset + 8 * self.scale
+        return torch.stack([self.scale.T, zero.T], dim=-1).to(dtype).contiguous()
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out, width = self.shape
         grouped = self.values().float().view(out, -1, self.group) * self.scale[..., None]
