@@ -142,7 +142,7 @@ def test_writes_prepared_together_take_the_blocks_one_at_a_time_would_and_reach_
     level with the table after any mix of writes, releases and forks."""
     geometry = CacheGeometry(block_size, 1, 4, CONFIG.num_layers, 400 * CONFIG.num_layers, torch.float32)
     together, alone = (KVCache(geometry, 4, max_model_len=64, shuffle_seed=3) for _ in range(2))
-    together.store.mirrors_host = False  # marks its changes for a device mirror (nothing is copied here)
+    together.tracks_changes = True  # marks its changes for a mirror (another rank's, or a GPU's)
     mirror = together.table.copy()
     for op, *args in operations:
         if op == "write":  # each slot's next `grow` tokens, as a decode step ahead asks for them

@@ -520,6 +520,11 @@ class CudaBackend:
             out = fp8_gemm(self, normed, weight, bias=bias)
         return out if out is not None else composed.norm_matmul(self, x, norm_weight, weight, eps, bias, normed)
 
+    def linear(self, x, weight, bias=None):
+        """x @ weight.T (+ bias) alone (a partial product under tensor parallelism): as
+        _normed_product computes it on rows normed already."""
+        return self._normed_product(x, None, weight, 0.0, bias, normed=x)
+
     def linear_add(self, x, weight, residual, bias=None):
         return self.linear_add_norm(x, weight, residual, None, 0.0, bias)[0]
 

@@ -64,6 +64,14 @@ class TorchBackend:
         after it."""
         return composed.norm_matmul(self, x, norm_weight, weight, eps, bias, normed)
 
+    def linear(self, x, weight, bias=None):
+        """x @ weight.T (+ bias) alone: a partial product under tensor parallelism (model/network.py)."""
+        return composed.linear(x, weight, bias)
+
+    def add_norm(self, residual, product, norm_weight, eps):
+        """(residual + product, RMSNorm of the sum by norm_weight: None without one)."""
+        return composed.add_norm(self, residual, product, norm_weight, eps)
+
     def linear_add(self, x, weight, residual, bias=None):
         """residual + (x @ weight.T + bias): the o and down projections, back into the residual
         stream. The residual may be updated in place (the CUDA backend does): callers use only what

@@ -1,4 +1,5 @@
-"""What one forward pass is: StepBatch, the new tokens packed and where they go in the cache, and
+"""What one forward pass is: StepPlan, the step as the engine decides it (what rank 0 sends the other
+ranks under tensor parallelism); StepBatch, its new tokens packed and where they go in the cache; and
 NOT_FINITE, the greedy token of a row whose logits are not finite."""
 
 from __future__ import annotations
@@ -10,6 +11,30 @@ import numpy as np
 import torch
 
 NOT_FINITE = -1  # argmax's token for a row of logits that holds a NaN or an inf (argmax.cu: -1 too)
+
+
+@dataclass
+class StepPlan:
+    """A step as the engine decides it, in plain values: sequence b (in slot `slots[b]`) feeds
+    `token_ids[b]` from position `num_cached[b]`; `samples[b]`: whether it samples (None: all do);
+    `every_row[b]`: all its new tokens get logits (prompt log-probabilities; None: none). `fed`: a
+    decode step's tokens are a device tensor, not `token_ids` (the engine's overlap). `table`: the
+    block table's entries (flat index, value) changed since the step before; `copies`: the pool's
+    blocks copied (source, destination) before this step writes (copy-on-write)."""
+
+    is_prefill: bool
+    slots: list[int]
+    token_ids: list[list[int]]
+    num_cached: list[int]
+    samples: list[bool] | None = None
+    every_row: list[bool] | None = None
+    fed: bool = False
+    table: tuple[np.ndarray, np.ndarray] | None = None
+    copies: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def prompt_rows(self) -> bool:
+        return self.every_row is not None and any(self.every_row)
 
 
 @dataclass

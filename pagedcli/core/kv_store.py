@@ -49,7 +49,11 @@ class KVStore:
 
     def write_table(self, index: np.ndarray, values: np.ndarray) -> None:
         """Set the flat entries `index` of the device table to `values`: one small host-to-device
-        copy per step, instead of tiny-vllm's whole table for every layer."""
+        copy per step, instead of tiny-vllm's whole table for every layer. (On the CPU, where the
+        device table is the host's, only another rank's changes come here: tensor parallelism.)"""
+        if self.mirrors_host:
+            self.device_table.view(-1)[torch.from_numpy(index)] = torch.from_numpy(values).to(torch.int32)
+            return
         # from pinned memory, so that the copy waits in the stream behind the step in flight and the
         # host goes on: from pageable memory the host waits for the GPU's queue to drain
         # (batch.to_device says why), and the GPU then sits idle while the host queues the next step

@@ -28,6 +28,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 (
 QUANTIZATIONS = ("none", "fp8", "int4", "int8")  # the linear layers' and LM head's weights (model/fp8.py, quant.py)
 MAX_ID = 2**31 - 1  # block ids and slots are int32 (the table, the step's batch): at most this
 MAX_THREADS = 1024  # --threads: past this no machine has the cores, and each thread costs a stack
+MAX_TENSOR_PARALLEL = 64  # --tensor-parallel-size: ranks, a process each (8 GPUs a host, 8 hosts)
 
 # The pool's size by device: 2 GiB on a GPU, as tiny-vllm.
 DEFAULT_CACHE = {"cuda": "2GiB", "cpu": "256MiB"}
@@ -131,6 +132,10 @@ class EngineOptions:
     threads: int | None = option(None, (
         "CPU threads for a run on the CPU (llama.cpp's -t). Default: the cores torch sees, but 1 for a model of a "
         "few MB such as the built-in demo, whose steps are too small to share between threads."))
+    tensor_parallel_size: int = option(1, (
+        "Ranks that split every layer's heads and columns and every KV block's heads (vLLM's -tp): a process "
+        "each, one GPU each on CUDA (NCCL), a share of the cores each on the CPU (gloo). Started here, or one "
+        "a process under torchrun."), flags=("--tensor-parallel-size", "-tp"))
     overlap: bool = option(True, "On a GPU, queue the next decode step before this one's tokens reach the host, "
                                  "so Python's work per step hides behind the GPU's.")
     shuffle_blocks: int | None = option(None, "Hand blocks out in an order shuffled by this seed (tests, demos).",
@@ -168,6 +173,9 @@ class EngineOptions:
                 raise _usage_error(f"`gpu_memory_utilization` and {given[0]} both size the pool", "give one of them")
         if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
             raise _usage_error(f"`threads` {self.threads}: needs 1 to {MAX_THREADS}", "leave it out for the cores torch sees")
+        if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
+            raise _usage_error(f"`tensor_parallel_size` {self.tensor_parallel_size}: needs 1 to {MAX_TENSOR_PARALLEL}",
+                               "leave it out to run on one device")
         n = self.max_num_batched_tokens
         if n is not None and n < 1:
             raise _usage_error(f"`max_num_batched_tokens` {n}: must be at least 1", "leave it out for the device's default")

@@ -11,17 +11,21 @@ from typing import Callable
 import torch
 
 from pagedcli.backends.cpu import CpuBackend
+from pagedcli.backends.cuda_build import UNVERIFIED_KERNELS_VAR, unverified_kernels
 from pagedcli.core.errors import UsageError
 from pagedcli.core.fp8 import FP8_DTYPE
 from pagedcli.core.geometry import CacheGeometry, parse_size
 from pagedcli.core.options import DEFAULT_CACHE, MAX_ID, EngineOptions, SamplingParams
+from pagedcli.core.parallel import RankView, TensorParallelGroup
 from pagedcli.engine.cache import KVCache
 from pagedcli.engine.engine import Engine
 from pagedcli.engine.memory import MemoryProfile, device_memory, pool_bytes_for
+from pagedcli.engine.ranks import follow, join_ranks
 from pagedcli.engine.runner import ModelRunner
 from pagedcli.engine.structured import StructuredOutputs
-from pagedcli.model.loader import Model, pick_dtype, read_model
+from pagedcli.model.loader import DEFAULT_THREADS, Model, pick_dtype, read_model
 from pagedcli.model.network import Llama
+from pagedcli.model.sharding import kv_heads_of, rank_config
 from pagedcli.model.source import ModelSource
 from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
 
@@ -47,13 +51,26 @@ def check_device_options(opts: EngineOptions, device: torch.device) -> None:
 
 
 def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: None,
-               check: Callable[[ModelSource, Tokenizer | None], None] = lambda *_: None) -> Model:
+               check: Callable[[ModelSource, Tokenizer | None], None] = lambda *_: None,
+               tp: TensorParallelGroup | None = None) -> Model:
     """The model the options name, on their device. `check(source, tokenizer)` may refuse the model
-    before its weights are read."""
+    before its weights are read. With `tensor_parallel_size` N > 1 this process becomes rank 0 of N
+    (engine/ranks.py starts the others) and holds its share of the weights; `tp`: a worker's group."""
     device = pick_device(opts.device)
     check_device_options(opts, device)
-    return read_model(opts.model, device, pick_dtype(opts.dtype, device), opts.quantization, opts.seed, notice, check,
-                      threads=opts.threads)
+    if opts.tensor_parallel_size > 1 and tp is None:
+        tp = join_ranks(opts)
+        if tp.rank > 0:  # (torchrun's other processes) follow rank 0, and end with it
+            follow(load_model(opts, tp=tp), tp)
+            raise SystemExit(0)
+    world = tp.world if tp is not None else 1
+    threads = opts.threads
+    if threads is None and world > 1 and device.type == "cpu":  # the cores shared among the ranks
+        threads = max(1, DEFAULT_THREADS // world)
+    model = read_model(opts.model, device, pick_dtype(opts.dtype, device), opts.quantization, opts.seed, notice, check,
+                       threads=threads, shard=(world, tp.rank if tp is not None else 0))
+    model.tp = tp
+    return model
 
 
 def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None] = lambda _: None) -> Engine:
@@ -61,6 +78,7 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
     the CUDA kernels cannot serve for this model (it runs as torch ops instead)."""
     config, device = model.source.config, model.device
     check_device_options(opts, device)
+    world = model.tp.world if model.tp is not None else 1
     if opts.gpu_memory_utilization is not None:
         free, total = device_memory(device)
         usage = MemoryProfile(total, free, model.weights.nbytes, profile_activations(model, opts))
@@ -68,7 +86,9 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
     else:
         cache_bytes = parse_size(opts.cache_size or DEFAULT_CACHE[device.type])
     cache_dtype = FP8_DTYPE if opts.kv_cache_dtype == "fp8" else None
-    geometry = CacheGeometry.build(config, model.dtype, opts.block_size, opts.num_blocks, cache_bytes, cache_dtype)
+    # (each rank's pool holds its share of the KV heads: `cache_size` is a rank's)
+    geometry = CacheGeometry.build(rank_config(config, world), model.dtype, opts.block_size, opts.num_blocks,
+                                   cache_bytes, cache_dtype)
     if geometry.num_blocks > MAX_ID:
         option = f"`num_blocks` {opts.num_blocks}" if opts.num_blocks is not None else f"`cache_size` {opts.cache_size}"
         raise UsageError(f"{option}: {geometry.num_blocks:,} blocks, more than the {MAX_ID:,} a block table can number",
@@ -82,9 +102,32 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
         what = ("the model's positions (max_position_embeddings)" if max_model_len == config.context_length
                 else "what the pool holds: a larger `cache_size` makes room")
         notice(f"`max_model_len` {opts.max_model_len:,} is more than {what}: sequences stop at {max_model_len:,} tokens")
+    runner = build_runner(model, opts, geometry.num_blocks, max_model_len, notice)
+    cache = runner.cache
+    tokenizer, stop_ids = model.tokenizer, model.source.stop_ids
+    detokenizer = (lambda prompt_ids: StreamDecoder(tokenizer, prompt_ids)) if tokenizer is not None else None
+    # a grammar's vocabulary (engine/structured.py), made when a request first asks for one
+    structured = ((lambda: StructuredOutputs(tokenizer.to_json(), config.vocab_size, stop_ids))
+                  if tokenizer is not None else None)
+    return Engine(runner, cache, stop_ids, overlap=opts.overlap and device.type == "cuda",
+                  chunked_prefill=opts.chunked_prefill, max_num_batched_tokens=opts.batched_tokens(device),
+                  detokenizer=detokenizer, structured=structured)
+
+
+def build_runner(model: Model, opts: EngineOptions, num_blocks: int, max_model_len: int,
+                 notice: Callable[[str], None] = lambda _: None) -> ModelRunner:
+    """This rank's cache of `num_blocks` blocks, backend, network and runner. Under tensor
+    parallelism rank 0 has the other ranks build theirs from the same values first (engine/ranks.py),
+    and learns what each holds of the pool (`runner.ranks`)."""
+    tp, device = model.tp, model.device
+    world = tp.world if tp is not None else 1
+    if tp is not None and tp.rank == 0:
+        tp.send(("build", opts, num_blocks, max_model_len))
+    config = rank_config(model.source.config, world)  # this rank's heads and columns
+    cache_dtype = FP8_DTYPE if opts.kv_cache_dtype == "fp8" else None
+    geometry = CacheGeometry.build(config, model.dtype, opts.block_size, num_blocks, None, cache_dtype)
     cache = KVCache(geometry, opts.batch, max_model_len, device, opts.shuffle_blocks, opts.prefix_caching,
-                    sliding_window=config.sliding_window,
-                    kv_scales=model.weights.kv_scales)
+                    sliding_window=config.sliding_window, kv_scales=model.weights.kv_scales, mirrors=world > 1)
     if device.type == "cuda":
         from pagedcli.backends.cuda import CudaBackend
         from pagedcli.backends.cuda_quant import quant_formats
@@ -97,17 +140,19 @@ def build_engine(model: Model, opts: EngineOptions, notice: Callable[[str], None
     else:  # the reference's decode step with few ops (backends/cpu.py)
         backend = CpuBackend(cache.store, config)
         backend.take_weights(model.weights)
-    llama = Llama(config, model.weights, backend)
-    runner = ModelRunner(llama, cache, use_graphs=device.type == "cuda" and not opts.eager,
+    graphs = device.type == "cuda" and not opts.eager
+    if graphs and world > 1 and not unverified_kernels():
+        graphs = False
+        notice("CUDA graphs under `tensor_parallel_size` wait for their multi-GPU test: steps run eagerly "
+               f"(set {UNVERIFIED_KERNELS_VAR}=1 to capture them)")
+    runner = ModelRunner(Llama(config, model.weights, backend, tp), cache, use_graphs=graphs,
                          max_step_tokens=opts.batched_tokens(device))
-    tokenizer, stop_ids = model.tokenizer, model.source.stop_ids
-    detokenizer = (lambda prompt_ids: StreamDecoder(tokenizer, prompt_ids)) if tokenizer is not None else None
-    # a grammar's vocabulary (engine/structured.py), made when a request first asks for one
-    structured = ((lambda: StructuredOutputs(tokenizer.to_json(), config.vocab_size, stop_ids))
-                  if tokenizer is not None else None)
-    return Engine(runner, cache, stop_ids, overlap=opts.overlap and device.type == "cuda",
-                  chunked_prefill=opts.chunked_prefill, max_num_batched_tokens=opts.batched_tokens(device),
-                  detokenizer=detokenizer, structured=structured)
+    if tp is not None:  # every rank, once built: what it holds, for the view (and a barrier)
+        first, stop = kv_heads_of(model.source.config, world, tp.rank)
+        pool = cache.store.pool
+        mine = RankView(tp.rank, str(pool.device), (first, stop), pool.data_ptr(), pool.numel() * pool.element_size())
+        runner.ranks = tuple(tp.gather_objects(mine))
+    return runner
 
 
 def largest_step(opts: EngineOptions, device: torch.device, context_length: int) -> list[int]:
@@ -147,7 +192,7 @@ def profile_activations(model: Model, opts: EngineOptions) -> int:
     return max(peak, 0)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Loaded(Model):
     """A model and an engine built around it."""
 

@@ -147,7 +147,9 @@ class KVCache:
 
     def __init__(self, geometry: CacheGeometry, max_slots: int, max_model_len: int,
                  device: torch.device | str = "cpu", shuffle_seed: int | None = None, prefix_caching: bool = True,
-                 kv_scales: KVScales | None = None, sliding_window: int | None = None):
+                 kv_scales: KVScales | None = None, sliding_window: int | None = None, mirrors: bool = False):
+        """`mirrors`: other copies of the table follow this one (tensor parallelism's other ranks,
+        from the changes `sync_device_table` returns), on the CPU too."""
         self.geometry = geometry
         self.sliding_window = sliding_window  # a token attends to this many positions, itself included
         self.max_slots = max_slots
@@ -167,6 +169,7 @@ class KVCache:
         self.num_slid = [0] * max_slots  # the slot's logical blocks given back behind its sliding window
         self.num_window_freed = 0  # blocks (all layers) given back behind sliding windows so far
         self._changed: list[tuple[int, int, int]] = []  # (slot, start, stop) of blocks changed since the last device sync
+        self.tracks_changes = mirrors or not self.store.mirrors_host
 
     # --- allocation -----------------------------------------------------------------------
     @property
@@ -359,19 +362,21 @@ class KVCache:
         to someone else by then."""
         self.pending_copies.clear()
 
-    def copy_pending_blocks(self) -> None:
-        """Carry out the copies copy-on-write asked for (before the forward pass writes)."""
+    def copy_pending_blocks(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Carry out the copies copy-on-write asked for (before the forward pass writes); they are
+        returned (sources, destinations) for other ranks' pools (None: none)."""
         if not self.pending_copies:
-            return
+            return None
         src = np.concatenate([s for s, _ in self.pending_copies])
         dst = np.asarray([b for _, d in self.pending_copies for b in d], dtype=np.int64)
         self.pending_copies.clear()
         self.store.copy_blocks(src, dst)
+        return src, dst
 
     # --- the device mirror ----------------------------------------------------------------
     def _mark_changed(self, slot: int, start: int, stop: int) -> None:
         """Blocks [start, stop) of `slot`, in every layer, are to be copied to the device mirror."""
-        if not self.store.mirrors_host and stop > start:
+        if self.tracks_changes and stop > start:
             self._changed.append((slot, start, stop))
 
     def _changed_indices(self) -> np.ndarray:
@@ -385,10 +390,14 @@ class KVCache:
         rows = np.repeat(slot, counts) * (layers * width) + blocks
         return (rows[:, None] + np.arange(layers)[None, :] * width).ravel()
 
-    def sync_device_table(self) -> None:
-        """Send the table entries that changed since the last call to the device mirror."""
+    def sync_device_table(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Send the table entries that changed since the last call to the device mirror; they are
+        returned (flat index, value) for other ranks' mirrors (None: none changed)."""
         if not self._changed:
-            return
+            return None
         index = self._changed_indices()
         self._changed.clear()
-        self.store.write_table(index, self.table.ravel()[index])
+        values = self.table.ravel()[index]
+        if not self.store.mirrors_host:
+            self.store.write_table(index, values)
+        return index, values

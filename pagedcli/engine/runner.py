@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from pagedcli.backends.graph_capture import CapturedGraphs
-from pagedcli.core.batch import StepBatch
+from pagedcli.core.batch import StepBatch, StepPlan
+from pagedcli.core.parallel import RankView, TensorParallelGroup
 from pagedcli.engine.cache import KVCache
 from pagedcli.engine.sequence import Sequence
 from pagedcli.model.network import Llama
@@ -31,6 +32,9 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = cache.device
+        # rank 0 of a tensor-parallel group sends each step's plan to the others (which `follow` it)
+        self.tp: TensorParallelGroup | None = model.tp if model.tp is not None and model.tp.rank == 0 else None
+        self.ranks: tuple[RankView, ...] = ()  # what each rank holds of the pool (engine/build.py)
         self.graphs = DecodeGraphs(model, cache) if use_graphs else None
         # rows of logits for prompt log-probabilities, of the last step: (sequence, first position, [n, vocab])
         self.prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
@@ -57,36 +61,53 @@ class ModelRunner:
 
         feed (decode only): the tokens to feed, [len(seqs)] on the device, sampled by a step the
         host has not seen the end of (the engine's overlap); each sequence is then one token longer
-        than its host copy says, and that token is the one fed."""
+        than its host copy says, and that token is the one fed.
+
+        Under tensor parallelism the other ranks run the same step from its plan (`follow`)."""
         # Before the batch's copy to the device, which the stream starts only once everything
         # ahead of it is done: the split-KV decode kernel reads the block table before its
         # programmatic-launch wait (with fp8 weights), safe only behind such a copy (kernels/common.cuh).
-        self.cache.sync_device_table()
-        self.cache.copy_pending_blocks()  # copy-on-write, before this step writes K/V
-        slots = [s.slot for s in seqs]
+        table = self.cache.sync_device_table()
+        copies = self.cache.copy_pending_blocks()  # copy-on-write, before this step writes K/V
         self.prompt_logits = []
-        if is_prefill:
-            num_new = num_new or [len(s) - s.num_cached for s in seqs]
-            token_ids = [s.tokens_between(s.num_cached, s.num_cached + n) for s, n in zip(seqs, num_new)]
-            num_cached, samples = [s.num_cached for s in seqs], [s.num_cached + n == len(s) for s, n in zip(seqs, num_new)]
-            every_row = [s.params.prompt_logprobs is not None and s.num_cached < len(s.prompt_token_ids) - 1
-                         for s in seqs]
-            if any(every_row):  # eagerly: a graph's logits are a row a sequence
-                batch = StepBatch.build(True, slots, token_ids, num_cached, self.device, samples, every_row)
-                return self._prompt_rows(seqs, num_new, samples, every_row, *self.model.forward(batch))
-            if self.prefill_graphs is not None and self.prefill_graphs.fits(sum(num_new)):
-                return self.prefill_graphs.replay(slots, token_ids, num_cached, samples)
-            batch = StepBatch.build(True, slots, token_ids, num_cached, self.device, samples)
-        else:  # the new token's position is the count of tokens cached (with `feed`, one more)
-            if feed is None:
-                tokens, num_cached = [s.last_token for s in seqs], [len(s) - 1 for s in seqs]
-            else:
-                tokens, num_cached = [0] * len(seqs), [len(s) for s in seqs]  # stand-ins for `feed`
-            if self.graphs is not None:
-                return self.graphs.replay(slots, tokens, num_cached, feed)
-            batch = StepBatch.build(False, slots, [[t] for t in tokens], num_cached, self.device)
-            if feed is not None:
-                batch.token_ids.copy_(feed)
+        plan = step_plan(seqs, is_prefill, feed is not None, num_new)
+        if self.tp is not None:
+            plan.table, plan.copies = table, copies
+            self.tp.send(("step", plan))
+        logits, greedy = self.run(plan, feed)
+        if plan.prompt_rows:
+            num_new = [len(t) for t in plan.token_ids]
+            return self._prompt_rows(seqs, num_new, plan.samples, plan.every_row, logits, greedy)
+        return logits, greedy
+
+    def follow(self, plan: StepPlan) -> None:
+        """A step rank 0 planned, on another rank: its table changes and block copies, then its
+        forward pass (whose collectives meet rank 0's; the logits are rank 0's to sample)."""
+        if plan.table is not None:
+            self.cache.store.write_table(*plan.table)
+        if plan.copies is not None:
+            self.cache.store.copy_blocks(*plan.copies)
+        self.run(plan)
+
+    def run(self, plan: StepPlan, feed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward pass of `plan`: through a captured graph where one serves it, else eagerly."""
+        slots, token_ids, num_cached = plan.slots, plan.token_ids, plan.num_cached
+        if plan.is_prefill:
+            if plan.prompt_rows:  # eagerly: a graph's logits are a row a sequence
+                batch = StepBatch.build(True, slots, token_ids, num_cached, self.device, plan.samples, plan.every_row)
+                return self.model.forward(batch)
+            if self.prefill_graphs is not None and self.prefill_graphs.fits(sum(map(len, token_ids))):
+                return self.prefill_graphs.replay(slots, token_ids, num_cached, plan.samples)
+            batch = StepBatch.build(True, slots, token_ids, num_cached, self.device, plan.samples)
+            return self.model.forward(batch)
+        if plan.fed and self.tp is not None:  # rank 0's tokens, device to device
+            feed = self.tp.broadcast(feed if feed is not None else
+                                     torch.empty(len(slots), dtype=torch.int64, device=self.device))
+        if self.graphs is not None:
+            return self.graphs.replay(slots, [t[0] for t in token_ids], num_cached, feed)
+        batch = StepBatch.build(False, slots, token_ids, num_cached, self.device)
+        if feed is not None:
+            batch.token_ids.copy_(feed)
         return self.model.forward(batch)
 
     def _prompt_rows(self, seqs, num_new, samples, every_row, logits, greedy) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +123,24 @@ class ModelRunner:
             at += rows
         index = torch.tensor(keep, dtype=torch.long).to(logits.device)
         return logits[index], greedy[index]
+
+
+def step_plan(seqs: list[Sequence], is_prefill: bool, fed: bool = False, num_new: list[int] | None = None) -> StepPlan:
+    """The step's plan (ModelRunner.execute's arguments as plain values): at prefill each sequence's
+    tokens from `num_cached` on (`num_new` of them; default all it has not cached), whether it
+    samples, whether it wants a row of logits for every token; at decode its last token (a stand-in
+    where `fed`: the tokens are on the device) at the position of the count of tokens cached (with
+    `fed`, one more)."""
+    slots = [s.slot for s in seqs]
+    if is_prefill:
+        num_new = num_new or [len(s) - s.num_cached for s in seqs]
+        every_row = [s.params.prompt_logprobs is not None and s.num_cached < len(s.prompt_token_ids) - 1 for s in seqs]
+        return StepPlan(True, slots, [s.tokens_between(s.num_cached, s.num_cached + n) for s, n in zip(seqs, num_new)],
+                        [s.num_cached for s in seqs], [s.num_cached + n == len(s) for s, n in zip(seqs, num_new)],
+                        every_row if any(every_row) else None)
+    if fed:
+        return StepPlan(False, slots, [[0]] * len(seqs), [len(s) for s in seqs], fed=True)
+    return StepPlan(False, slots, [[s.last_token] for s in seqs], [len(s) - 1 for s in seqs])
 
 
 class DecodeGraphs(CapturedGraphs):

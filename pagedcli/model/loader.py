@@ -9,7 +9,9 @@ from typing import Callable
 import torch
 
 from pagedcli.core.errors import UsageError
+from pagedcli.core.parallel import TensorParallelGroup
 from pagedcli.model.gguf import load_gguf_weights
+from pagedcli.model.sharding import check_divides, shard_weights
 from pagedcli.model.source import ModelSource, resolve_model
 from pagedcli.model.tokenizer import Tokenizer
 from pagedcli.model.weights import Weights, load_weights, random_weights
@@ -37,16 +39,18 @@ class Model:
     weights: Weights
     device: torch.device
     dtype: torch.dtype
+    tp: TensorParallelGroup | None = None  # the ranks this one shares the model with (tensor parallelism)
 
 
 def read_model(name: str | None, device: torch.device, dtype: torch.dtype, quantization: str = "none", seed: int = 0,
                notice: Callable[[str], None] = lambda _: None,
                check: Callable[[ModelSource, Tokenizer | None], None] = lambda *_: None,
-               threads: int | None = None) -> Model:
+               threads: int | None = None, shard: tuple[int, int] = (1, 0)) -> Model:
     """The model `name` names (model/source.py: a folder, a GGUF file, a Hub id, `demo`, `random:<preset>`), its
     weights on `device` in `dtype` (`quantization` fp8: the linear layers' in e4m3; `seed`: random
     weights'). `check(source, tokenizer)` may refuse the model before its weights are read. On the CPU,
-    torch's threads become `threads` (cpu_threads: None is the default)."""
+    torch's threads become `threads` (cpu_threads: None is the default). `shard` (world, rank): that
+    rank's share of the weights under tensor parallelism (model/sharding.py)."""
     source = resolve_model(name, notice)
     tokenizer = source.read_tokenizer()
     if tokenizer is not None and source.config.vocab_size > tokenizer.vocab_size:
@@ -54,12 +58,13 @@ def read_model(name: str | None, device: torch.device, dtype: torch.dtype, quant
         notice(f"warning: config.json's vocab_size {v} is above the tokenizer's {t}: ids {t}-{v - 1} have no text "
                f"(fine if the vocabulary is padded; else the tokenizer is not this model's)")
     check(source, tokenizer)
+    check_divides(source.config, shard[0])
     if source.random:
-        weights = random_weights(source.config, dtype, device, seed, quantization)
-    elif source.gguf is not None:
-        weights = load_gguf_weights(source.gguf, dtype, device, quantization)
+        weights = random_weights(source.config, dtype, device, seed, quantization, shard)
+    elif source.gguf is not None:  # (read whole, then cut: GGUF files are the small models)
+        weights = shard_weights(load_gguf_weights(source.gguf, dtype, device, quantization), source.config, *shard)
     else:
-        weights = load_weights(source.folder, source.config, dtype, device, quantization)
+        weights = load_weights(source.folder, source.config, dtype, device, quantization, shard)
     if quantization == "int4" and (left := weights.float_linears()):
         notice(f"note: {left} of the model's {len(weights.layers) * 4} linear layers stay in "
                f"{str(dtype).removeprefix('torch.')}: their inputs are not a multiple of 32 (`quantization` int4's groups)")

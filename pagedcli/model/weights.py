@@ -35,6 +35,7 @@ from pagedcli.model.fp8 import FP8_MMA_MULTIPLE, Fp8Weight, quantize_weight
 from pagedcli.model.host_memory import check_weights_fit, quant_linear_bytes
 from pagedcli.model.hub_quant import packed_scheme
 from pagedcli.model.quant import QuantWeight, cat_quant, describe, quantize
+from pagedcli.model.sharding import shard_layer, shard_vocab
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of what a weight may be stored as
 FP8_STORED = "F8_E4M3"  # safetensors' name of float8_e4m3fn: an fp8 checkpoint's linear weights
@@ -416,10 +417,12 @@ def fp8_lm_head(config: ModelConfig) -> bool:
     return config.vocab_size % FP8_MMA_MULTIPLE == 0
 
 
-def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, quantization: str = "none") -> Weights:
+def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, quantization: str = "none",
+                 shard: tuple[int, int] = (1, 0)) -> Weights:
     """`quantization` fp8: the linear layers and the LM head as Fp8Weights (model/fp8.py); int4 /
     int8: as QuantWeights (model/quant.py). A 4-bit checkpoint's (model/hub_quant.py) linear layers
-    are QuantWeights as they are stored."""
+    are QuantWeights as they are stored. `shard` (world, rank): only that rank's share, taken layer by
+    layer as it is read (model/sharding.py)."""
     reader = _TensorReader(safetensors_files(Path(folder)), config, dtype, device)
     if reader.packed is not None and quantization != "none":
         raise UsageError(f"`quantization` {quantization}: the checkpoint's linear layers are {reader.packed.method} "
@@ -430,7 +433,7 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, 
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         mlp = config.mlp_bias
-        layers.append(LayerWeights(
+        layers.append(shard_layer(LayerWeights(
             input_norm=reader.read(p + "input_layernorm.weight"),
             qkv=reader.linear([p + f"self_attn.{x}_proj.weight" for x in "qkv"], quantization),
             o=reader.linear([p + "self_attn.o_proj.weight"], quantization),
@@ -443,7 +446,7 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, 
             down_bias=reader.read(p + "mlp.down_proj.bias") if mlp else None,
             q_norm=reader.read(p + "self_attn.q_norm.weight") if config.qk_norm else None,
             k_norm=reader.read(p + "self_attn.k_norm.weight") if config.qk_norm else None,
-        ))
+        ), config, *shard))
     embed = reader.read("model.embed_tokens.weight")
     if quantization != "none" and fp8_lm_head(config):  # a copy of its own when tied (the table stays for lookups)
         lm_head = (quantize_lm_head(embed, quantization) if config.tie_word_embeddings
@@ -452,8 +455,8 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device, 
         lm_head = embed
     else:  # (a 4-bit checkpoint's packed LM head as it is stored)
         lm_head = reader.linear(["lm_head.weight"]) if reader.is_packed("lm_head.weight") else reader.read("lm_head.weight")
-    return Weights(embed=embed, layers=layers, norm=reader.read("model.norm.weight"), lm_head=lm_head,
-                   kv_scales=reader.kv_scales(config))
+    return shard_vocab(Weights(embed=embed, layers=layers, norm=reader.read("model.norm.weight"), lm_head=lm_head,
+                               kv_scales=reader.kv_scales(config)), config, *shard)
 
 
 def quantize_lm_head(w: torch.Tensor, quantization: str) -> torch.Tensor | Fp8Weight | QuantWeight:
@@ -477,10 +480,12 @@ def host_bytes(weights: str, dtype: torch.dtype) -> tuple[float | None, str]:
     return (1.0, "fp8") if weights == "fp8" else (None, "")
 
 
-def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0, quantization: str = "none") -> Weights:
+def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0, quantization: str = "none",
+                   shard: tuple[int, int] = (1, 0)) -> Weights:
     """Weights of the right shapes drawn from N(0, 0.02), norms at 1, made on `device` directly:
     the same work per token as the real checkpoint, for benchmarks without a download
-    (`quantization` fp8: the linear layers and the LM head quantized as they are made)."""
+    (`quantization` fp8: the linear layers and the LM head quantized as they are made). `shard`
+    (world, rank): that rank's share of the same weights, a layer at a time."""
     check_weights_fit(config, dtype, device, *host_bytes(quantization, dtype))
     gen = torch.Generator(device=device).manual_seed(seed)
     h, i = config.hidden_size, config.intermediate_size
@@ -496,13 +501,17 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device, seed: int = 
 
     qkv_rows = config.q_dim + 2 * config.kv_dim
     c, d = config, config.head_dim
-    layers = [LayerWeights(ones(h), linear(qkv_rows, h), linear(h, c.q_dim), ones(h), linear(2 * i, h), linear(h, i),
-                           qkv_bias=normal(qkv_rows) if c.qkv_bias else None, o_bias=normal(h) if c.o_bias else None,
-                           gate_up_bias=normal(2 * i) if c.mlp_bias else None, down_bias=normal(h) if c.mlp_bias else None,
-                           q_norm=ones(d) if c.qk_norm else None, k_norm=ones(d) if c.qk_norm else None)
-              for _ in range(c.num_layers)]
+
+    def layer() -> LayerWeights:  # (drawn in the order of the fields: the same weights at any `shard`)
+        return LayerWeights(ones(h), linear(qkv_rows, h), linear(h, c.q_dim), ones(h), linear(2 * i, h), linear(h, i),
+                            qkv_bias=normal(qkv_rows) if c.qkv_bias else None, o_bias=normal(h) if c.o_bias else None,
+                            gate_up_bias=normal(2 * i) if c.mlp_bias else None,
+                            down_bias=normal(h) if c.mlp_bias else None,
+                            q_norm=ones(d) if c.qk_norm else None, k_norm=ones(d) if c.qk_norm else None)
+
+    layers = [shard_layer(layer(), config, *shard) for _ in range(c.num_layers)]
     embed = normal(config.vocab_size, h)
     lm_head = embed if config.tie_word_embeddings else normal(config.vocab_size, h)
     if quantization != "none" and fp8_lm_head(config):
         lm_head = quantize_lm_head(lm_head, quantization)
-    return Weights(embed, layers, ones(h), lm_head)
+    return shard_vocab(Weights(embed, layers, ones(h), lm_head), config, *shard)
