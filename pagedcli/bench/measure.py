@@ -278,6 +278,8 @@ def run_batch(model: Model, opts: EngineOptions, batch: int, w: Workload, bandwi
         "weights": model.weights.format,  # the linear layers' format: bfloat16, fp8 (per channel), int4 (group 128, ...)
         "weight_bytes_per_step": weight_bytes,  # what the roofline counts: fp8 or 4-bit values as stored, plus scales
         "model": model.source.name,
+        # (under tensor parallelism the pool's and the weights' bytes above are a rank's)
+        "tensor_parallel_size": model.tp.world if model.tp is not None else 1,
     }
 
 

@@ -107,7 +107,9 @@ def _precision(r: dict) -> str:
     fp8 = [what for what, on in (("fp8 weights", r.get("quantization") == "fp8"),
                                  (f"weights {weights}", weights not in (None, r["dtype"]) and r.get("quantization") != "fp8"),
                                  ("fp8 KV", r.get("kv_cache_dtype") == "fp8")) if on]
-    return ", ".join([r["dtype"]] + fp8)
+    ranks = r.get("tensor_parallel_size", 1)
+    tp = [f"{ranks} ranks (tensor parallel; bytes are a rank's)"] if ranks > 1 else []
+    return ", ".join([r["dtype"]] + fp8 + tp)
 
 
 def results_table(results: list[dict]) -> Group:

@@ -24,7 +24,7 @@ from pagedcli.commands.exits import exit_for_failures, friendly_errors, report_f
 from pagedcli.commands.generate import start_requests
 from pagedcli.commands.options import EngineFlags, RequestFlags, flag_group
 from pagedcli.console.cache_json import block_texts, block_token_ids, shared_with, to_json
-from pagedcli.console.drawing import human_bytes, prefill_progress, request_label
+from pagedcli.console.drawing import human_bytes, prefill_progress, ranks_text, request_label
 from pagedcli.core.errors import UsageError, plural
 from pagedcli.core.json_lines import one_line
 
@@ -170,6 +170,8 @@ def render(snap: CacheSnapshot, view: SlotView, decode, layer: int = 0, other_la
                              f"K at +0x0, V at +{geo.v_offset:#x}")
     if snap.weights:
         head.add_row("weights", snap.weights)
+    if snap.ranks:
+        head.add_row("ranks", ranks_text(snap))
     head.add_row("pool", f"{geo.num_blocks:,} blocks = {geo.pool_bytes:,} bytes ({human_bytes(geo.pool_bytes)}); "
                          f"{snap.num_free_blocks:,} free, {snap.num_used_blocks:,} used")
     head.add_row(f"layer {layer}", Text(other_layers_note(view, layer) + (f"; {other_layers}" if other_layers else ""),

@@ -40,6 +40,13 @@ def shared_with(snap: CacheSnapshot, view: SlotView) -> list[dict[int, list[int]
     return shared
 
 
+def ranks_json(snap: CacheSnapshot) -> list[dict]:
+    """Tensor parallelism: each rank's KV heads of every block, in its own pool at the same offsets
+    (empty on one device)."""
+    return [{"rank": r.rank, "device": r.device, "kv_heads": list(r.kv_heads), "pool_address": r.pool_address,
+             "pool_bytes": r.pool_bytes} for r in snap.ranks]
+
+
 def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
     """Every layer's blocks with their byte offsets into the pool, and what they hold."""
     geo = snap.geometry
@@ -75,5 +82,6 @@ def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
             {"layer": layer, "blocks": [block_json(layer, i, p) for i, p in enumerate(row)]}
             for layer, row in enumerate(view.table)],
         "sliding_window": snap.sliding_window,
-        "released_blocks": view.num_released,  # logical blocks given back behind the window, in each layer
+        "released_blocks": view.num_released,
+        "ranks": ranks_json(snap),  # logical blocks given back behind the window, in each layer
     }

@@ -188,6 +188,28 @@ def window_lines(snap: CacheSnapshot) -> list[Text]:
                  f"{plural(snap.num_window_freed, 'block')} given back behind it so far")]
 
 
+def rank_lines(snap: CacheSnapshot) -> list[Text]:
+    """Tensor parallelism's line: which KV heads of every block each rank holds, and where."""
+    if not snap.ranks:
+        return []
+    return [line(("ranks     ", "bold"), ranks_text(snap))]
+
+
+def ranks_text(snap: CacheSnapshot) -> str:
+    """`2 ranks, each 1 of 2 kv heads of every block, same offsets: rank 0 cpu heads 0 at 0x7f..., ...`"""
+    heads = max(r.kv_heads[1] for r in snap.ranks)
+    share = snap.ranks[0].kv_heads[1] - snap.ranks[0].kv_heads[0]
+
+    def held(r) -> str:
+        first, stop = r.kv_heads
+        return f"{first}" if stop - first == 1 else f"{first}-{stop - 1}"
+
+    return (f"{len(snap.ranks)} ranks (tensor parallel), each holding {share} of {heads} kv heads of every block "
+            f"at the same offsets in a pool of its own: "
+            + ", ".join(f"rank {r.rank} {r.device} head{'s' * (r.kv_heads[1] - r.kv_heads[0] > 1)} {held(r)} "
+                        f"at {r.pool_address:#x}" for r in snap.ranks))
+
+
 @dataclass(frozen=True)
 class Column:
     name: str
@@ -290,6 +312,7 @@ def render(snap: CacheSnapshot, decode: Decode | None = None, max_rows: int = 32
                 f"{geo.kv_dtype_name}; every layer owns its own blocks"
                 + (f"; weights {snap.weights}" if snap.weights else ""))
     inner = width - 4  # the panel's border and padding
-    body = Group(*pool_lines(snap), requests_line(snap), sharing_line(snap), *window_lines(snap), Text(),
+    body = Group(*pool_lines(snap), *rank_lines(snap), requests_line(snap), sharing_line(snap), *window_lines(snap),
+                 Text(),
                  *slot_rows(snap, decode, max_rows, inner), Text(), *waste_lines(snap))
     return Panel(body, title=title, title_align="left", subtitle=subtitle, subtitle_align="right", width=width)

@@ -47,6 +47,16 @@ class TensorParallelGroup:
         # called with the error when a collective fails (a rank died): rank 0's watch over its workers
         # names the rank and ends the run (engine/ranks.py); else the failure is a RunError here
         self.on_lost: Callable[[Exception], None] | None = None
+        self.in_step = False  # rank 0: a step's plan went out and its collectives are not all done
+
+    def say_stop(self) -> None:
+        """Rank 0 at exit: the other ranks end too (not mid-step: they are in the step's collectives,
+        and end when its connections close)."""
+        if self.rank == 0 and not self.in_step:
+            try:
+                self.send(("stop",))
+            except RunError:
+                pass
 
     def _wait(self, work) -> None:
         try:

@@ -25,8 +25,8 @@ from pagedcli.engine.runner import ModelRunner
 from pagedcli.engine.structured import StructuredOutputs
 from pagedcli.model.loader import DEFAULT_THREADS, Model, pick_dtype, read_model
 from pagedcli.model.network import Llama
-from pagedcli.model.sharding import kv_heads_of, rank_config
-from pagedcli.model.source import ModelSource
+from pagedcli.model.sharding import check_divides, kv_heads_of, rank_config
+from pagedcli.model.source import ModelSource, resolve_model
 from pagedcli.model.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -59,6 +59,7 @@ def load_model(opts: EngineOptions, notice: Callable[[str], None] = lambda _: No
     device = pick_device(opts.device)
     check_device_options(opts, device)
     if opts.tensor_parallel_size > 1 and tp is None:
+        check_divides(resolve_model(opts.model).config, opts.tensor_parallel_size)  # before any worker starts
         tp = join_ranks(opts)
         if tp.rank > 0:  # (torchrun's other processes) follow rank 0, and end with it
             follow(load_model(opts, tp=tp), tp)

@@ -52,7 +52,9 @@ def join_ranks(opts: EngineOptions) -> TensorParallelGroup:
         if size != world:
             raise UsageError(f"`tensor_parallel_size` {world}, but torchrun started {size} processes",
                              "give torchrun as many processes in all as the tensor-parallel size")
-        return connect(rank, world, "env://", int(os.environ.get("LOCAL_RANK", rank)), opts.device)
+        group = connect(rank, world, "env://", int(os.environ.get("LOCAL_RANK", rank)), opts.device)
+        atexit.register(group.say_stop)
+        return group
     address = f"tcp://127.0.0.1:{free_port()}"
     context = multiprocessing.get_context("spawn")  # never fork: CUDA does not survive a fork
     workers = []
@@ -113,7 +115,10 @@ def follow(model, tp: TensorParallelGroup) -> None:
 def worker_main(rank: int, world: int, address: str, opts: EngineOptions, report) -> None:
     """A worker process started by rank 0: join, load this rank's share, follow. A failure goes to
     rank 0 as one line (which it prints) and the exit code 1."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is rank 0's to handle
+    # a terminal's Ctrl-C is rank 0's to handle; SIGTERM ends a worker (what multiprocessing sends a
+    # daemon child as its parent exits: the server's engine process, which ignores it, passes that on)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         from pagedcli.engine.build import load_model
 

@@ -74,7 +74,10 @@ class ModelRunner:
         if self.tp is not None:
             plan.table, plan.copies = table, copies
             self.tp.send(("step", plan))
+            self.tp.in_step = True  # (until the step's collectives are done: a failed one leaves it set)
         logits, greedy = self.run(plan, feed)
+        if self.tp is not None:
+            self.tp.in_step = False
         if plan.prompt_rows:
             num_new = [len(t) for t in plan.token_ids]
             return self._prompt_rows(seqs, num_new, plan.samples, plan.every_row, logits, greedy)
@@ -100,9 +103,9 @@ class ModelRunner:
                 return self.prefill_graphs.replay(slots, token_ids, num_cached, plan.samples)
             batch = StepBatch.build(True, slots, token_ids, num_cached, self.device, plan.samples)
             return self.model.forward(batch)
-        if plan.fed and self.tp is not None:  # rank 0's tokens, device to device
-            feed = self.tp.broadcast(feed if feed is not None else
-                                     torch.empty(len(slots), dtype=torch.int64, device=self.device))
+        if plan.fed and self.model.tp is not None:  # rank 0's tokens, device to device
+            feed = self.model.tp.broadcast(feed if feed is not None else
+                                           torch.empty(len(slots), dtype=torch.int64, device=self.device))
         if self.graphs is not None:
             return self.graphs.replay(slots, [t[0] for t in token_ids], num_cached, feed)
         batch = StepBatch.build(False, slots, token_ids, num_cached, self.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedcli.core.geometry import CacheGeometry
+from pagedcli.core.parallel import RankView
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,9 @@ class CacheSnapshot:
     sliding_window: int | None = None  # the model's (Mistral's): blocks behind it are given back
     num_window_freed: int = 0  # blocks (all layers) given back behind sliding windows so far
     weights: str = ""  # the weights' format for people (Weights.format): bfloat16, int4 (group 128, asymmetric), Q4_K
+    # tensor parallelism: what each rank holds of every block (its KV heads, in a pool of its own at the
+    # same offsets; `geometry` is one rank's); () on one device
+    ranks: tuple[RankView, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:
@@ -110,4 +114,4 @@ def take_snapshot(engine) -> CacheSnapshot:
     return CacheSnapshot(engine.num_steps, cache.geometry, cache.num_free_blocks, tuple(slots), waiting,
                          finished, sched.num_preemptions, cache.max_slots, cache.max_model_len,
                          sched.prefix_hit_rate, cache.num_copied_blocks, aborted, cache.sliding_window,
-                         cache.num_window_freed, engine.runner.model.w.format)
+                         cache.num_window_freed, engine.runner.model.w.format, engine.runner.ranks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+from pagedcli.console.cache_json import ranks_json
 from pagedcli.console.cache_json import to_json as slot_json
 
 
@@ -27,6 +28,7 @@ def to_json(snap, tokenizer) -> dict:
         "num_preemptions": snap.num_preemptions,
         "num_finished": snap.num_finished,
         "num_aborted": snap.num_aborted,
+        "ranks": ranks_json(snap),
         "waiting": [{"request_id": w.request_id, "id": w.seq_id, "num_tokens": w.num_tokens,
                      "num_preemptions": w.num_preemptions} for w in snap.waiting],
         "running": [{"request_id": view.request_id} | slot_json(snap, view, decode) for view in snap.slots],
