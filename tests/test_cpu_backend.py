@@ -12,6 +12,7 @@ from helpers import invoke
 
 from pagedcli.backends import TorchBackend
 from pagedcli.backends.cpu import CpuBackend, DecodePlan
+from pagedcli.backends import cpu_kernels
 from pagedcli.core.batch import StepBatch
 from pagedcli.core.errors import UsageError
 from pagedcli.core.options import EngineOptions, SamplingParams
@@ -156,10 +157,13 @@ def test_float32_linears_run_through_onednn_copies_and_others_as_they_are(tiny, 
     loaded = make_engine(tiny)
     backend, qkv = loaded.engine.runner.model.backend, loaded.weights.layers[0].qkv
     assert len(backend.onednn) == 2 * 4 + 1  # 2 layers' qkv, o, gate_up, down, and the (tied) LM head
-    x = torch.randn(3, qkv.shape[1])
+    x = torch.randn(cpu_kernels.MAX_ROWS + 2, qkv.shape[1])  # (fewer rows: our kernels, when built)
     torch.testing.assert_close(backend.linear(x, qkv), x @ qkv.T)
     backend.onednn[id(qkv)] = (qkv, (2 * qkv).to_mkldnn())  # the copy is what it multiplies by
     torch.testing.assert_close(backend.linear(x, qkv), 2 * (x @ qkv.T))
+    if cpu_kernels.library() is not None:  # a decode step's few rows read the weight itself, not the copy
+        few = x[:cpu_kernels.MAX_ROWS]
+        torch.testing.assert_close(backend.linear(few, qkv), few @ qkv.T)
     loaded = make_engine(tiny, dtype="bfloat16")  # a reordered copy, for a decode batch's few rows
     backend, qkv = loaded.engine.runner.model.backend, loaded.weights.layers[0].qkv
     assert len(backend.onednn) == 2 * 4 + 1

@@ -338,6 +338,15 @@ def test_a_size_out_of_range_is_one_line(size):
     assert_one_line(code, stderr, 2, f"--tensor-parallel-size {size}: needs 1 to 64")
 
 
+@pytest.mark.parametrize("flags", [["--quality"], ["--kernel"], ["--compare", "hf"]], ids=lambda f: f[-1])
+def test_bench_modes_that_run_on_one_device_refuse_ranks(flags):
+    """bench's --quality (a model loaded a variant), --kernel (our kernels on one rank's pool) and
+    --compare hf (transformers built from our weights: a rank's share) cannot run over ranks: one
+    line, exit 2, before any worker starts, not a hang or a wrong figure."""
+    code, _, stderr = invoke("bench", "--model", "demo", "-tp", "2", *flags)
+    assert_one_line(code, stderr, 2, f"{' '.join(flags)} runs on one device", "--tensor-parallel-size")
+
+
 def test_a_size_that_does_not_divide_the_heads_is_one_line():
     """check_divides: a world that does not divide the query heads, the MLP's columns, or the KV heads
     (nor is a multiple of them, to replicate them) is one UsageError naming the value and what it

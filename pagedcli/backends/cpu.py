@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedcli.backends import composed
+from pagedcli.backends import composed, cpu_kernels
 from pagedcli.backends.torch import TorchBackend
 from pagedcli.core.batch import NOT_FINITE, StepBatch
 from pagedcli.core.kv_store import KVStore
@@ -153,8 +153,14 @@ class CpuBackend(TorchBackend):
                                else torch.ops.mkldnn._reorder_linear_weight(w, 1)) for w in linears}
 
     def linear(self, x, weight, bias=None):
-        """x @ weight.T (+ bias): through the weight's oneDNN copy where take_weights made one (a
-        bfloat16 one for up to ONEDNN_BF16_ROWS rows: prompts run faster on torch's own)."""
+        """x @ weight.T (+ bias): a decode step's few float32 rows through our kernels (cpu_kernels.py:
+        a float32 weight, or a QuantWeight at one row), else through the weight's oneDNN copy where
+        take_weights made one (a bfloat16 one for up to ONEDNN_BF16_ROWS rows: prompts run faster on
+        torch's own)."""
+        if x.dtype == torch.float32 and x.shape[0] <= cpu_kernels.MAX_ROWS:
+            out = cpu_kernels.gemv(x, weight, bias)
+            if out is not None:
+                return out
         if isinstance(weight, QuantWeight) and x.dtype == torch.float32 and onednn_available():
             # float32 activations multiply by the dequantized matrix (backends/cpu_quant.py says why):
             # its oneDNN copy, made once, in place of the plain one

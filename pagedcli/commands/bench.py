@@ -91,9 +91,11 @@ def bench(
     b.parse_len(input_len, "--input-len"), b.parse_len(output_len, "--output-len")
     if not quality:
         b.check_counts(workload, batches)
-    if engine_flags.tensor_parallel_size > 1 and (quality or kernel):  # each loads and runs outside the engine
-        raise UsageError(f"{'--quality' if quality else '--kernel'} runs on one device",
-                         "leave out --tensor-parallel-size")
+    # each of these loads or runs a model outside the engine, on one device
+    one_device = [flag for flag, given in (("--quality", quality), ("--kernel", kernel), ("--compare hf", compare == "hf"))
+                  if given]
+    if engine_flags.tensor_parallel_size > 1 and one_device:
+        raise UsageError(f"{one_device[0]} runs on one device", "leave out --tensor-parallel-size")
     if quality:
         speed_only = {"--batch": batch != "2", "--input-len": input_len != "128", "--prompt-file": prompt_file,
                       "--request-rate": math.isfinite(request_rate), "--compare": compare, "--kernel": kernel,
