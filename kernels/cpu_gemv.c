@@ -76,9 +76,9 @@ int pagedcli_gemv_f32(const float *x, const float *w, float *y, int M, int N, in
 /* ---- grouped int8 and 4-bit, one row of x (AVX-512) ----------------------------------------------
    Decode at batch 1, the common case: x [1, K] against 4 rows of w at once (4 independent chains
    of FMAs), the bytes widened by vpmovsxbd / vpmovzxbd. xs [K / group]: the sum of x over each group
-   (for the offsets); x4 (4-bit): x's even columns, then its odd ones ([2, K / 2]), so that a byte's
-   low nibble meets an even column's x and its high nibble the odd one's. Groups are multiples of 16
-   values (int8) or 32 (4-bit). Without AVX-512 (GCC's vector extensions compile these conversions to
+   (for the offsets); 4-bit reads x as x4, its even columns then its odd ones ([2, K / 2]), so that a
+   byte's low nibble meets an even column's x and its high nibble the odd one's. Groups are multiples
+   of 16 values (int8) or 32 (4-bit). Without AVX-512 (GCC's vector extensions compile these conversions to
    slower code than oneDNN's product of the dequantized copy) the backend keeps that copy. */
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -132,10 +132,18 @@ int pagedcli_grouped_kernels(void) {
 #endif
 }
 
-int pagedcli_gemv_q8(const float *x, const float *xs, const signed char *q, const float *scale, const float *offset,
-                     float *y, int N, int K, int group) {
+/* xs (the sum of x over each group) and, 4-bit, x4 (x's even columns, then its odd ones) are made
+   here, once a call, on the stack: a few kilobytes for any real row */
+int pagedcli_gemv_q8(const float *x, const signed char *q, const float *scale, const float *offset, float *y,
+                     int N, int K, int group) {
 #ifdef __AVX512F__
     if (group % 16 || K % group) return 1;
+    float xs[K / group];
+    for (int g = 0; g < K / group; g++) {
+        float s = 0.0f;
+        for (int k = g * group; k < (g + 1) * group; k++) s += x[k];
+        xs[g] = s;
+    }
     int full = N / 4 * 4;
     #pragma omp parallel for schedule(static)
     for (int n0 = 0; n0 < full; n0 += 4) q8_rows(x, xs, q, scale, offset, y, K, group, n0, 4);
@@ -146,10 +154,20 @@ int pagedcli_gemv_q8(const float *x, const float *xs, const signed char *q, cons
 #endif
 }
 
-int pagedcli_gemv_q4(const float *x4, const float *xs, const unsigned char *q, const float *scale,
-                     const float *offset, float *y, int N, int K, int group) {
+int pagedcli_gemv_q4(const float *x, const unsigned char *q, const float *scale, const float *offset, float *y,
+                     int N, int K, int group) {
 #ifdef __AVX512F__
     if (group % 32 || K % group) return 1;
+    float xs[K / group], x4[K];
+    for (int g = 0; g < K / group; g++) {
+        float s = 0.0f;
+        for (int k = g * group; k < (g + 1) * group; k++) s += x[k];
+        xs[g] = s;
+    }
+    for (int k = 0; k < K / 2; k++) {
+        x4[k] = x[2 * k];
+        x4[K / 2 + k] = x[2 * k + 1];
+    }
     int full = N / 4 * 4;
     #pragma omp parallel for schedule(static)
     for (int n0 = 0; n0 < full; n0 += 4) q4_rows(x4, xs, q, scale, offset, y, K, group, n0, 4);

@@ -21,7 +21,8 @@ figures were taken).
 pagedcli runs the same weights: `--pagedcli-model` if given (the GGUF itself, where the reader takes
 it), else a Hugging Face folder that transformers dequantizes from the GGUF, made once in --workdir.
 Each of --ours is a dtype, or dtype+quantization (float32+int8), with `@reference` for the torch
-reference backend in place of the CPU backend (float32@reference): one pagedcli engine in a fresh
+reference backend in place of the CPU backend (float32@reference), or `@onednn` for the CPU backend
+without our kernels (kernels/cpu_gemv.c: PAGEDCLI_CPU_KERNELS=0): one pagedcli engine in a fresh
 process per run, timed the same way (B prompts of --prompt random tokens, ignore_eos, the decode
 steps after every sequence has its first token; the scheduler and the sampler included). Each
 engine's run of a round follows the other's, so a drift in the machine's speed reaches both.
@@ -173,6 +174,10 @@ def one(model: str, spec: str, batch: int, prompt: int, new: int, threads: int) 
 
     spec, _, backend = spec.partition("@")
     dtype, _, quantization = spec.partition("+")
+    if backend == "onednn":  # the CPU backend without our kernels (cpu_kernels.py): oneDNN's products, as before
+        import os
+
+        os.environ["PAGEDCLI_CPU_KERNELS"] = "0"
     opts = EngineOptions(model=model, device="cpu", dtype=dtype, quantization=quantization or "none", batch=batch,
                          threads=threads, cache_size=f"{max(256, 2 * batch * (prompt + new) // 1000 + 64)}MiB",
                          prefix_caching=False)

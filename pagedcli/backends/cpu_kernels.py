@@ -127,13 +127,7 @@ def _grouped(lib, x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
     parts = (w.q, w.scale) + ((w.offset,) if w.offset is not None else ())
     if not all(t.is_contiguous() for t in parts):
         return None
-    xs = x.view(k // w.group, w.group).sum(-1) if w.offset is not None else None
     out = torch.empty(1, n, dtype=torch.float32)
-    if w.bits == 8:
-        failed = lib.pagedcli_gemv_q8(_ptr(x), _ptr(xs), _ptr(w.q), _ptr(w.scale), _ptr(w.offset), _ptr(out),
-                                      n, k, w.group)
-    else:  # a byte's low nibble is an even column: x's even columns, then its odd ones
-        x4 = torch.cat([x[0, 0::2], x[0, 1::2]])
-        failed = lib.pagedcli_gemv_q4(_ptr(x4), _ptr(xs), _ptr(w.q), _ptr(w.scale), _ptr(w.offset), _ptr(out),
-                                      n, k, w.group)
+    kernel = lib.pagedcli_gemv_q8 if w.bits == 8 else lib.pagedcli_gemv_q4
+    failed = kernel(_ptr(x), _ptr(w.q), _ptr(w.scale), _ptr(w.offset), _ptr(out), n, k, w.group)
     return None if failed else out
