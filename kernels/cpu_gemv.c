@@ -13,9 +13,10 @@
        one row of x.
    The grouped forms sum x * q over a group, then scale that sum and add offset * (the sum of x over
    the group): what QuantWeight.dequantize and a product compute, up to the order of float
-   additions. Threads: OpenMP's over the rows of w, in torch's pool (the process has torch's libgomp
-   loaded, which this library then shares, so torch.set_num_threads holds here too). */
+   additions. Threads: OpenMP's over the rows of w, as many as the caller says (torch's count: the
+   process has torch's libgomp loaded, which this library then shares). */
 #include <stdint.h>
+#include <stdlib.h>
 
 #define MAX_ROWS 4
 
@@ -58,12 +59,13 @@ F32_TILE(4, 4) F32_TILE(4, 1)
 #define F32_ROWS(MT, NT)                                                                           \
     do {                                                                                           \
         int full = N / NT * NT;                                                                    \
-        _Pragma("omp parallel for schedule(static)")                                              \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                         \
         for (int n0 = 0; n0 < full; n0 += NT) f32_tile_##MT##_##NT(x, w, y, N, K, n0);              \
         for (int n0 = full; n0 < N; n0++) f32_tile_##MT##_1(x, w, y, N, K, n0);                    \
     } while (0)
 
-int pagedcli_gemv_f32(const float *x, const float *w, float *y, int M, int N, int K) {
+int pagedcli_gemv_f32(const float *x, const float *w, float *y, int M, int N, int K, int threads) {
+    if (N < 1 || K < 1 || threads < 1) return 1;
     switch (M) {
         case 1: F32_ROWS(1, 8); return 0;
         case 2: F32_ROWS(2, 4); return 0;
@@ -133,21 +135,30 @@ int pagedcli_grouped_kernels(void) {
 }
 
 /* xs (the sum of x over each group) and, 4-bit, x4 (x's even columns, then its odd ones) are made
-   here, once a call, on the stack: a few kilobytes for any real row */
-int pagedcli_gemv_q8(const float *x, const signed char *q, const float *scale, const float *offset, float *y,
-                     int N, int K, int group) {
-#ifdef __AVX512F__
-    if (group % 16 || K % group) return 1;
-    float xs[K / group];
+   here, once a call, in a buffer of the heap (K is the model's: a stack could not be trusted with
+   it) */
+static float *group_sums(const float *x, int K, int group, int extra) {
+    float *xs = malloc(sizeof(float) * ((size_t)(K / group) + (size_t)extra));
+    if (!xs) return NULL;
     for (int g = 0; g < K / group; g++) {
         float s = 0.0f;
         for (int k = g * group; k < (g + 1) * group; k++) s += x[k];
         xs[g] = s;
     }
+    return xs;
+}
+
+int pagedcli_gemv_q8(const float *x, const signed char *q, const float *scale, const float *offset, float *y,
+                     int N, int K, int group, int threads) {
+#ifdef __AVX512F__
+    if (N < 1 || K < 1 || group < 16 || group % 16 || K % group || threads < 1) return 1;
+    float *xs = group_sums(x, K, group, 0);
+    if (!xs) return 1;
     int full = N / 4 * 4;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) num_threads(threads)
     for (int n0 = 0; n0 < full; n0 += 4) q8_rows(x, xs, q, scale, offset, y, K, group, n0, 4);
     if (full < N) q8_rows(x, xs, q, scale, offset, y, K, group, full, N - full);
+    free(xs);
     return 0;
 #else
     return 1;
@@ -155,23 +166,21 @@ int pagedcli_gemv_q8(const float *x, const signed char *q, const float *scale, c
 }
 
 int pagedcli_gemv_q4(const float *x, const unsigned char *q, const float *scale, const float *offset, float *y,
-                     int N, int K, int group) {
+                     int N, int K, int group, int threads) {
 #ifdef __AVX512F__
-    if (group % 32 || K % group) return 1;
-    float xs[K / group], x4[K];
-    for (int g = 0; g < K / group; g++) {
-        float s = 0.0f;
-        for (int k = g * group; k < (g + 1) * group; k++) s += x[k];
-        xs[g] = s;
-    }
+    if (N < 1 || K < 1 || group < 32 || group % 32 || K % group || threads < 1) return 1;
+    float *xs = group_sums(x, K, group, K);
+    if (!xs) return 1;
+    float *x4 = xs + K / group;
     for (int k = 0; k < K / 2; k++) {
         x4[k] = x[2 * k];
         x4[K / 2 + k] = x[2 * k + 1];
     }
     int full = N / 4 * 4;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) num_threads(threads)
     for (int n0 = 0; n0 < full; n0 += 4) q4_rows(x4, xs, q, scale, offset, y, K, group, n0, 4);
     if (full < N) q4_rows(x4, xs, q, scale, offset, y, K, group, full, N - full);
+    free(xs);
     return 0;
 #else
     return 1;

@@ -65,6 +65,43 @@ def test_what_the_kernels_do_not_take_is_left_to_the_caller():
                                                             torch.ones(8, 3), None, 8, 8, "test")) is None
 
 
+def test_inputs_that_do_not_fit_the_weight_are_left_to_torchs_error():
+    """x's width must be the weight's: the kernels read K values of x whatever its width, so a
+    mismatch is declined here (and torch's product then names it), never a read past x."""
+    w = torch.randn(8, 64)
+    assert cpu_kernels.gemv(torch.randn(1, 32), w) is None
+    assert cpu_kernels.gemv(torch.randn(1, 32), quantize_int8(w)) is None
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        torch.nn.functional.linear(torch.randn(1, 32), w)
+
+
+def test_a_row_far_wider_than_any_model_is_computed_not_a_crash():
+    """The grouped kernels' scratch (group sums, x's columns split) is on the heap: a row of 4M
+    inputs (16 MB of it) gives the product, where a stack buffer would have crashed the process."""
+    k = 1 << 22
+    w = QuantWeight(torch.randint(0, 256, (1, k // 2), dtype=torch.uint8), torch.full((1, k // 32), 1e-3), None, 4,
+                    32, "test")
+    x = torch.randn(1, k)
+    close(cpu_kernels.gemv(x, w), x @ w.dequantize().T)
+
+
+def test_a_kernel_folder_other_users_may_write_is_not_loaded_from(monkeypatch, tmp_path):
+    """A library in the cache runs as this process: where the folder is group- or world-writable,
+    the kernels are not loaded (a reason says so) rather than running what another user put there."""
+    folder = tmp_path / "pagedcli" / "cpu-kernels"
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_kernels._built.cache_clear()
+    cpu_kernels.grouped.cache_clear()
+    try:
+        assert cpu_kernels.library() is None
+        assert "other users" in cpu_kernels.unavailable()
+    finally:
+        cpu_kernels._built.cache_clear()
+        cpu_kernels.grouped.cache_clear()
+
+
 def test_real_int4_and_int8_weights_through_the_backend_are_their_dequantized_products():
     """`quantization` int4 and int8 as the loader makes them (gpt-fast's rounding), at one row."""
     torch.manual_seed(0)

@@ -442,6 +442,36 @@ def start_long_run():
     return proc, workers[0]
 
 
+def test_a_ctrl_c_during_a_step_waits_for_the_step_to_end_on_every_rank():
+    """Rank 0 interrupted between two collectives would leave the other ranks in that step's next
+    one, out of step for good (chat goes on after a Ctrl-C): `interrupts_held` holds the SIGINT until
+    the step's end, then delivers it as it would have been."""
+    from pagedcli.engine.ranks import interrupts_held
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            reached.append("the rest of the step")  # (an interrupt on arrival would skip this)
+    assert reached == ["the rest of the step"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler before is back"
+
+
+def test_ctrl_c_on_the_command_at_2_ranks_ends_it_as_at_one():
+    """SIGINT to `generate -tp 2` mid-answer: exit code 130 as at one rank, within seconds, no
+    traceback, and its worker gone with it."""
+    proc, worker = start_long_run()
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, stderr = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr.decode()
+    assert b"Traceback" not in stderr
+    assert not left_running([worker], 10), "the worker outlived rank 0"
+
+
 def test_a_killed_worker_ends_the_run_with_one_line_and_exit_code_1():
     """SIGKILL to rank 1 mid-generation: rank 0 must not hang in its next collective nor print a
     traceback of the failed all-reduce; it says which rank stopped and how, in one last line, and

@@ -82,6 +82,6 @@ def to_json(snap: CacheSnapshot, view: SlotView, decode) -> dict:
             {"layer": layer, "blocks": [block_json(layer, i, p) for i, p in enumerate(row)]}
             for layer, row in enumerate(view.table)],
         "sliding_window": snap.sliding_window,
-        "released_blocks": view.num_released,
-        "ranks": ranks_json(snap),  # logical blocks given back behind the window, in each layer
+        "released_blocks": view.num_released,  # logical blocks given back behind the window, in each layer
+        "ranks": ranks_json(snap),
     }

@@ -131,7 +131,8 @@ class EngineOptions:
         "output channel, both rounded to nearest at load, the activations left in --dtype (W4A16, W8A16)."))
     threads: int | None = option(None, (
         "CPU threads for a run on the CPU (llama.cpp's -t). Default: the cores torch sees, but 1 for a model of a "
-        "few MB such as the built-in demo, whose steps are too small to share between threads."))
+        "few MB such as the built-in demo, whose steps are too small to share between threads. With "
+        "--tensor-parallel-size, each rank's (default: the cores shared among the ranks)."))
     tensor_parallel_size: int = option(1, (
         "Ranks that split every layer's heads and columns and every KV block's heads (vLLM's -tp): a process "
         "each, one GPU each on CUDA (NCCL), a share of the cores each on the CPU (gloo). Started here, or one "

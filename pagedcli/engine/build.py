@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from pagedcli.backends import cpu_kernels
 from pagedcli.backends.cpu import CpuBackend
 from pagedcli.backends.cuda_build import UNVERIFIED_KERNELS_VAR, unverified_kernels
 from pagedcli.core.errors import UsageError
@@ -141,6 +142,8 @@ def build_runner(model: Model, opts: EngineOptions, num_blocks: int, max_model_l
     else:  # the reference's decode step with few ops (backends/cpu.py)
         backend = CpuBackend(cache.store, config)
         backend.take_weights(model.weights)
+        if why := cpu_kernels.unavailable():
+            notice(f"CPU: decode's products run through oneDNN, not our kernels ({why})")
     graphs = device.type == "cuda" and not opts.eager
     if graphs and world > 1 and not unverified_kernels():
         graphs = False

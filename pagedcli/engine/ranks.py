@@ -15,6 +15,7 @@ rank 0 is gone finds its next receive broken and exits.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -37,6 +38,30 @@ RANK_TIMEOUT = timedelta(minutes=10)
 WATCH_INTERVAL_S = 0.2  # how often rank 0 looks at its workers
 STOP_WAIT_S = 5.0  # at exit, how long a killed worker gets to be reaped
 LOST_WAIT_S = 2.0  # after a failed collective, how long rank 0 looks for the worker that stopped
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+STOP_SIGNAL_WAIT_S = 2.0  # a worker ended by one of them: how long rank 0 gets to end on its own
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Rank 0's step under tensor parallelism: a Ctrl-C (SIGINT) during it is held until it ends,
+    then delivered as it would have been. Interrupted between two collectives, rank 0 would leave
+    the other ranks waiting in the step's next one, out of step for good (chat goes on after a
+    Ctrl-C). Only the main thread takes signals; elsewhere this holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        if callable(previous):
+            previous(signal.SIGINT, None)
+        elif previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
 
 
 def under_torchrun() -> bool:
@@ -148,8 +173,14 @@ class Watch:
 
     def check(self) -> None:
         for rank, process, errors in self.workers:
-            if process.exitcode is not None and not self.stopping.is_set():
-                self.fail(rank, process.exitcode, errors)
+            code = process.exitcode
+            if code is None or self.stopping.is_set():
+                continue
+            # a stop signal sent to the whole process group (a terminal's, a service manager's) reaches
+            # the workers too: rank 0 is ending on it, and says so itself
+            if -code in STOP_SIGNALS and self.stopping.wait(STOP_SIGNAL_WAIT_S):
+                continue
+            self.fail(rank, code, errors)
 
     def lost(self, error: Exception) -> None:
         """A collective of rank 0's failed: name the worker that stopped, if one did within a moment

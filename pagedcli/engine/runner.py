@@ -16,6 +16,7 @@ from pagedcli.backends.graph_capture import CapturedGraphs
 from pagedcli.core.batch import StepBatch, StepPlan
 from pagedcli.core.parallel import RankView, TensorParallelGroup
 from pagedcli.engine.cache import KVCache
+from pagedcli.engine.ranks import interrupts_held
 from pagedcli.engine.sequence import Sequence
 from pagedcli.model.network import Llama
 
@@ -43,7 +44,10 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture every bucket's graph now rather than on first use (benchmarks: keep capture
-        out of the timed run)."""
+        out of the timed run). Not under tensor parallelism: a capture runs the forward pass, whose
+        collectives the other ranks meet only in a step, so there every rank captures at first use."""
+        if self.model.tp is not None:
+            return
         for graphs in (self.graphs, self.prefill_graphs):
             for n in graphs.buckets if graphs is not None else ():
                 graphs.graph(n)
@@ -71,13 +75,15 @@ class ModelRunner:
         copies = self.cache.copy_pending_blocks()  # copy-on-write, before this step writes K/V
         self.prompt_logits = []
         plan = step_plan(seqs, is_prefill, feed is not None, num_new)
-        if self.tp is not None:
+        if self.tp is None:
+            logits, greedy = self.run(plan, feed)
+        else:  # every rank runs the whole step: a Ctrl-C waits for its end (chat goes on after one)
             plan.table, plan.copies = table, copies
-            self.tp.send(("step", plan))
-            self.tp.in_step = True  # (until the step's collectives are done: a failed one leaves it set)
-        logits, greedy = self.run(plan, feed)
-        if self.tp is not None:
-            self.tp.in_step = False
+            with interrupts_held():
+                self.tp.send(("step", plan))
+                self.tp.in_step = True  # (until the step's collectives are done: a failed one leaves it set)
+                logits, greedy = self.run(plan, feed)
+                self.tp.in_step = False
         if plan.prompt_rows:
             num_new = [len(t) for t in plan.token_ids]
             return self._prompt_rows(seqs, num_new, plan.samples, plan.every_row, logits, greedy)

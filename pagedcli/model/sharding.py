@@ -4,8 +4,9 @@ each rank's attention and MLP run on its own heads and columns and one all-reduc
 after down make the sum; the embedding and the LM head split by vocabulary rows.
 
 A model whose KV heads are fewer than the ranks has them replicated (vLLM's rule): ranks that share a
-KV head each hold a copy of it, and their query heads are the ones that read it. The shares are
-taken as each layer is read, so a rank never holds more than its share and one layer in full.
+KV head each hold a copy of it, and their query heads are the ones that read it. The layers' shares
+are taken as each layer is read, so a rank holds its share plus one layer in full; the embedding and
+the LM head are read whole and then cut (a GGUF file's weights are read whole, then cut).
 """
 
 from __future__ import annotations
