@@ -303,8 +303,9 @@ def test_the_cache_endpoint_shows_inspect_caches_fields_per_running_request(serv
     entry = running[0]
     assert set(entry) == {"request_id", "slot", "step", "geometry", "free_blocks", "used_blocks", "request",
                           "prompt_token_ids", "output_token_ids", "num_cached", "prefill", "layers",
-                          "sliding_window", "released_blocks", "weights"}
+                          "sliding_window", "released_blocks", "weights", "ranks"}
     assert entry["weights"] == "float32"  # the demo model's, as inspect-cache names it
+    assert entry["ranks"] == [] and cache["ranks"] == []  # one device (tensor parallelism lists its ranks)
     assert entry["request"]["prompt"] == PROMPTS[2] and entry["output_token_ids"]
     assert entry["prompt_token_ids"] == server.ready.tokenizer.encode(PROMPTS[2])
     geo = server.ready.geometry

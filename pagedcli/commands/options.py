@@ -21,7 +21,7 @@ from pagedcli.core.options import MAX_N, EngineOptions, SamplingParams, declared
 from pagedcli.model.presets import RANDOM_PRESETS
 
 # what a flag's help adds to its declaration's, where the command line knows more
-EXTRA_HELP = {"model": f" Presets (public checkpoints' shapes): {', '.join(RANDOM_PRESETS)}."}
+EXTRA_HELP = {"model": f" Presets (public checkpoints' shapes): {' · '.join(RANDOM_PRESETS)}."}
 
 
 def typer_option(field: dataclasses.Field, annotation, default=dataclasses.MISSING):
