@@ -9,6 +9,7 @@
 #   ZOO=1 ZOO_PRESETS="qwen3-8b mistral-7b-v0.3" BENCH=0 TESTS=none tools/gpu_round.sh   # only these presets
 #   QUANT=1 BENCH=0 TESTS=none tools/gpu_round.sh   # issue 50's figures: int4 against bf16, 1B and 8B shapes
 #   BENCH=0 TESTS="tests/test_cuda_quant.py" tools/gpu_round.sh   # the compressed weights' GPU tests
+#   BENCH=0 TESTS="tests/test_gpu_tensor_parallel.py" tools/gpu_round.sh   # on 2+ GPUs: -tp 2 on NCCL against -tp 1
 #
 # The whole GPU suite comes close to 10 minutes on one GPU, most of it the kernels' tests and the
 # end-to-end tests against transformers (docs/performance-log.md, "How long the GPU suite takes"): where one call is

@@ -100,7 +100,7 @@ def join_ranks(opts: EngineOptions) -> TensorParallelGroup:
 
 def connect(rank: int, world: int, address: str, local_rank: int, device: str) -> TensorParallelGroup:
     """The process group: NCCL between GPUs (plans over a gloo group of their own), gloo on CPUs."""
-    from pagedcli.engine.build import pick_device  # (build imports this module's users)
+    from pagedcli.engine.build import pick_device  # (here, not at the top: engine/build.py imports this module)
 
     cuda = pick_device(device).type == "cuda"
     if cuda:
