@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define MAX_ROWS 4
+#define MAX_ROWS 8
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
@@ -64,6 +64,31 @@ F32_TILE(4, 4) F32_TILE(4, 1)
         for (int n0 = full; n0 < N; n0++) f32_tile_##MT##_1(x, w, y, N, K, n0);                    \
     } while (0)
 
+/* 5 to 8 rows: each 4 rows of w meets rows 0-3 of x, then the rest, while those rows of w are still
+   in the L1 cache: w is read from memory once */
+static void f32_upper(const float *x, const float *w, float *y, int M, int N, int K, int n0, int nt) {
+    const float *xu = x + 4 * (int64_t)K;
+    float *yu = y + 4 * (int64_t)N;
+    if (nt == 4) {
+        f32_tile_4_4(x, w, y, N, K, n0);
+        switch (M - 4) {
+            case 1: f32_tile_1_1(xu, w, yu, N, K, n0); f32_tile_1_1(xu, w, yu, N, K, n0 + 1);
+                    f32_tile_1_1(xu, w, yu, N, K, n0 + 2); f32_tile_1_1(xu, w, yu, N, K, n0 + 3); break;
+            case 2: f32_tile_2_4(xu, w, yu, N, K, n0); break;
+            case 3: f32_tile_3_4(xu, w, yu, N, K, n0); break;
+            case 4: f32_tile_4_4(xu, w, yu, N, K, n0); break;
+        }
+        return;
+    }
+    f32_tile_4_1(x, w, y, N, K, n0);
+    switch (M - 4) {
+        case 1: f32_tile_1_1(xu, w, yu, N, K, n0); break;
+        case 2: f32_tile_2_1(xu, w, yu, N, K, n0); break;
+        case 3: f32_tile_3_1(xu, w, yu, N, K, n0); break;
+        case 4: f32_tile_4_1(xu, w, yu, N, K, n0); break;
+    }
+}
+
 int pagedcli_gemv_f32(const float *x, const float *w, float *y, int M, int N, int K, int threads) {
     if (N < 1 || K < 1 || threads < 1) return 1;
     switch (M) {
@@ -71,6 +96,13 @@ int pagedcli_gemv_f32(const float *x, const float *w, float *y, int M, int N, in
         case 2: F32_ROWS(2, 4); return 0;
         case 3: F32_ROWS(3, 4); return 0;
         case 4: F32_ROWS(4, 4); return 0;
+        case 5: case 6: case 7: case 8: {
+            int full = N / 4 * 4;
+            #pragma omp parallel for schedule(static) num_threads(threads)
+            for (int n0 = 0; n0 < full; n0 += 4) f32_upper(x, w, y, M, N, K, n0, 4);
+            for (int n0 = full; n0 < N; n0++) f32_upper(x, w, y, M, N, K, n0, 1);
+            return 0;
+        }
         default: return 1;
     }
 }

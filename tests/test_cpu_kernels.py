@@ -22,11 +22,11 @@ def close(got, want):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
 @pytest.mark.parametrize("n, k", [(960, 576), (13, 1536), (9, 40), (1, 16), (4101, 33)])
 def test_float32_rows_are_torchs_product(rows, n, k):
-    """N not a multiple of the tile's 8 (or 4) rows of w, K not a multiple of 16: the tails are
-    computed too, none twice; a bias is added once."""
+    """N not a multiple of the tile's 8 (or 4) rows of w, K not a multiple of 16, 5 to 8 rows of x
+    (a tile of 4 and the rest): the tails are computed too, none twice; a bias is added once."""
     torch.manual_seed(rows * n + k)
     x, w, bias = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
     close(cpu_kernels.gemv(x, w), x @ w.T)

@@ -28,7 +28,7 @@ import torch
 from pagedcli.backends.cuda_compile import kernel_folder
 from pagedcli.model.quant import QuantWeight
 
-MAX_ROWS = 4  # the most rows a call takes (cpu_gemv.c's MAX_ROWS): decode batches; more go to oneDNN
+MAX_ROWS = 8  # the most rows a call takes (cpu_gemv.c's MAX_ROWS): decode batches; more go to oneDNN
 SWITCH_VAR = "PAGEDCLI_CPU_KERNELS"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 BUILD_TIMEOUT_S = 120
