@@ -24,6 +24,9 @@ export PAGEDCLI_UNVERIFIED_KERNELS=${PAGEDCLI_UNVERIFIED_KERNELS:-1}
 log() { echo "=== $* ($(date +%T))"; }
 
 log install
+if compgen -G ".gpu/wheels/*.whl" >/dev/null; then  # what the image lacks (tools/prepare_gpu_assets.sh)
+  python3 -m pip install -q --no-deps .gpu/wheels/*.whl >"$OUT/wheels.log" 2>&1 || { cat "$OUT/wheels.log"; exit 1; }
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
 

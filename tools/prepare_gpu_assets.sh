@@ -15,5 +15,9 @@ for asset in configs/Llama-3.2-1B-Instruct data/tinyshakespeare.txt data/SOURCE.
     echo "prepare_gpu_assets: $shared/$asset not found, left out" >&2
   fi
 done
+# the device's image lacks some of our dependencies (gguf: its import is at model/gguf_file.py's top,
+# so every engine test needs it) and reaches no index: their wheels travel in .gpu/wheels
+mkdir -p .gpu/wheels
+python3 -m pip download -q --no-deps -d .gpu/wheels gguf || echo "prepare_gpu_assets: gguf's wheel not downloaded" >&2
 chmod -R u+w .gpu
 du -sh .gpu
