@@ -169,6 +169,15 @@ int pagedcli_grouped_kernels(void) {
 /* xs (the sum of x over each group) and, 4-bit, x4 (x's even columns, then its odd ones) are made
    here, once a call, in a buffer of the heap (K is the model's: a stack could not be trusted with
    it) */
+/* w's rows 4 at a time across the threads, then the last 1 to 3 */
+#define IN_FOURS(ROWS, X)                                                                          \
+    do {                                                                                           \
+        int full = N / 4 * 4;                                                                      \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                         \
+        for (int n0 = 0; n0 < full; n0 += 4) ROWS(X, xs, q, scale, offset, y, K, group, n0, 4);     \
+        if (full < N) ROWS(X, xs, q, scale, offset, y, K, group, full, N - full);                  \
+    } while (0)
+
 static float *group_sums(const float *x, int K, int group, int extra) {
     float *xs = malloc(sizeof(float) * ((size_t)(K / group) + (size_t)extra));
     if (!xs) return NULL;
@@ -186,10 +195,7 @@ int pagedcli_gemv_q8(const float *x, const signed char *q, const float *scale, c
     if (N < 1 || K < 1 || group < 16 || group % 16 || K % group || threads < 1) return 1;
     float *xs = group_sums(x, K, group, 0);
     if (!xs) return 1;
-    int full = N / 4 * 4;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int n0 = 0; n0 < full; n0 += 4) q8_rows(x, xs, q, scale, offset, y, K, group, n0, 4);
-    if (full < N) q8_rows(x, xs, q, scale, offset, y, K, group, full, N - full);
+    IN_FOURS(q8_rows, x);
     free(xs);
     return 0;
 #else
@@ -208,10 +214,7 @@ int pagedcli_gemv_q4(const float *x, const unsigned char *q, const float *scale,
         x4[k] = x[2 * k];
         x4[K / 2 + k] = x[2 * k + 1];
     }
-    int full = N / 4 * 4;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int n0 = 0; n0 < full; n0 += 4) q4_rows(x4, xs, q, scale, offset, y, K, group, n0, 4);
-    if (full < N) q4_rows(x4, xs, q, scale, offset, y, K, group, full, N - full);
+    IN_FOURS(q4_rows, x4);
     free(xs);
     return 0;
 #else

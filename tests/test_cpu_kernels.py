@@ -85,21 +85,29 @@ def test_a_row_far_wider_than_any_model_is_computed_not_a_crash():
     close(cpu_kernels.gemv(x, w), x @ w.dequantize().T)
 
 
-def test_a_kernel_folder_other_users_may_write_is_not_loaded_from(monkeypatch, tmp_path):
-    """A library in the cache runs as this process: where the folder is group- or world-writable,
-    the kernels are not loaded (a reason says so) rather than running what another user put there."""
-    folder = tmp_path / "pagedcli" / "cpu-kernels"
-    folder.mkdir(parents=True)
-    folder.chmod(0o777)
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """The kernels built (or not) afresh under this test's settings, into an empty cache folder
+    (tmp_path); what this process had built before is what it has again after."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cpu_kernels._built.cache_clear()
-    cpu_kernels.grouped.cache_clear()
-    try:
-        assert cpu_kernels.library() is None
-        assert "other users" in cpu_kernels.unavailable()
-    finally:
+
+    def forget():
         cpu_kernels._built.cache_clear()
         cpu_kernels.grouped.cache_clear()
+
+    forget()
+    yield tmp_path
+    forget()
+
+
+def test_a_kernel_folder_other_users_may_write_is_not_loaded_from(fresh_build):
+    """A library in the cache runs as this process: where the folder is group- or world-writable,
+    the kernels are not loaded (a reason says so) rather than running what another user put there."""
+    folder = fresh_build / "pagedcli" / "cpu-kernels"
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    assert cpu_kernels.library() is None
+    assert "other users" in cpu_kernels.unavailable()
 
 
 def test_real_int4_and_int8_weights_through_the_backend_are_their_dequantized_products():
@@ -110,17 +118,10 @@ def test_real_int4_and_int8_weights_through_the_backend_are_their_dequantized_pr
         close(cpu_kernels.gemv(x, q), x @ q.dequantize().T)
 
 
-def test_without_a_compiler_the_backend_keeps_its_other_paths(monkeypatch, tmp_path):
+def test_without_a_compiler_the_backend_keeps_its_other_paths(fresh_build, monkeypatch):
     """No C compiler (CC names a missing program; a fresh cache folder): no library, a reason for the
     notice, and `gemv` declines, so the backend multiplies as before."""
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cpu_kernels._built.cache_clear()
-    cpu_kernels.grouped.cache_clear()
-    try:
-        assert cpu_kernels.library() is None
-        assert "could not be built" in cpu_kernels.unavailable()
-        assert cpu_kernels.gemv(torch.randn(1, 64), torch.randn(8, 64)) is None
-    finally:
-        cpu_kernels._built.cache_clear()
-        cpu_kernels.grouped.cache_clear()
+    monkeypatch.setenv("CC", str(fresh_build / "no-such-compiler"))
+    assert cpu_kernels.library() is None
+    assert "could not be built" in cpu_kernels.unavailable()
+    assert cpu_kernels.gemv(torch.randn(1, 64), torch.randn(8, 64)) is None

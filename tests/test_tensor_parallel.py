@@ -442,6 +442,16 @@ def start_long_run():
     return proc, workers[0]
 
 
+def signalled(proc, target, signum, within: float) -> str:
+    """`signum` to `target` (the command or its worker), then the command's stderr once it ends,
+    within `within` seconds (else the test fails; the command is killed whatever happens)."""
+    target.send_signal(signum)
+    try:
+        return proc.communicate(timeout=within)[1].decode()
+    finally:
+        proc.kill()
+
+
 def test_a_ctrl_c_during_a_step_waits_for_the_step_to_end_on_every_rank():
     """Rank 0 interrupted between two collectives would leave the other ranks in that step's next
     one, out of step for good (chat goes on after a Ctrl-C): `interrupts_held` holds the SIGINT until
@@ -462,13 +472,9 @@ def test_ctrl_c_on_the_command_at_2_ranks_ends_it_as_at_one():
     """SIGINT to `generate -tp 2` mid-answer: exit code 130 as at one rank, within seconds, no
     traceback, and its worker gone with it."""
     proc, worker = start_long_run()
-    proc.send_signal(signal.SIGINT)
-    try:
-        _, stderr = proc.communicate(timeout=15)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, stderr.decode()
-    assert b"Traceback" not in stderr
+    stderr = signalled(proc, proc, signal.SIGINT, 15)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
     assert not left_running([worker], 10), "the worker outlived rank 0"
 
 
@@ -477,12 +483,7 @@ def test_a_killed_worker_ends_the_run_with_one_line_and_exit_code_1():
     traceback of the failed all-reduce; it says which rank stopped and how, in one last line, and
     exits with code 1 within seconds."""
     proc, worker = start_long_run()
-    worker.send_signal(signal.SIGKILL)
-    try:
-        _, stderr = proc.communicate(timeout=10)
-    finally:
-        proc.kill()
-    stderr = stderr.decode()
+    stderr = signalled(proc, worker, signal.SIGKILL, 10)
     assert proc.returncode == 1, stderr
     assert "Traceback" not in stderr, stderr
     last = stderr.strip().splitlines()[-1]

@@ -81,11 +81,14 @@ class TensorParallelGroup:
         self._wait(self.tensors.allgather([parts], [t.contiguous()]))
         return torch.cat(parts, dim=-1)[:, :width]
 
-    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
-        """Rank 0's `t` into every rank's (same shape and dtype), in place."""
+    def broadcast(self, t: torch.Tensor, group=None, timeout: timedelta | None = None) -> torch.Tensor:
+        """Rank 0's `t` into every rank's (same shape and dtype), in place, over `group` (default:
+        the tensors'); `timeout`: the group's own where None."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self._wait(self.tensors.broadcast([t], options))
+        if timeout is not None:
+            options.timeout = timeout
+        self._wait((group or self.tensors).broadcast([t], options))
         return t
 
     # --- the plans ----------------------------------------------------------------------------------
@@ -114,11 +117,8 @@ class TensorParallelGroup:
         return [pickle.loads(p[:int(s.item())].numpy().tobytes()) for p, s in zip(parts, sizes)]
 
     def _broadcast_plan(self, t: torch.Tensor) -> torch.Tensor:
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        options.timeout = IDLE_TIMEOUT  # the other ranks wait for rank 0's next step however long it idles
-        self._wait(self.plans.broadcast([t], options))
-        return t
+        # the other ranks wait for rank 0's next step however long it idles
+        return self.broadcast(t, self.plans, IDLE_TIMEOUT)
 
 
 def vocab_share(vocab: int, world: int, rank: int) -> tuple[int, int, int]:
